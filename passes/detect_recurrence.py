@@ -1,0 +1,204 @@
+"""detect_recurrence: prove the carried value follows h_t = a_t * h_{t-1} + b_t.
+
+Expects a candidate with a step body (reroll). Walks from the carried state to the new state:
+every node on the way must be linear in the state (a product with a state-free factor, sums
+and differences of state terms and state-free terms, division by a state-free value,
+negation, float casts, identity views). Builds a_t (sum over paths of the products of the
+multipliers) and b_t (the new state with the state set to zero) as new, state-free nodes of
+the step body. Everything else is declined with the op that broke linearity: h inside a
+nonlinearity, a gate computed from h, h*h. Leaves `rec` on the candidate and a first,
+unfused region (`plan`).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from ssmc.assemble import AssembleError, Recurrence, assemble
+from ssmc.capture import _Builder, _fake_mode
+from ssmc.ops import canonical, dtype, shape
+
+from .base import Decline, Pass
+
+
+class DetectRecurrence(Pass):
+    """Expects: candidates with a step body. Leaves: `rec` (a, b as body nodes) and an unfused
+    region plan on each linear candidate; every other candidate declined with the reason."""
+    name = "detect_recurrence"
+    after = "reroll"
+    required = True
+
+    def run(self, ctx) -> bool:
+        changed = False
+        for cand in ctx.live():
+            try:
+                cand.rec = detect(cand.loop)
+                cand.plan = assemble(cand.loop, cand.rec, False, False)
+                changed = True
+            except (Decline, AssembleError) as e:
+                cand.decline(self.name, str(e))
+        return changed
+
+
+def _describe(n: fx.Node) -> str:
+    t = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+    return f"`{t}` (node {n.name})"
+
+
+def detect(loop) -> Recurrence:
+    if loop.n_carry != 1:
+        names = ", ".join(str(v) for v in loop.carry_outputs())
+        raise Decline(f"the loop carries {loop.n_carry} values ({names}); ssmc handles one state")
+    body = loop.body.graph
+    prev = loop.carry_nodes()[0]
+    new = loop.carry_outputs()[0]
+    if not isinstance(new, fx.Node):
+        raise Decline("the new state is not a tensor computed in the step")
+    sshape = shape(prev)
+    if shape(new) != sshape:
+        raise Decline(f"the state changes shape within a step: {sshape} -> {shape(new)}")
+    if not dtype(prev) or not dtype(prev).is_floating_point:
+        raise Decline(f"the state has dtype {dtype(prev)}; ssmc handles floating-point states")
+    dep = {prev}
+    for n in body.nodes:
+        if any(a in dep for a in n.all_input_nodes) and n.op != "output":
+            dep.add(n)
+    if new not in dep:
+        raise Decline("the new state does not depend on the previous one")
+    # nodes on a path prev -> new
+    anc = {new}
+    for n in reversed(list(body.nodes)):
+        if n in anc:
+            anc.update(a for a in n.all_input_nodes if a in dep)
+    path = anc & dep
+    after_new = {new}
+    for n in body.nodes:
+        if n is not new and any(a in after_new for a in n.all_input_nodes) and n.op != "output":
+            after_new.add(n)
+    epilogue = after_new - {new}
+    for n in dep - path - after_new:
+        if n.op != "output" and n.users:
+            raise Decline(f"{_describe(n)} reads the previous state outside the update h = a*h + b")
+    for n in epilogue:
+        bad = [a for a in n.all_input_nodes if a in path and a is not new]
+        if bad:
+            raise Decline(f"{_describe(n)} reads both the previous and the new state")
+    b = _Builder(body, _fake_mode(loop.body.graph) or _fake_mode_outer(loop))
+    lin = _Linear(b, prev, path, sshape)
+    a_val, b_val = lin.of(new)
+    return Recurrence(prev, new, 0.0 if a_val is None else a_val, 0.0 if b_val is None else b_val,
+                      dep - {prev}, epilogue)
+
+
+def _fake_mode_outer(loop):
+    for x in [*loop.invariants, *(r.source for r in loop.reads)]:
+        mode = getattr(x.meta.get("example_value"), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+class _Linear:
+    """(a, b) with node == a * prev + b; None stands for zero."""
+
+    def __init__(self, builder, prev, path, sshape):
+        self.b, self.prev, self.path, self.sshape = builder, prev, path, sshape
+        self.memo = {}
+        self.stack = []
+
+    def of(self, n):
+        if n is self.prev:
+            return 1.0, None
+        if not isinstance(n, fx.Node) or n not in self.path:
+            return None, n
+        if n in self.memo:
+            return self.memo[n]
+        c = canonical(n)
+        if c is None:
+            raise Decline(f"the state goes through {_describe(n)}, which ssmc does not know to be linear")
+        if shape(n) != self.sshape:
+            raise Decline(f"{_describe(n)} changes the state's shape to {shape(n)}")
+        self.stack.append(n)
+        try:
+            r = self._rule(n, c)
+        finally:
+            self.stack.pop()
+        self.memo[n] = r
+        return r
+
+    # small algebra on None (zero), python numbers and nodes -------------------------------
+    def _mk(self, op, x, y):
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+            return op(x, y)
+        return self.b.call(self.stack[-1], op, (x, y))
+
+    def mul(self, x, y):
+        if x is None or y is None:
+            return None
+        if isinstance(x, (int, float)) and x == 1:
+            return y
+        if isinstance(y, (int, float)) and y == 1:
+            return x
+        return self._mk(operator.mul, x, y)
+
+    def add(self, x, y):
+        if x is None:
+            return y
+        if y is None:
+            return x
+        return self._mk(operator.add, x, y)
+
+    def neg(self, x):
+        if x is None:
+            return None
+        return -x if isinstance(x, (int, float)) else self.b.call(self.stack[-1], operator.neg, (x,))
+
+    def div(self, x, y):
+        if x is None:
+            return None
+        return self._mk(operator.truediv, x, y)
+
+    def _rule(self, n, c):
+        args = c.args
+        state = [a for a in args if isinstance(a, fx.Node) and (a in self.path or a is self.prev)]
+        if c.kind in ("identity", "view") or (c.kind == "ew" and c.op == "cast"):
+            if c.kind == "view" and (c.params["consts"] or shape(args[0]) != shape(n)):
+                raise Decline(f"the state goes through the view {_describe(n)}")
+            if c.kind == "ew" and not c.params["dtype"].is_floating_point:
+                raise Decline(f"the state is cast to {c.params['dtype']} by {_describe(n)}")
+            return self.of(args[0])
+        if c.kind != "ew":
+            raise Decline(f"the state goes through {_describe(n)} ({c.kind}), which is not elementwise-linear")
+        alpha = c.params.get("alpha", 1)
+        if c.op in ("add", "sub"):
+            (a1, b1), (a2, b2) = self.of(args[0]), self.of(args[1])
+            if alpha != 1:
+                a2, b2 = self.mul(a2, alpha), self.mul(b2, alpha)
+            if c.op == "sub":
+                a2, b2 = self.neg(a2), self.neg(b2)
+            return self.add(a1, a2), self.add(b1, b2)
+        if c.op == "neg":
+            a1, b1 = self.of(args[0])
+            return self.neg(a1), self.neg(b1)
+        if c.op == "mul":
+            if len(state) == 2 or (len(state) == 1 and args[0] is args[1]):
+                raise Decline(f"{_describe(n)} multiplies the state by itself")
+            x, y = (args[0], args[1]) if args[0] in state else (args[1], args[0])
+            a1, b1 = self.of(x)
+            return self.mul(a1, y), self.mul(b1, y)
+        if c.op == "div":
+            if args[1] in state:
+                raise Decline(f"{_describe(n)} divides by the state")
+            a1, b1 = self.of(args[0])
+            return self.div(a1, args[1]), self.div(b1, args[1])
+        if c.op == "addcmul":
+            x, t1, t2 = args
+            if t1 in state and t2 in state:
+                raise Decline(f"{_describe(n)} multiplies the state by itself")
+            ax, bx = self.of(x)
+            s, f = (t1, t2) if t1 in state else (t2, t1)
+            a1, b1 = self.of(s)
+            f = self.mul(f, c.params["value"])
+            return self.add(ax, self.mul(a1, f)), self.add(bx, self.mul(b1, f))
+        raise Decline(f"the state goes through {_describe(n)}, which is not linear")

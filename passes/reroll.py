@@ -1,0 +1,443 @@
+"""reroll: find the loop in an unrolled Dynamo graph and collapse its L copies into one step.
+
+Expects the Dynamo graph (reads normalized to ``torch.select`` by `ssmc.capture.normalize`).
+Leaves one `Candidate` per loop on the context, holding a `Loop` (the step body as a small FX
+graph). The outer graph is not changed here: lowering replaces the loop once a region exists.
+
+How: each family of reads of ``X.select(dim, t)`` (any spelling, see `ssmc.capture`) for
+consecutive t anchors one loop; the first
+use of each read is spaced K nodes apart, K being the size of one iteration. Every node gets a
+signature that abstracts the step: reads become "X at this step", values of the same step
+"local j", values of the previous step "carried j", everything else "invariant". Iterations
+1..L-1 must have equal signatures; iteration 0 may differ only where later iterations read a
+carried value, and what it reads there is the initial value. Linear in the graph size.
+A ``torch.ops.higher_order.scan`` node already is one step body and is taken as it is.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from ssmc.capture import _expand_index, _fake_mode, _is_int, find_reads
+from ssmc.loop import Loop, Read, Result
+from ssmc.ops import shape, value as value_of
+
+from .base import Candidate, Pass
+
+log = logging.getLogger("ssmc")
+
+
+class Reroll(Pass):
+    """Expects: a Dynamo FX graph. Leaves: one candidate per unrolled loop or scan node, with
+    its step body; loops it cannot re-roll are left alone and listed with the reason."""
+    name = "reroll"
+    after = None
+    required = True
+
+    def run(self, ctx) -> bool:
+        loops = []
+        for node in list(ctx.gm.graph.nodes):
+            if node.op == "call_function" and node.target is getattr(torch.ops.higher_order, "scan", None):
+                try:
+                    loops.append(loop_from_scan(ctx.gm, node))
+                except ValueError as e:
+                    ctx.fallbacks.append((node.name, f"scan not taken: {e}"))
+        loops += find_unrolled(ctx.gm, ctx)
+        for i, lp in enumerate(sorted(loops, key=lambda lp: _order(ctx.gm, lp))):
+            lp.name = f"loop{i}"
+            ctx.candidates.append(Candidate(loop=lp))
+        return bool(loops)
+
+
+def _order(gm, lp):
+    for i, n in enumerate(gm.graph.nodes):
+        if n is lp.anchor:
+            return i
+    return 0
+
+
+# -- signatures ------------------------------------------------------------------------------
+
+def _freeze(a, ref):
+    if isinstance(a, fx.Node):
+        return ref(a)
+    if isinstance(a, slice):
+        return ("slice", _freeze(a.start, ref), _freeze(a.stop, ref), _freeze(a.step, ref))
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, *(_freeze(x, ref) for x in a))
+    if isinstance(a, dict):
+        return ("dict", *sorted((k, _freeze(v, ref)) for k, v in a.items()))
+    try:
+        hash(a)
+        return a
+    except TypeError:
+        return ("obj", repr(a))
+
+
+class _Segment:
+    """Signatures of the nodes in [s, s + L*K) for one candidate start s."""
+
+    def __init__(self, nodes, pos, reads, s, K, L):
+        self.nodes, self.pos, self.reads, self.s, self.K, self.L = nodes, pos, reads, s, K, L
+        self.e = s + K * L
+
+    def inside(self, n) -> bool:
+        return self.s <= self.pos[n] < self.e
+
+    def it(self, p) -> int:
+        return (p - self.s) // self.K
+
+    def sig(self, p):
+        n, k = self.nodes[p], self.it(p)
+        if n in self.reads:
+            fam, idx, rest = self.reads[n]
+            return ("read", fam, idx - k, _freeze(rest, str))
+
+        def ref(a):
+            pa = self.pos.get(a)
+            if pa is not None and self.s <= pa < self.e:
+                ka, j = self.it(pa), (pa - self.s) % self.K
+                return ("L", j) if ka == k else ("C", j) if ka == k - 1 else ("F", k - ka, j)
+            if a in self.reads:
+                fam, idx, rest = self.reads[a]
+                return ("R", fam, idx - k, _freeze(rest, str))
+            return ("I", pa)
+        if n.op == "call_function" and n.target is operator.setitem:
+            buf, idx, val = n.args
+            idx = idx if isinstance(idx, tuple) else (idx,)
+            idx = tuple(("T", i - k) if _is_int(i) else _freeze(i, ref) for i in idx)
+            return ("setitem", ref(buf), idx, _freeze(val, ref))
+        return (n.op, n.target, _freeze(n.args, ref), _freeze(n.kwargs, ref))
+
+    def iteration(self, k):
+        b = self.s + k * self.K
+        return [self.sig(p) for p in range(b, b + self.K)]
+
+
+def _unify(first, later, binding) -> bool:
+    """Iteration 0 against iteration 1: equal, except that where iteration 1 reads a carried
+    value, iteration 0 reads the initial value (an outer node or a constant)."""
+    if isinstance(later, tuple) and len(later) == 2 and later[0] == "C":
+        if isinstance(first, tuple) and first and first[0] in ("L", "C", "F", "R", "read"):
+            return False
+        prev = binding.setdefault(later[1], first)
+        return prev == first
+    if isinstance(later, tuple) and isinstance(first, tuple):
+        return len(later) == len(first) and all(_unify(f, l, binding) for f, l in zip(first, later))
+    return first == later and type(first) is type(later)
+
+
+# -- finding unrolled loops -----------------------------------------------------------------
+
+def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    found = find_reads(gm.graph)
+    fams: dict[tuple, dict[int, fx.Node]] = defaultdict(dict)
+    for n, rs in found.items():
+        for r in rs:
+            fams[(pos[r.source], r.dim)].setdefault(r.index, n)
+    fams = {k: v for k, v in fams.items() if len(v) >= 2}
+    reads: dict[fx.Node, tuple] = {}
+    for n, rs in found.items():
+        for r in rs:
+            key = (pos[r.source], r.dim)
+            if key in fams:
+                reads[n] = (key, r.index, r.rest)
+                break
+    runs = []
+    for key, by_idx in fams.items():
+        if len(by_idx) < 2:
+            continue
+        idxs = sorted(by_idx)
+        anchors = [min((pos[u] for u in by_idx[i].users), default=pos[by_idx[i]]) for i in idxs]
+        best = (0, 0)
+        start = 0
+        for j in range(1, len(idxs) + 1):
+            ok = (j < len(idxs) and idxs[j] == idxs[j - 1] + 1 and anchors[j] > anchors[j - 1]
+                  and (j - start < 2 or anchors[j] - anchors[j - 1] == anchors[start + 1] - anchors[start]))
+            if not ok:
+                if j - start > best[1] - best[0]:
+                    best = (start, j)
+                start = j
+        a, b = best
+        if b - a >= 2:
+            runs.append((anchors[a], anchors[a + 1] - anchors[a], b - a, key))
+    loops, covered = [], []
+    for a0, K, L, key in sorted(runs):
+        if any(lo <= a0 < hi for lo, hi in covered):
+            continue
+        found, why = None, "the steps do not repeat the same operations"
+        for s in range(max(0, a0 - K + 1), a0 + 1):
+            seg = _Segment(nodes, pos, reads, s, K, L)
+            if seg.e >= len(nodes):
+                break
+            try:
+                found = _try_segment(gm, seg)
+            except _NotALoop as e:
+                why = str(e)
+                continue
+            if found is not None:
+                covered.append((seg.s, seg.e))
+                break
+        if found is None:
+            src = nodes[key[0]]
+            msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
+            ctx.fallbacks.append((src.name, msg))
+            log.info("ssmc: %s", msg)
+        else:
+            loops.append(found)
+    return loops
+
+
+class _NotALoop(Exception):
+    pass
+
+
+def _try_segment(gm, seg: _Segment) -> Loop | None:
+    L, K = seg.L, seg.K
+    it0, it1 = seg.iteration(0), seg.iteration(1)
+    binding: dict[int, object] = {}
+    if not all(_unify(a, b, binding) for a, b in zip(it0, it1)):
+        return None
+    last = seg.iteration(L - 1)
+    if last != it1:
+        return None
+    for k in range(2, L - 1):
+        if seg.iteration(k) != it1:
+            raise _NotALoop(f"step {k} differs from step 1")
+    for sig in it1:
+        if "F" in _tags(sig):
+            raise _NotALoop("a step reads a value from two or more steps back")
+    return _build(gm, seg, it1, binding)
+
+
+def _tags(sig):
+    out = set()
+    if isinstance(sig, tuple):
+        if len(sig) >= 2 and isinstance(sig[0], str) and sig[0] in ("L", "C", "F", "R", "I", "T"):
+            out.add(sig[0])
+        for x in sig:
+            out |= _tags(x)
+    return out
+
+
+def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
+    nodes, pos, K, L, s = seg.nodes, seg.pos, seg.K, seg.L, seg.s
+    tmpl = [nodes[s + K + j] for j in range(K)]          # iteration 1 is the template
+    carry_slots = sorted(binding)
+    body = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    carry_ph = {j: body.placeholder(f"carry_{i}") for i, j in enumerate(carry_slots)}
+    read_keys: dict[tuple, fx.Node] = {}
+    reads: list[Read] = []
+    invariants: list[fx.Node] = []
+    inv_ph: dict[fx.Node, fx.Node] = {}
+    outer_reads = []
+
+    def collect(a):
+        if isinstance(a, fx.Node):
+            pa = pos[a]
+            if seg.s <= pa < seg.e:
+                return
+            if a in seg.reads:
+                outer_reads.append(a)
+            elif a not in inv_ph:
+                inv_ph[a] = None
+                invariants.append(a)
+
+    for n in tmpl:
+        if n in seg.reads:
+            outer_reads.append(n)
+        else:
+            fx.node.map_aggregate((n.args, n.kwargs), collect)
+    def read_key(r):
+        (src_pos, dim), idx, rest = seg.reads[r]
+        return (src_pos, dim, idx - 1)       # template is step 1 (hoisted reads included)
+
+    for r in outer_reads:
+        key = read_key(r)
+        if key not in read_keys:
+            read_keys[key] = r
+            reads.append(Read(nodes[key[0]], key[1], key[2]))
+    read_ph = {}
+    mode = _fake_mode(gm.graph)
+    for i, (key, r) in enumerate(read_keys.items()):
+        ph = read_ph[key] = body.placeholder(f"read_{i}")
+        src = value_of(nodes[key[0]])
+        with (mode if mode is not None else contextlib.nullcontext()):
+            ph.meta["example_value"] = torch.select(src, key[1], 0)
+    for i, inv in enumerate(invariants):
+        inv_ph[inv] = body.placeholder(f"inv_{i}")
+        inv_ph[inv].meta["example_value"] = inv.meta.get("example_value")
+    for j, ph in carry_ph.items():
+        ph.meta["example_value"] = tmpl[j].meta.get("example_value")
+    rest_nodes: dict = {}
+
+    def read_value(r):
+        """The body value of read node r: its placeholder, then its remaining index."""
+        key = read_key(r)
+        rest = seg.reads[r][2]
+        if rest is None:
+            return read_ph[key]
+        k = (key, _freeze(rest, str))
+        if k not in rest_nodes:
+            v = body.call_function(operator.getitem, (read_ph[key], rest))
+            v.meta["example_value"] = r.meta.get("example_value")
+            rest_nodes[k] = v
+        return rest_nodes[k]
+
+    def body_arg(a):
+        pa = pos[a]
+        if seg.s <= pa < seg.e:
+            ka, j = seg.it(pa), (pa - s) % K
+            if ka == 1:
+                return env[a]
+            if ka == 0:
+                return carry_ph[j]
+            raise _NotALoop("a step reads a later step")
+        if a in seg.reads:
+            return read_value(a)
+        return inv_ph[a]
+
+    results: list[Result] = []
+    result_vals: list[fx.Node] = []
+    for j, n in enumerate(tmpl):
+        if n in seg.reads:
+            env[n] = read_value(n)
+            continue
+        if n.op == "call_function" and n.target is operator.setitem:
+            buf, idx, val = n.args
+            if seg.inside(buf) if isinstance(buf, fx.Node) else True:
+                raise _NotALoop("writes into a tensor made inside the loop")
+            full = _expand_index(idx, len(shape(buf)))
+            tpos = [i for i, x in enumerate(full or []) if _is_int(x)]
+            if not full or len(tpos) != 1 or any(not (isinstance(x, slice) and x == slice(None))
+                                                   for i, x in enumerate(full) if i != tpos[0]):
+                raise _NotALoop(f"`{buf.name}[...] = ...` writes are supported as out[:, t] = y only")
+            if full[tpos[0]] != 1 or shape(buf)[tpos[0]] != L:   # template is step 1
+                raise _NotALoop(f"writes into {buf.name} do not cover it step by step")
+            writes = [nodes[s + k * K + j] for k in range(L)]
+            results.append(Result("steps", "setitem", tpos[0], writes, buffer=buf))
+            result_vals.append(fx.node.map_arg(val, body_arg))
+            continue
+        env[n] = body.node_copy(n, body_arg)
+
+    # values leaving the loop: stacked sinks, last-step values, nothing else
+    sinks: dict[fx.Node, tuple] = {}
+    last_uses: dict[int, list] = defaultdict(list)
+    for p in range(seg.s, seg.e):
+        n = nodes[p]
+        for u in n.users:
+            if seg.inside(u):
+                continue
+            k, j = seg.it(p), (p - s) % K
+            if u in sinks:
+                continue
+            sink = _stack_sink(u, seg)
+            if sink is not None:
+                sinks[u] = sink
+            elif k == L - 1:
+                last_uses[j].append(n)
+            else:
+                raise _NotALoop(f"{u.name} uses {n.name}, a value of step {k}, after the loop")
+    for u, (j, kind, dim) in sinks.items():
+        results.append(Result("steps", kind, dim, [u]))
+        result_vals.append(env[tmpl[j]])
+    for j, outer in last_uses.items():
+        results.append(Result("last", replace=list(dict.fromkeys(outer))))
+        result_vals.append(env[tmpl[j]])
+    carry_out = [env[tmpl[j]] for j in carry_slots]
+    body.output((*carry_out, *result_vals))
+    body.eliminate_dead_code()
+    gm_body = fx.GraphModule(gm, body)
+    erase = [nodes[p] for p in range(seg.s, seg.e)] + list(sinks)
+    inits = []
+    for j in carry_slots:
+        b = binding[j]
+        inits.append(nodes[b[1]] if isinstance(b, tuple) and b and b[0] == "I" else b)
+    return Loop("", gm_body, L, inits, reads, invariants, results, erase, anchor=nodes[seg.s])
+
+
+def _stack_sink(u: fx.Node, seg: _Segment):
+    """(template position, "stack"|"cat", dim) when u stacks one value per step, in order."""
+    if u.op != "call_function" or u.target not in (torch.stack, torch.cat):
+        return None
+    seq = u.args[0] if u.args else u.kwargs.get("tensors")
+    dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
+    if not isinstance(seq, (list, tuple)) or len(seq) != seg.L or not _is_int(dim):
+        return None
+    js = set()
+    for k, x in enumerate(seq):
+        if not isinstance(x, fx.Node) or not seg.inside(x) or seg.it(seg.pos[x]) != k:
+            return None
+        js.add((seg.pos[x] - seg.s) % seg.K)
+    if len(js) != 1:
+        return None
+    ndim = len(shape(u))
+    return js.pop(), "stack" if u.target is torch.stack else "cat", dim % ndim
+
+
+# -- the scan higher-order op ------------------------------------------------------------------
+
+def loop_from_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
+    args = list(node.args)
+    if len(args) == 4:
+        fn, init, xs, extra = args
+        dim, reverse = 0, False
+    elif len(args) == 6:
+        fn, init, xs, dim, reverse, extra = args
+    else:
+        raise ValueError(f"unknown scan signature with {len(args)} arguments")
+    if reverse:
+        raise ValueError("reverse scans are not supported yet")
+    if fn.op != "get_attr":
+        raise ValueError("combine function is not a subgraph")
+    sub: fx.GraphModule = getattr(gm, fn.target)
+    body = fx.Graph()
+    env = {}
+    phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    names = ([f"carry_{i}" for i in range(len(init))] + [f"read_{i}" for i in range(len(xs))]
+             + [f"inv_{i}" for i in range(len(extra))])
+    if len(phs) != len(names):
+        raise ValueError("combine function inputs do not match init/xs/additional_inputs")
+    for ph, nm in zip(phs, names):
+        env[ph] = body.placeholder(nm)
+        env[ph].meta.update(ph.meta)
+    out_vals = None
+    for n in sub.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            out_vals = list(fx.node.map_arg(n.args[0], lambda a: env[a]))
+            continue
+        env[n] = body.node_copy(n, lambda a: env[a])
+    nc = len(init)
+    results, vals = [], []
+    getitems = defaultdict(list)
+    for u in node.users:
+        if u.op == "call_function" and u.target is operator.getitem and _is_int(u.args[1]):
+            getitems[u.args[1]].append(u)
+        else:
+            raise ValueError(f"scan output used by {u.name} directly")
+    for i, v in enumerate(out_vals):
+        if i < nc:
+            if getitems.get(i):
+                results.append(Result("last", replace=getitems[i]))
+                vals.append(v)
+        else:
+            results.append(Result("steps", "scan", int(dim), getitems.get(i, [])))
+            vals.append(v)
+    body.output((*out_vals[:nc], *vals))
+    body.eliminate_dead_code()
+    for x in xs:
+        if not isinstance(x, fx.Node):
+            raise ValueError("xs must be tensors")
+    return Loop("", fx.GraphModule(gm, body), None, list(init),
+                [Read(x, int(dim), 0) for x in xs], list(extra), results,
+                erase=[node, *[u for us in getitems.values() for u in us]], anchor=node, origin="scan")

@@ -1,0 +1,68 @@
+"""select_strategy: pick each region's kernel strategy and target.
+
+Expects candidates with a plan. Strategy from the IR and the shapes: "step" for a few tokens
+with a state passed in (decoding), "chunked_ssd" when the decay is shared over state axes
+large enough for matrix units (Mamba-2), "chunked_scan" otherwise (Mamba-1, S4D, any
+elementwise recurrence). Target: the one asked for (``options.target``), or on "auto" the
+first of cuda, triton, torch that supports the region on this device; every refusal's reason
+is kept for ``ssmc.explain``. Leaves `strategy`, `target` and the reasons on each candidate.
+"""
+from __future__ import annotations
+
+import math
+
+from ssmc.ops import shape
+
+from .base import Pass
+
+STEP_MAX_TOKENS = 4
+SSD_MIN_SHARED = 64      # elements the decay is constant over, per (batch, head)
+
+
+def choose_strategy(cand, ctx) -> tuple[str, str]:
+    region = cand.plan.region
+    L = cand.loop.length
+    if L is not None and L <= STEP_MAX_TOKENS and region.init is not None:
+        return "step", f"{L} token(s) with a state passed in: decode step"
+    kind = region.decay_kind
+    if kind != "per-element":
+        sshape = shape(cand.rec.prev)
+        shared = [a for a in region.axes if a not in region.decay_axes()]
+        n = math.prod(sshape[region.axes.index(a)] for a in shared)
+        if n >= SSD_MIN_SHARED:
+            return "chunked_ssd", (f"decay is {kind}: the same over {shared} ({n} elements), "
+                                   "so a chunk's output is a masked matmul")
+        return "chunked_scan", f"decay is {kind}, shared over only {n} elements: too few for matrix units"
+    return "chunked_scan", "decay differs per state element"
+
+
+def choose_target(region, strategy, ctx) -> tuple[str, dict]:
+    reasons = {}
+    requested = ctx.options.target
+    order = [requested] if requested != "auto" else (
+        ["cuda", "triton", "torch"] if ctx.device_type == "cuda" else ["torch"])
+    for name in order:
+        t = ctx.targets.get(name)
+        if t is None:
+            reasons[name] = "no such target is installed" if requested != "auto" else "not installed"
+            continue
+        try:
+            ok = t.supports(region, strategy, ctx.arch, ctx.device_type)
+        except Exception as e:  # a target's check failing is its refusal
+            ok = f"supports() raised {type(e).__name__}: {e}"
+        if ok is True:
+            return name, reasons
+        reasons[name] = str(ok) if ok else "declined"
+    return "torch", reasons
+
+
+class SelectStrategy(Pass):
+    """Expects: candidates with a plan. Leaves: strategy, target and the reasons for both."""
+    name = "select_strategy"
+    after = "fuse_epilogue"
+
+    def run(self, ctx) -> bool:
+        for cand in ctx.live():
+            cand.strategy, cand.strategy_reason = choose_strategy(cand, ctx)
+            cand.target, cand.target_reasons = choose_target(cand.plan.region, cand.strategy, ctx)
+        return bool(ctx.live())

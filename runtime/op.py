@@ -1,0 +1,130 @@
+"""``torch.ops.ssmc.region``: one call per recurrence region, autograd included.
+
+The graph holds only a key; the key names a `Compiled` entry (region IR + the target's kernel)
+registered at compile time. The fake implementation gives output shapes from the region IR, so
+AOTAutograd and Inductor can trace around the op; the backward is a second op,
+``ssmc.region_bwd``, that the target implements from the same IR.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ssmc.ir import Region, to_dtype
+
+_REGISTRY: dict[str, "Compiled"] = {}
+
+
+@dataclasses.dataclass
+class Compiled:
+    key: str
+    region: Region
+    strategy: str
+    target: str
+    kernel: Any              # .forward(inputs) -> list[Tensor]; .backward(inputs, grads, needs)
+    source: str | None = None
+
+    def output_shapes(self, inputs) -> list[tuple]:
+        r = self.region
+        sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
+        L = inputs[r.length[0]].shape[r.length[1]]
+        return [tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index)
+                for o in r.outputs]
+
+    def empty_outputs(self, inputs) -> list[torch.Tensor]:
+        dev = inputs[0].device
+        return [torch.empty(s, dtype=to_dtype(o.dtype), device=dev)
+                for s, o in zip(self.output_shapes(inputs), self.region.outputs)]
+
+
+def register(entry: Compiled) -> str:
+    _REGISTRY[entry.key] = entry
+    return entry.key
+
+
+def lookup(key: str) -> Compiled:
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise RuntimeError(f"ssmc: no compiled region {key!r} in this process") from None
+
+
+def check_inputs(entry: Compiled, inputs) -> None:
+    """Clear errors naming the bad argument instead of a crash deep inside a kernel."""
+    r = entry.region
+    if len(inputs) != len(r.inputs):
+        raise ValueError(f"ssmc region {r.name}: expected {len(r.inputs)} inputs, got {len(inputs)}")
+    dev = None
+    for i, (x, spec) in enumerate(zip(inputs, r.inputs)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"ssmc region {r.name}: input {i} ({spec.name}) is {type(x).__name__}, not a tensor")
+        if x.dim() != spec.ndim:
+            raise ValueError(f"ssmc region {r.name}: input {i} ({spec.name}) has {x.dim()} dims, expected {spec.ndim}")
+        if x.is_complex() or not (x.is_floating_point() or x.dtype == torch.bool):
+            raise TypeError(f"ssmc region {r.name}: input {i} ({spec.name}) has unsupported dtype {x.dtype}")
+        if dev is None:
+            dev = x.device
+        elif x.device != dev:
+            raise ValueError(f"ssmc region {r.name}: input {i} ({spec.name}) is on {x.device}, "
+                             f"input 0 ({r.inputs[0].name}) on {dev}")
+    sizes: dict = {}
+    for e in _all_loads(r):
+        for d, ix in enumerate(e.index):
+            if isinstance(ix, str):
+                n = inputs[e.input].shape[d]
+                if ix in sizes and sizes[ix][0] != n and n != 1:
+                    raise ValueError(f"ssmc region {r.name}: input {e.input} ({r.inputs[e.input].name}) "
+                                     f"has size {n} at dim {d} for axis {ix}, but input {sizes[ix][1]} has {sizes[ix][0]}")
+                sizes.setdefault(ix, (n, e.input))
+
+
+def _all_loads(r: Region):
+    from ssmc.ir import loads
+    out = loads(r.decay) + loads(r.drive)
+    for o in r.outputs:
+        out += loads(o.expr)
+    return out
+
+
+@torch.library.custom_op("ssmc::region", mutates_args=())
+def region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    entry = lookup(key)
+    check_inputs(entry, inputs)
+    return list(entry.kernel.forward(list(inputs)))
+
+
+@region.register_fake
+def _region_fake(key, inputs):
+    return lookup(key).empty_outputs(inputs)
+
+
+@torch.library.custom_op("ssmc::region_bwd", mutates_args=())
+def region_bwd(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor],
+               needs: list[bool]) -> list[torch.Tensor]:
+    entry = lookup(key)
+    out = entry.kernel.backward(list(inputs), list(grads), list(needs))
+    return [g if (need and g is not None) else x.new_empty(0) for g, x, need in zip(out, inputs, needs)]
+
+
+@region_bwd.register_fake
+def _region_bwd_fake(key, inputs, grads, needs):
+    return [torch.empty_like(x) if need else x.new_empty(0) for x, need in zip(inputs, needs)]
+
+
+def _setup(ctx, inputs, output):
+    key, xs = inputs
+    ctx.key = key
+    ctx.needs = [bool(x.requires_grad) and x.is_floating_point() for x in xs]
+    ctx.save_for_backward(*xs)
+
+
+def _backward(ctx, grads):
+    xs = list(ctx.saved_tensors)
+    gs = [g if g is not None else xs[0].new_empty(0) for g in grads]
+    out = torch.ops.ssmc.region_bwd(ctx.key, xs, gs, ctx.needs)
+    return None, [g if need else None for g, need in zip(out, ctx.needs)]
+
+
+region.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,471 @@
+"""From a re-rolled step body to a `Region` plus what runs around it (a `Plan`).
+
+Shared by detect_recurrence (no fusion), fuse_prologue and fuse_epilogue (which switch fusion
+on): each calls `assemble` and the printed region after each pass shows what it changed.
+
+1. Dim labels. Every dim of every body value is a variable; elementwise broadcasting, views,
+   reductions and einsum letters say which dims are the same index (union-find). Classes that
+   meet a dim of the state become state axes ``i0, i1, ...``. A value can live inside the
+   kernel only if each of its dims of size > 1 has a label.
+2. Expressions. Starting from a_t, b_t and the outputs, fused nodes become `Op`/`Reduce`
+   expressions; the rest become `Load`s of region inputs: outer tensors (read at step t along
+   their time dim), loop invariants, or values computed before the region for all steps at
+   once (`torch.func.vmap` of the step's state-free part: "pre").
+3. Outputs. Values derived from the state that cannot be fused are computed after the region
+   from its stacked outputs, again by vmap over time ("post").
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import ir
+from .ir import Const, InputSpec, Load, Op, OutputSpec, Reduce, Region, State
+from .ops import Canon, canonical, dtype, is_tensor, shape, value
+
+
+class AssembleError(Exception):
+    """The loop cannot be expressed as a region; the message says why."""
+
+
+@dataclasses.dataclass
+class Recurrence:
+    """What detect_recurrence proved: new = a * prev + b, a and b free of the state."""
+    prev: fx.Node            # body placeholder of the carried state
+    new: fx.Node             # body node of the new state
+    a: Any                   # body node or python number
+    b: Any
+    state_nodes: set         # body nodes that depend on the state (path + epilogue)
+    epilogue: set            # body nodes computed from the new state
+
+
+@dataclasses.dataclass
+class Plan:
+    region: Region
+    sources: list            # per region input: ("outer", node, time_dim, start) | ("pre", body node) | ("init",)
+    results: list            # per loop result: ("out", k, flatten_dim | None) | ("post", body node, k_last | None)
+    boundary: dict           # body node -> region output (stacked over t at dim 0), for post
+    fused: set               # body nodes inside the kernel
+
+
+class Labels:
+    """Union-find over (node, dim)."""
+
+    def __init__(self):
+        self.parent: dict = {}
+        self.axis: dict = {}         # root -> axis name
+        self.conflict: str | None = None
+
+    def find(self, x):
+        p = self.parent.setdefault(x, x)
+        if p != x:
+            p = self.parent[x] = self.find(p)
+        return p
+
+    def union(self, x, y):
+        rx, ry = self.find(x), self.find(y)
+        if rx == ry:
+            return
+        ax, ay = self.axis.get(rx), self.axis.get(ry)
+        if ax and ay and ax != ay and self.conflict is None:
+            self.conflict = f"state axes {ax} and {ay} are mixed by {x[0].name}/{y[0].name}"
+        self.parent[ry] = rx
+        if ay and not ax:
+            self.axis[rx] = ay
+
+    def label(self, node, d) -> str | None:
+        return self.axis.get(self.find((node, d)))
+
+
+def _labels(body: fx.Graph, rec: Recurrence) -> Labels:
+    lab = Labels()
+    for d in range(len(shape(rec.prev))):
+        lab.union((rec.prev, d), (rec.new, d))
+        lab.axis[lab.find((rec.prev, d))] = f"i{d}"
+    for n in body.nodes:
+        if n.op not in ("call_function", "call_method") or not is_tensor(n):
+            continue
+        c = canonical(n)
+        if c is None:
+            continue
+        out = shape(n)
+        if c.kind in ("ew", "identity"):
+            for a in c.tensor_args():
+                ia = shape(a)
+                off = len(out) - len(ia)
+                for j, s in enumerate(ia):
+                    if s != 1 and s == out[j + off]:
+                        lab.union((n, j + off), (a, j))
+        elif c.kind == "view":
+            for i, src in enumerate(c.params["src"]):
+                if src is not None and out[i] != 1:
+                    lab.union((n, i), (c.args[0], src))
+        elif c.kind == "reduce":
+            kept = [j for j in range(len(shape(c.args[0]))) if j not in c.params["dims"]]
+            if c.params["keepdim"]:
+                for j in kept:
+                    lab.union((n, j), (c.args[0], j))
+            else:
+                for i, j in enumerate(kept):
+                    lab.union((n, i), (c.args[0], j))
+        elif c.kind == "contract":
+            first: dict[str, tuple] = {}
+            for a, sub in zip(c.args, c.params["subs"]):
+                for j, ch in enumerate(sub):
+                    if shape(a)[j] == 1:
+                        continue
+                    if ch in first:
+                        lab.union(first[ch], (a, j))
+                    else:
+                        first[ch] = (a, j)
+            for i, ch in enumerate(c.params["out"]):
+                if ch in first and out[i] != 1:
+                    lab.union(first[ch], (n, i))
+    return lab
+
+
+def _dims_labeled(lab: Labels, n) -> bool:
+    if not isinstance(n, fx.Node):
+        return True
+    return all(s == 1 or lab.label(n, d) for d, s in enumerate(shape(n)))
+
+
+def _float(dt) -> bool:
+    return dt is not None and dt.is_floating_point
+
+
+def fusable(n: fx.Node, lab: Labels) -> Canon | None:
+    """The node's canonical form when it can be computed inside a kernel, else None."""
+    if n.op not in ("call_function", "call_method") or not is_tensor(n):
+        return None
+    c = canonical(n)
+    if c is None or c.kind not in ("ew", "identity", "view", "reduce", "contract"):
+        return None
+    if c.kind == "ew" and c.op == "cast" and not (_float(c.params["dtype"]) or c.params["dtype"] == torch.bool):
+        return None
+    if c.kind == "view" and c.params["consts"]:
+        return None
+    if not _dims_labeled(lab, n) or not all(_dims_labeled(lab, a) for a in c.tensor_args()):
+        return None
+    for a in c.tensor_args():
+        if not _float(dtype(a)) and dtype(a) != torch.bool:
+            return None
+    return c
+
+
+class _Builder:
+    def __init__(self, loop, rec: Recurrence, lab: Labels, fuse: set, expand_outer: bool):
+        self.loop, self.rec, self.lab, self.fuse = loop, rec, lab, fuse
+        self.expand_outer = expand_outer
+        self.sources: list = []
+        self.src_index: dict = {}
+        self.memo: dict = {}
+        ph = loop.placeholders()
+        self.kind = {}
+        for i, p in enumerate(loop.carry_nodes()):
+            self.kind[p] = ("carry", i)
+        for i, p in enumerate(loop.read_nodes()):
+            self.kind[p] = ("read", i)
+        for i, p in enumerate(loop.invariant_nodes()):
+            self.kind[p] = ("inv", i)
+        self.time_dep = _time_dependent(loop)
+
+    def source(self, key) -> int:
+        if key not in self.src_index:
+            self.src_index[key] = len(self.sources)
+            self.sources.append(key)
+        return self.src_index[key]
+
+    def index(self, n, extra_t_at: int | None) -> tuple:
+        idx = []
+        for d, s in enumerate(shape(n)):
+            lbl = self.lab.label(n, d)
+            if lbl is None:
+                if s != 1:
+                    raise AssembleError(f"{n.name} has a dim of size {s} that is not a state axis")
+                lbl = 0
+            idx.append(lbl)
+        if extra_t_at is not None:
+            idx.insert(extra_t_at, "t")
+        return tuple(idx)
+
+    def leaf(self, n) -> ir.Expr:
+        k = self.kind.get(n)
+        if k and k[0] == "read":
+            r = self.loop.reads[k[1]]
+            return self.outer(r.source, self.index(n, r.dim), r.dim, r.start)
+        if k and k[0] == "inv":
+            inv = self.loop.invariants[k[1]]
+            return self.outer(inv, self.index(n, None), None, 0)
+        if k and k[0] == "carry":
+            raise AssembleError("the previous state is read outside the recurrence")
+        if n in self.rec.state_nodes:
+            raise AssembleError(f"{n.name} depends on the state but cannot be fused")
+        return Load(self.source(("pre", n)), self.index(n, 0 if n in self.time_dep else None))
+
+    def outer(self, node, index, tdim, start) -> ir.Expr:
+        """A load of an outer-graph tensor; with fuse_prologue, elementwise work done on whole
+        sequences before the loop (``dA = exp(dt[..., None] * A)``) is pulled into the kernel so
+        the big tensor is never materialised."""
+        c = _outer_fusable(node) if self.expand_outer and tdim is not None else None
+        if c is None:
+            return Load(self.source(("outer", node, tdim, start)), index)
+        out = shape(node)
+
+        def child(a):
+            if not isinstance(a, fx.Node):
+                return self.build(a)
+            if c.kind == "view":
+                idx = [0] * len(shape(a))
+                for i, src in enumerate(c.params["src"]):
+                    if src is not None:
+                        idx[src] = index[i]
+            else:
+                off = len(out) - len(shape(a))
+                idx = [index[j + off] if s != 1 else 0 for j, s in enumerate(shape(a))]
+            td = idx.index("t") if "t" in idx else None
+            return self.outer(a, tuple(idx), td, start)
+        if c.kind in ("identity", "view"):
+            return child(c.args[0])
+        return _ew_expr(c, [child(a) for a in c.args], self.build)
+
+    def build(self, n) -> ir.Expr:
+        if not isinstance(n, fx.Node):
+            if isinstance(n, bool):
+                return Const(float(n))
+            if isinstance(n, (int, float)):
+                return Const(float(n))
+            raise AssembleError(f"constant {n!r} of type {type(n).__name__}")
+        if n in self.memo:
+            return self.memo[n]
+        if n is self.rec.new:
+            e = State()
+        elif n in self.fuse:
+            e = self._op(n, canonical(n))
+        else:
+            e = self.leaf(n)
+        self.memo[n] = e
+        return e
+
+    def _op(self, n, c: Canon) -> ir.Expr:
+        b = self.build
+        if c.kind == "identity":
+            return b(c.args[0])
+        if c.kind == "view":
+            return b(c.args[0])
+        if c.kind == "reduce":
+            x = c.args[0]
+            axes = tuple(self.lab.label(x, d) for d in c.params["dims"] if shape(x)[d] != 1)
+            e = Reduce(b(x), axes) if axes else b(x)
+            if c.op == "mean":
+                count = 1
+                for d in c.params["dims"]:
+                    count *= shape(x)[d]
+                e = Op("div", (e, Const(float(count))))
+            return e
+        if c.kind == "contract":
+            prod = None
+            for a in c.args:
+                prod = b(a) if prod is None else Op("mul", (prod, b(a)))
+            red = []
+            for a, sub in zip(c.args, c.params["subs"]):
+                for j, ch in enumerate(sub):
+                    if ch not in c.params["out"] and shape(a)[j] != 1:
+                        lbl = self.lab.label(a, j)
+                        if lbl not in red:
+                            red.append(lbl)
+            return Reduce(prod, tuple(red)) if red else prod
+        return _ew_expr(c, [b(a) for a in c.args], b)
+
+
+def _ew_expr(c: Canon, args: list, build) -> ir.Expr:
+    p = c.params
+    if c.op == "cast":
+        src, dst = dtype(c.args[0]), p["dtype"]
+        if _float(src) and _float(dst):
+            return args[0]
+        return Op("cast", (args[0],), (("dtype", ir.dtype_name(dst)),))
+    if c.op in ("add", "sub") and p.get("alpha", 1) != 1:
+        return Op(c.op, (args[0], Op("mul", (args[1], Const(float(p["alpha"]))))))
+    if c.op == "softplus":
+        return Op("softplus", (args[0],), (("beta", float(p["beta"])), ("threshold", float(p["threshold"]))))
+    if c.op == "addcmul":
+        return Op("add", (args[0], Op("mul", (Const(float(p["value"])), Op("mul", (args[1], args[2]))))))
+    if c.op == "clamp":
+        e = args[0]
+        if p["min"] is not None:
+            e = Op("maximum", (e, build(p["min"])))
+        if p["max"] is not None:
+            e = Op("minimum", (e, build(p["max"])))
+        return e
+    return Op(c.op, tuple(args))
+
+
+def _outer_fusable(node) -> Canon | None:
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not is_tensor(node):
+        return None
+    c = canonical(node)
+    if c is None or c.kind not in ("ew", "identity", "view"):
+        return None
+    if c.kind == "view" and c.params["consts"]:
+        return None
+    if c.kind == "ew" and c.op == "cast" and not _float(c.params["dtype"]):
+        return None
+    if not all(_float(dtype(a)) for a in c.tensor_args()):
+        return None
+    return c
+
+
+def _time_dependent(loop) -> set:
+    """Body nodes whose value changes from step to step (depend on a read or the carry)."""
+    dep = set(loop.read_nodes()) | set(loop.carry_nodes())
+    for n in loop.body.graph.nodes:
+        if n.op in ("call_function", "call_method") and any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    return dep
+
+
+def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) -> Plan:
+    body = loop.body.graph
+    lab = _labels(body, rec)
+    if lab.conflict:
+        raise AssembleError(lab.conflict)
+    fuse: set = set()
+    for n in body.nodes:
+        if n is rec.new or n in rec.state_nodes and n not in rec.epilogue:
+            continue
+        if n in rec.epilogue and not fuse_epilogue:
+            continue
+        if n not in rec.epilogue and not fuse_prologue:
+            continue
+        if fusable(n, lab) is None:
+            continue
+        if n in rec.epilogue and not all(a in fuse or a is rec.new or a not in rec.state_nodes
+                                         for a in n.all_input_nodes):
+            continue
+        fuse.add(n)
+    bld = _Builder(loop, rec, lab, fuse, fuse_prologue)
+    state_shape = shape(rec.prev)
+    axes = tuple(f"i{d}" for d in range(len(state_shape)))
+    decay, drive = bld.build(rec.a), bld.build(rec.b)
+
+    outputs: list[OutputSpec] = []
+    results: list = []
+    boundary: dict = {}
+
+    def out_index(v, t_at):
+        idx = list(bld.index(v, None)) if v is not rec.new else list(axes)
+        idx = [1 if i == 0 and s == 1 else i for i, s in zip(idx, shape(v))] if v is not rec.new else idx
+        if t_at is not None:
+            idx.insert(t_at, "t")
+        return tuple(idx)
+
+    def add_out(kind, v, t_at):
+        spec = OutputSpec(kind, bld.build(v), out_index(v, t_at), ir.dtype_name(dtype(v)))
+        if spec not in outputs:
+            outputs.append(spec)
+        return outputs.index(spec)
+
+    def region_value(v) -> bool:
+        return v is rec.new or v in fuse
+
+    res_vals = loop.result_values()
+    for r, v in zip(loop.results, res_vals):
+        if isinstance(v, fx.Node) and v in rec.state_nodes and not region_value(v):
+            # computed after the region from stacked boundary values
+            for u in _post_inputs(v, rec, fuse):
+                if u not in boundary:
+                    boundary[u] = add_out("steps", u, 0)
+            results.append(("post", v))
+            continue
+        if not isinstance(v, fx.Node) or v not in rec.state_nodes:
+            results.append(("post", v))      # no state involved: vmap of the step alone
+            continue
+        if r.kind == "last":
+            results.append(("out", add_out("final", v, None), None))
+            continue
+        t_at = r.dim
+        flat = None
+        if r.sink == "cat":
+            if shape(v)[r.dim] != 1:
+                flat = r.dim
+            else:
+                # cat of size-1 pieces == stack with that dim replaced by time
+                k = add_out("steps", v, r.dim)
+                o = outputs[k]
+                idx = list(o.index)
+                del idx[r.dim + 1]
+                outputs[k] = dataclasses.replace(o, index=tuple(idx))
+                results.append(("out", k, None))
+                continue
+        results.append(("out", add_out("steps", v, t_at), flat))
+
+    inputs, axis_size, length = [], [None] * len(axes), None
+    init = None
+    for src in bld.sources:
+        node = _source_node(loop, src)
+        extra = 1 if src[0] == "pre" and node in bld.time_dep else 0
+        inputs.append(InputSpec(_source_name(loop, src), len(shape(node)) + extra,
+                                ir.dtype_name(dtype(node)) if dtype(node) else "float32"))
+    if isinstance(loop.carry_init[0], fx.Node):
+        init = bld.source(("init",))
+        inputs.append(InputSpec(loop.carry_init[0].name, len(state_shape), ir.dtype_name(dtype(loop.carry_init[0]))))
+    elif loop.carry_init[0] not in (None, 0, 0.0):
+        raise AssembleError(f"initial state {loop.carry_init[0]!r} is a non-zero constant")
+    all_exprs = [decay, drive] + [o.expr for o in outputs]
+    for e in all_exprs:
+        for ld in ir.loads(e):
+            for d, ix in enumerate(ld.index):
+                if ix == "t" and length is None:
+                    length = (ld.input, d)
+                elif isinstance(ix, str) and ix != "t":
+                    k = axes.index(ix)
+                    if axis_size[k] is None:
+                        axis_size[k] = (ld.input, d)
+    for k in range(len(axes)):
+        if axis_size[k] is None:
+            if init is None:
+                raise AssembleError(f"the size of state axis i{k} is not read from any input")
+            axis_size[k] = (init, k)
+    if length is None:
+        raise AssembleError("no input changes from step to step")
+    region = Region(loop.name, axes, tuple(axis_size), length, tuple(inputs), decay, drive,
+                    tuple(outputs), init)
+    return Plan(region, bld.sources, results, boundary, fuse)
+
+
+def _post_inputs(v, rec, fuse) -> list:
+    """Region values (new state or fused) that the unfused computation of v reads."""
+    out, seen, stack = [], set(), [v]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        if n is not v and (n is rec.new or n in fuse):
+            out.append(n)
+            continue
+        if n is rec.new:
+            out.append(n)
+            continue
+        for a in n.all_input_nodes:
+            if a in rec.state_nodes or a is rec.new:
+                stack.append(a)
+    return out
+
+
+def _source_node(loop, src):
+    if src[0] in ("outer", "pre"):
+        return src[1]
+    return loop.carry_init[0]
+
+
+def _source_name(loop, src) -> str:
+    if src[0] == "outer":
+        return src[1].name + (f" (time along dim {src[2]})" if src[2] is not None else "")
+    if src[0] == "pre":
+        return f"{src[1].name} (step value, computed for all steps before the region)"
+    return "initial state"

@@ -1,0 +1,147 @@
+"""The ``ssmc`` torch.compile backend (entry point group ``torch_dynamo_backends``).
+
+Dynamo graph -> passes (reroll, detect_recurrence, fuse_prologue, fuse_epilogue,
+select_strategy, plugins) -> each region compiled by its target and lowered to one
+``torch.ops.ssmc.region`` call -> the rest of the graph to Inductor (CUDA) or eager.
+Whatever ssmc cannot do falls back to the captured graph, with the reason in the report.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.fx as fx
+
+from .plugins import load as load_plugins
+from .assemble import AssembleError
+from .explain import Dumper, GraphReport, RegionInfo, Report
+from .lower import Lowering
+from .options import Options, make_options
+
+log = logging.getLogger("ssmc")
+
+LAST_REPORT = Report()      # the most recent compile's report, for users of torch.compile
+
+
+def _device(example_inputs) -> tuple[str, int | None]:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            if x.device.type == "cuda":
+                major, minor = torch.cuda.get_device_capability(x.device)
+                return "cuda", major * 10 + minor
+            return x.device.type, None
+    return "cpu", None
+
+
+def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Report | None = None, **kw):
+    opts = make_options(options, **kw)
+    report = _report if _report is not None else Report()
+    greport = GraphReport(nodes_in=len(gm.graph.nodes))
+    report.graphs.append(greport)
+    global LAST_REPORT
+    LAST_REPORT = report
+    t0 = time.perf_counter()
+    device, arch = _device(example_inputs)
+    greport.rest = opts.rest_for(device)
+    captured = gm.forward          # the graph as Dynamo captured it; stays valid after lowering
+    n_regions = 0
+    try:
+        n_regions = _compile(gm, example_inputs, opts, device, arch, greport)
+    except Exception as e:  # never crash the user's model
+        log.warning("ssmc: falling back to the captured graph: %s: %s", type(e).__name__, e)
+        log.debug("ssmc: fallback traceback", exc_info=True)
+        greport.fallbacks.append(("backend", f"internal error, graph runs as captured: {type(e).__name__}: {e}"))
+        greport.regions.clear()
+        greport.nodes_out = greport.nodes_in
+        greport.rest = "eager"
+        greport.compile_ms = (time.perf_counter() - t0) * 1e3
+        return captured
+    greport.nodes_out = len(gm.graph.nodes)
+    greport.compile_ms = (time.perf_counter() - t0) * 1e3
+    log.info("ssmc: graph of %d nodes -> %d nodes, %d region(s), %.0f ms",
+             greport.nodes_in, greport.nodes_out, len(greport.regions), greport.compile_ms)
+    if greport.rest == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+    if not n_regions and greport.nodes_in > 2000:
+        log.info("ssmc: no region found; running the captured graph of %d nodes eagerly", greport.nodes_in)
+    return gm.forward
+
+
+def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphReport) -> int:
+    """Run the passes and lower every region into `gm`; returns the number of regions."""
+    from ssmc.passes.base import PassContext
+    from ssmc.passes.pipeline import run_pipeline
+    if greport.nodes_in > 2000:
+        log.info("ssmc: re-rolling a graph of %d nodes", greport.nodes_in)
+    loaded = load_plugins()
+    ctx = PassContext(gm, list(example_inputs), opts, device, arch, targets=loaded.loaded("ssmc.targets"))
+    dumper = Dumper(opts.debug_dir) if opts.debug_dir else None
+    if dumper:
+        dumper.write("000_input.py", gm.code)
+    greport.passes = run_pipeline(ctx, dumper.after_pass if dumper else None)
+    greport.log.extend(ctx.log)
+    greport.fallbacks.extend(ctx.fallbacks)
+    live = [c for c in ctx.candidates if c.declined is None]
+    for c in ctx.candidates:
+        if c.declined:
+            greport.fallbacks.append((c.name, f"{c.declined_by}: {c.declined} (the loop runs as written)"))
+    if not live:
+        return 0
+    pkg = {p.name: f"{p.package} {p.version}" for p in loaded if p.group == "ssmc.targets"}
+    from ssmc.runtime.op import Compiled, register
+    lowered = []
+    for cand in reversed(live):
+        try:
+            entry = _compile_region(cand, ctx, opts)
+        except Exception as e:
+            greport.fallbacks.append((cand.name, f"compile failed, the loop runs as written: {type(e).__name__}: {e}"))
+            continue
+        register(entry)
+        try:
+            Lowering(gm, cand, entry.key).run()
+        except Exception as e:
+            log.debug("ssmc: lowering failed", exc_info=True)
+            raise RuntimeError(f"lowering {cand.name} failed: {e}") from e
+        if dumper and entry.source:
+            dumper.write(f"kernel_{entry.key}.{'cu' if entry.target == 'cuda' else 'py'}", entry.source)
+        lowered.append(RegionInfo(cand.name, entry.strategy, cand.strategy_reason or "default", entry.target,
+                                  dict(cand.target_reasons), pkg.get(entry.target, "?"), str(entry.region),
+                                  cand.loop.python(), entry.source, entry.key, list(cand.notes),
+                                  getattr(entry.kernel, "cache_status", "")))
+    greport.regions.extend(reversed(lowered))
+    if opts.validate:
+        _validate(gm)
+    if dumper:
+        dumper.write("999_lowered.py", gm.code)
+    return len(lowered)
+
+
+def _compile_region(cand, ctx, opts):
+    from ssmc.runtime.op import Compiled
+    region = cand.plan.region
+    strategy = cand.strategy or "chunked_scan"
+    target = cand.target or "torch"
+    t = ctx.targets.get(target) or ctx.targets["torch"]
+    try:
+        kernel = t.compile(region, strategy, opts)
+    except Exception as e:
+        if target == "torch":
+            raise
+        cand.notes.append(f"target {target} failed to compile ({type(e).__name__}: {e}); using torch")
+        target, t = "torch", ctx.targets["torch"]
+        kernel = t.compile(region, strategy, opts)
+    key = f"{region.name}-{region.key()}-{target}-{strategy}"
+    return Compiled(key, region, strategy, target, kernel, t.source(kernel))
+
+
+def _validate(work: fx.GraphModule):
+    """Shape-check the rewritten graph with Dynamo's own fake values."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    phs = [n for n in work.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("example_value") for n in phs]
+    mode = next((getattr(v, "fake_mode", None) for v in vals if getattr(v, "fake_mode", None)), None)
+    if mode is None:
+        return
+    FakeTensorProp(work, mode=mode).propagate_dont_convert_inputs(*vals)

@@ -1,0 +1,143 @@
+"""Find the per-step reads of a Dynamo graph, in every spelling people use.
+
+Step t is read as ``x[:, t]``, ``x[:, t, :, None]``, ``x.select(1, t)``, ``x.unbind(1)[t]``
+(what ``for x_t in x.unbind(1)`` and ``zip(...)`` trace to), ``x[:, t:t+1]``,
+``x.narrow(1, t, 1)`` or ``x.split(1, dim=1)[t]``. Each is described as a `ReadOf`: the
+tensor, the time dim, the step index, and the index still applied to ``x.select(dim, t)``
+afterwards (``rest``: extra ``None``s, unit slices, constant indices). The graph is not
+changed, so this is one cheap pass over the nodes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from .ops import is_tensor, shape, value
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOf:
+    source: fx.Node
+    dim: int
+    index: int
+    rest: tuple | None = None     # getitem index applied after select(dim, index); None: nothing
+
+
+def _fake_mode(graph: fx.Graph):
+    for n in graph.nodes:
+        mode = getattr(value(n), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+class _Builder:
+    """Inserts nodes before `anchor`, filling in example values with the graph's fake mode."""
+
+    def __init__(self, graph: fx.Graph, mode):
+        self.graph, self.mode = graph, mode
+
+    def call(self, anchor: fx.Node, target, args, kwargs=None) -> fx.Node:
+        with self.graph.inserting_before(anchor):
+            n = self.graph.call_function(target, tuple(args), kwargs or {})
+        vals = fx.node.map_arg((tuple(args), kwargs or {}), lambda a: value(a))
+        if self.mode is not None:
+            with self.mode:
+                n.meta["example_value"] = target(*vals[0], **vals[1])
+        else:
+            n.meta["example_value"] = target(*vals[0], **vals[1])
+        return n
+
+
+def _expand_index(idx, ndim: int) -> list | None:
+    idx = list(idx) if isinstance(idx, tuple) else [idx]
+    if sum(i is Ellipsis for i in idx) > 1:
+        return None
+    consumed = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    if Ellipsis in idx:
+        k = idx.index(Ellipsis)
+        idx[k:k + 1] = [slice(None)] * (ndim - consumed)
+    else:
+        idx += [slice(None)] * (ndim - consumed)
+    return idx
+
+
+def _is_int(i) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool)
+
+
+def _unit_slice(s) -> int | None:
+    if isinstance(s, slice) and _is_int(s.start) and _is_int(s.stop) and s.step in (None, 1) \
+            and s.stop == s.start + 1 and s.start >= 0:
+        return s.start
+    return None
+
+
+def _nd(x) -> int:
+    return len(shape(x))
+
+
+def reads_of(node: fx.Node) -> list[ReadOf]:
+    """Every way `node` can be seen as ``source.select(dim, t)`` followed by `rest`."""
+    if node.op == "call_method" and node.target == "select" or (
+            node.op == "call_function" and node.target is torch.select):
+        x, d, i = (list(node.args) + [None] * 3)[:3]
+        if is_tensor(x) and _is_int(d) and _is_int(i):
+            return [ReadOf(x, d % _nd(x), i % shape(x)[d])]
+        return []
+    if node.op == "call_method" and node.target == "narrow" or (
+            node.op == "call_function" and node.target is torch.narrow):
+        x, d, start, length = (list(node.args) + [None] * 4)[:4]
+        if is_tensor(x) and _is_int(d) and _is_int(start) and length == 1:
+            d %= _nd(x)
+            return [ReadOf(x, d, start, tuple([slice(None)] * d + [None]))]
+        return []
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return []
+    src, idx = node.args
+    if not isinstance(src, fx.Node):
+        return []
+    if _is_int(idx) and src.op in ("call_method", "call_function"):
+        name = src.target if isinstance(src.target, str) else getattr(src.target, "__name__", "")
+        x = src.args[0] if src.args else None
+        if not is_tensor(x):
+            return []
+        if name == "unbind":
+            d = (src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)) % _nd(x)
+            return [ReadOf(x, d, idx)]
+        if name in ("split", "chunk") and shape(node):
+            d = (src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)) % _nd(x)
+            if shape(node)[d] == 1 and shape(node)[:d] == shape(x)[:d]:
+                return [ReadOf(x, d, idx, tuple([slice(None)] * d + [None]))]
+        return []
+    if not is_tensor(src) or not is_tensor(node):
+        return []
+    full = _expand_index(idx, _nd(src))
+    if full is None or any(isinstance(i, (fx.Node, torch.Tensor, list, bool)) for i in full):
+        return []
+    out = []
+    d = 0
+    for k, i in enumerate(full):
+        if i is None:
+            continue
+        t = i if _is_int(i) else _unit_slice(i)
+        if t is not None:
+            rest = full[:k] + ([None] if not _is_int(i) else []) + full[k + 1:]
+            rest = tuple(rest)
+            trivial = all(isinstance(r, slice) and r == slice(None) for r in rest)
+            out.append(ReadOf(src, d, t % shape(src)[d] if _is_int(i) else t, None if trivial else rest))
+        d += 1
+    return out
+
+
+def find_reads(graph: fx.Graph) -> dict[fx.Node, list[ReadOf]]:
+    out = {}
+    for n in graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            r = reads_of(n)
+            if r:
+                out[n] = r
+    return out

@@ -1,0 +1,187 @@
+"""Lowering: replace a re-rolled loop in the outer graph by one call of ``torch.ops.ssmc.region``,
+with what the plan says runs before it (state-free step values the kernel does not compute,
+vmapped over time) and after it (unfused outputs, vmapped over time), and the loop's results
+rerouted: stacked outputs, ``out[:, t] = y`` buffers, final states, scan outputs.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .ops import shape, value
+
+_ALLOC = {torch.empty, torch.zeros, torch.empty_like, torch.zeros_like, torch.ones, torch.full,
+          "new_empty", "new_zeros", "new_full", "new_ones"}
+
+
+def _sub_graph(loop, wanted: list, cut: dict):
+    """A GraphModule computing `wanted` body nodes from body placeholders and `cut` nodes
+    (which become placeholders too). Returns (module, list of body nodes it takes)."""
+    need, stack = set(), list(wanted)
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in need:
+            continue
+        need.add(n)
+        if n in cut or n.op == "placeholder":
+            continue
+        stack.extend(n.all_input_nodes)
+    g, env, takes = fx.Graph(), {}, []
+    for n in loop.body.graph.nodes:
+        if n in need and (n.op == "placeholder" or n in cut):
+            env[n] = g.placeholder(n.name)
+            takes.append(n)
+    for n in loop.body.graph.nodes:
+        if n in need and n not in env and n.op != "output":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[w] if isinstance(w, fx.Node) else w for w in wanted))
+    return fx.GraphModule(loop.body, g), takes
+
+
+class _Vmapped:
+    """A step function applied to all steps at once (torch.func.vmap over time)."""
+
+    def __init__(self, fn, in_dims):
+        self.fn, self.in_dims = fn, tuple(in_dims)
+        self.__name__ = "ssmc_vmap_steps"
+
+    def __call__(self, *args):
+        if all(d is None for d in self.in_dims):
+            return self.fn(*args)
+        return torch.func.vmap(self.fn, in_dims=self.in_dims, out_dims=0)(*args)
+
+
+class Lowering:
+    def __init__(self, gm: fx.GraphModule, cand, key: str):
+        self.gm, self.g, self.cand, self.key = gm, gm.graph, cand, key
+        self.loop, self.plan = cand.loop, cand.plan
+
+    def _narrow(self, node, dim, start):
+        L = self.loop.length
+        if dim is None or L is None or (start == 0 and shape(node)[dim] == L):
+            return node
+        return self.g.call_function(torch.narrow, (node, dim, start, L))
+
+    def _body_input(self, ph, last=False):
+        """The outer value for a body placeholder, with its vmap in_dim."""
+        lp = self.loop
+        reads, invs = lp.read_nodes(), lp.invariant_nodes()
+        if ph in reads:
+            r = lp.reads[reads.index(ph)]
+            src = self._narrow(r.source, r.dim, r.start)
+            if last:
+                n = shape(src)[r.dim] if lp.length is None else lp.length
+                return self.g.call_function(torch.select, (src, r.dim, (n - 1) if lp.length else -1)), None
+            return src, r.dim
+        if ph in invs:
+            return lp.invariants[invs.index(ph)], None
+        raise ValueError(f"{ph.name} is not available outside the loop")
+
+    def run(self):
+        lp, plan, g = self.loop, self.plan, self.g
+        with g.inserting_before(lp.anchor):
+            pre_vals = self._pre()
+            ins = []
+            for src in plan.sources:
+                if src[0] == "outer":
+                    ins.append(self._narrow(src[1], src[2], src[3]))
+                elif src[0] == "pre":
+                    ins.append(pre_vals[src[1]])
+                else:
+                    ins.append(lp.carry_init[0])
+            call = g.call_function(torch.ops.ssmc.region.default, (self.key, ins))
+            outs = [g.call_function(operator.getitem, (call, i)) for i in range(len(plan.region.outputs))]
+            vals = []
+            for r, how in zip(lp.results, plan.results):
+                if how[0] == "out":
+                    v = outs[how[1]]
+                    if how[2] is not None:
+                        v = g.call_function(torch.flatten, (v, how[2], how[2] + 1))
+                else:
+                    v = self._post(r, how[1], outs)
+                vals.append(v)
+        for r, v in zip(lp.results, vals):
+            self._reroute(r, v)
+        for n in reversed(lp.erase):
+            if n.graph is g:
+                for u in list(n.users):
+                    if u.op == "call_function" and u.target is operator.setitem:
+                        g.erase_node(u)
+                g.erase_node(n)
+        g.eliminate_dead_code()
+        self.gm.recompile()
+
+    def _pre(self) -> dict:
+        pre = [s[1] for s in self.plan.sources if s[0] == "pre"]
+        if not pre:
+            return {}
+        out = {}
+        from .assemble import _time_dependent
+        dep = _time_dependent(self.loop)
+        for group in ([n for n in pre if n in dep], [n for n in pre if n not in dep]):
+            if not group:
+                continue
+            mod, takes = _sub_graph(self.loop, group, {})
+            args, dims = zip(*(self._body_input(p) for p in takes)) if takes else ((), ())
+            fn = self.g.call_function(_Vmapped(mod, dims), tuple(args))
+            for i, n in enumerate(group):
+                out[n] = self.g.call_function(operator.getitem, (fn, i))
+        return out
+
+    def _post(self, r, v, outs):
+        """An unfused result: the step function from the region's stacked outputs."""
+        plan = self.plan
+        if not isinstance(v, fx.Node):
+            raise ValueError("a constant per-step result")
+        cut = dict(plan.boundary)
+        mod, takes = _sub_graph(self.loop, [v], cut)
+        last = r.kind == "last"
+        args, dims = [], []
+        for p in takes:
+            if p in cut:
+                o = outs[cut[p]]
+                if last:
+                    o = self.g.call_function(torch.select, (o, 0, -1))
+                args.append(o)
+                dims.append(None if last else 0)
+            else:
+                a, d = self._body_input(p, last)
+                args.append(a)
+                dims.append(d)
+        res = self.g.call_function(operator.getitem, (self.g.call_function(_Vmapped(mod, dims), tuple(args)), 0))
+        if last:
+            return res
+        res = self.g.call_function(torch.movedim, (res, 0, r.dim))
+        if r.sink == "cat":
+            res = self.g.call_function(torch.flatten, (res, r.dim, r.dim + 1))
+        return res
+
+    def _reroute(self, r, v):
+        if r.sink == "setitem":
+            buf = r.buffer
+            writes = set(r.replace)
+            later = [u for u in buf.users if u not in writes]
+            if _is_alloc(buf) and all(_after(u, r.replace[-1]) for u in later):
+                for u in later:
+                    u.replace_input_with(buf, v)
+            else:
+                with self.g.inserting_after(v):
+                    self.g.call_method("copy_", (buf, v))
+            return
+        for n in r.replace:
+            n.replace_all_uses_with(v)
+
+
+def _is_alloc(n: fx.Node) -> bool:
+    return n.op in ("call_function", "call_method") and n.target in _ALLOC
+
+
+def _after(u: fx.Node, ref: fx.Node) -> bool:
+    n = ref.next
+    while n.op != "root":
+        if n is u:
+            return True
+        n = n.next
+    return False

@@ -1,0 +1,208 @@
+"""The ``torch`` target: the region IR executed with torch ops. Runs anywhere; the oracle.
+
+Forward: time in chunks; in each chunk decay and drive are evaluated as broadcast tensors
+(time, *state axes), the linear recurrence is solved by a doubling scan inside the chunk
+(log2(chunk) steps of (a, b) o (a', b') = (a a', a' b + b'): only products of decays, no
+division by cumulative products, so decays near 0 underflow to exact zeros and decays near 1
+lose nothing), and the carry passes between chunks. Outputs are evaluated per chunk, so no
+(L, *state) tensor exists beyond one chunk. Backward: the same forward re-run under autograd.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ssmc import ir
+from ssmc.ir import Const, Load, Op, Reduce, Region, State
+
+_UNARY = {
+    "neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "expm1": torch.expm1,
+    "log": torch.log, "log1p": torch.log1p, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "logsigmoid": F.logsigmoid, "silu": F.silu,
+    "relu": torch.relu, "abs": torch.abs, "reciprocal": torch.reciprocal, "sin": torch.sin,
+    "cos": torch.cos,
+}
+_BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
+    "maximum": torch.maximum, "minimum": torch.minimum, "gt": torch.gt, "lt": torch.lt,
+    "ge": torch.ge, "le": torch.le, "eq": torch.eq, "ne": torch.ne,
+}
+
+
+class TorchTarget:
+    name = "torch"
+    version = "1"
+
+    def supports(self, region: Region, strategy: str, arch, device_type: str):
+        return True
+
+    def compile(self, region: Region, strategy: str, options):
+        return ReferenceKernel(region, options.chunk)
+
+    def source(self, kernel) -> str | None:
+        return None
+
+
+class ReferenceKernel:
+    def __init__(self, region: Region, chunk: int = 128):
+        self.region, self.chunk = region, max(1, int(chunk))
+
+    def forward(self, inputs):
+        with torch.no_grad():
+            return run(self.region, inputs, self.chunk)
+
+    def backward(self, inputs, grads, needs):
+        xs = [x.detach().requires_grad_(bool(n)) for x, n in zip(inputs, needs)]
+        with torch.enable_grad():
+            outs = run(self.region, xs, self.chunk)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g.numel() and o.requires_grad]
+        wrt = [x for x, n in zip(xs, needs) if n]
+        if not pairs or not wrt:
+            return [torch.zeros_like(x) if n else None for x, n in zip(inputs, needs)]
+        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs],
+                                  allow_unused=True)
+        it = iter(got)
+        res = []
+        for x, n in zip(inputs, needs):
+            if n:
+                g = next(it)
+                res.append(torch.zeros_like(x) if g is None else g.to(x.dtype))
+            else:
+                res.append(None)
+        return res
+
+
+def compute_dtype(region: Region, inputs) -> torch.dtype:
+    return torch.float64 if any(x.dtype == torch.float64 for x in inputs) else torch.float32
+
+
+class Evaluator:
+    """Evaluates expressions over [t0, t1) as tensors laid out (time, *state axes)."""
+
+    def __init__(self, region: Region, inputs, t0: int, t1: int, cdt):
+        self.r, self.inputs, self.t0, self.t1, self.cdt = region, inputs, t0, t1, cdt
+        self.names = ["t", *region.axes]
+        self.memo = {}
+        self.state = None
+
+    def load(self, ld: Load) -> torch.Tensor:
+        v = self.inputs[ld.input]
+        consts = [(d, ix) for d, ix in enumerate(ld.index) if isinstance(ix, int)]
+        for d, ix in sorted(consts, reverse=True):
+            v = v.select(d, ix)
+        names = [ix for ix in ld.index if not isinstance(ix, int)]
+        if len(set(names)) != len(names):
+            raise NotImplementedError(f"load {ld} indexes one axis twice")
+        if "t" in names:
+            v = v.narrow(names.index("t"), self.t0, self.t1 - self.t0)
+        order = sorted(range(len(names)), key=lambda i: self.names.index(names[i]))
+        v = v.permute(order)
+        present = [names[i] for i in order]
+        v = _unsqueeze_to(v, present, self.names)
+        return v.to(self.cdt) if v.is_floating_point() else v
+
+    def eval(self, e) -> torch.Tensor:
+        if e in self.memo:
+            return self.memo[e]
+        if isinstance(e, Load):
+            v = self.load(e)
+        elif isinstance(e, Const):
+            v = torch.tensor(e.value, dtype=self.cdt, device=self.inputs[0].device)
+        elif isinstance(e, State):
+            v = self.state
+        elif isinstance(e, Reduce):
+            dims = [self.names.index(a) for a in e.axes]
+            v = self.eval(e.arg).sum(dim=dims, keepdim=True)
+        elif isinstance(e, Op):
+            args = [self.eval(a) for a in e.args]
+            v = _op(e, args, self.cdt)
+        else:
+            raise TypeError(f"unknown expression {e!r}")
+        self.memo[e] = v
+        return v
+
+
+def _unsqueeze_to(v, present, names):
+    for i, n in enumerate(names):
+        if n not in present:
+            v = v.unsqueeze(i)
+    return v
+
+
+def _op(e: Op, args, cdt):
+    n = e.name
+    if n in _UNARY:
+        return _UNARY[n](args[0])
+    if n in _BINARY:
+        return _BINARY[n](*args)
+    if n == "where":
+        return torch.where(args[0], args[1], args[2])
+    if n == "softplus":
+        return F.softplus(args[0], beta=e.attr("beta", 1.0), threshold=e.attr("threshold", 20.0))
+    if n == "cast":
+        dt = ir.to_dtype(e.attr("dtype"))
+        return args[0].to(cdt if dt.is_floating_point else dt)
+    raise NotImplementedError(f"torch target: op {n}")
+
+
+def chunk_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """All h_t = a_t h_{t-1} + b_t for one chunk (time at dim 0), from h_{-1} = h0."""
+    T = max(a.shape[0], b.shape[0])
+    full = torch.broadcast_shapes(a.shape, b.shape, (1, *h0.shape))
+    full = (T, *full[1:])
+    A = a.expand(T, *a.shape[1:])
+    B = b.expand(full)
+    k = 1
+    while k < T:
+        B = torch.cat([B[:k], A[k:] * B[:-k] + B[k:]])
+        A = torch.cat([A[:k], A[k:] * A[:-k]])
+        k *= 2
+    return A * h0 + B
+
+
+def _to_output(v: torch.Tensor, names, index, sizes):
+    keep = [ix for ix in index if ix != 1]
+    rest = [n for n in names if n not in keep]
+    v = v.permute([names.index(n) for n in keep + rest])
+    v = v.reshape(v.shape[: len(keep)]) if rest else v
+    v = v.expand([sizes[n] for n in keep])
+    for i, ix in enumerate(index):
+        if ix == 1:
+            v = v.unsqueeze(i)
+    return v
+
+
+def run(region: Region, inputs, chunk: int = 128):
+    r = region
+    cdt = compute_dtype(r, inputs)
+    dev = inputs[0].device
+    sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
+    L = inputs[r.length[0]].shape[r.length[1]]
+    state_shape = tuple(sizes[a] for a in r.axes)
+    h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
+    steps = {i: [] for i, o in enumerate(r.outputs) if o.kind == "steps"}
+    names = ["t", *r.axes]
+    for t0 in range(0, L, chunk):
+        t1 = min(L, t0 + chunk)
+        ev = Evaluator(r, inputs, t0, t1, cdt)
+        H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
+        ev.state = H
+        for i in steps:
+            o = r.outputs[i]
+            v = ev.eval(o.expr)
+            steps[i].append(_to_output(v, names, o.index, {**sizes, "t": t1 - t0}).to(ir.to_dtype(o.dtype)))
+        h = H[-1]
+    outs = []
+    for i, o in enumerate(r.outputs):
+        if o.kind == "steps":
+            if steps[i]:
+                outs.append(torch.cat(steps[i], dim=o.index.index("t")))
+            else:
+                shp = [0 if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index]
+                outs.append(torch.empty(shp, dtype=ir.to_dtype(o.dtype), device=dev))
+        else:
+            ev = Evaluator(r, inputs, max(L - 1, 0), max(L, 1) if L else 0, cdt)
+            ev.state = h.unsqueeze(0)
+            v = ev.eval(o.expr)
+            outs.append(_to_output(v, names, o.index, {**sizes, "t": 1}).to(ir.to_dtype(o.dtype)))
+    return outs
