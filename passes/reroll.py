@@ -138,10 +138,10 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     found = find_reads(gm.graph)
-    fams: dict[tuple, dict[int, fx.Node]] = defaultdict(dict)
+    fams: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for n, rs in found.items():
         for r in rs:
-            fams[(pos[r.source], r.dim)].setdefault(r.index, n)
+            fams[(pos[r.source], r.dim)][r.index].append(n)
     fams = {k: v for k, v in fams.items() if len(v) >= 2}
     reads: dict[fx.Node, tuple] = {}
     for n, rs in found.items():
@@ -152,22 +152,9 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
                 break
     runs = []
     for key, by_idx in fams.items():
-        if len(by_idx) < 2:
-            continue
-        idxs = sorted(by_idx)
-        anchors = [min((pos[u] for u in by_idx[i].users), default=pos[by_idx[i]]) for i in idxs]
-        best = (0, 0)
-        start = 0
-        for j in range(1, len(idxs) + 1):
-            ok = (j < len(idxs) and idxs[j] == idxs[j - 1] + 1 and anchors[j] > anchors[j - 1]
-                  and (j - start < 2 or anchors[j] - anchors[j - 1] == anchors[start + 1] - anchors[start]))
-            if not ok:
-                if j - start > best[1] - best[0]:
-                    best = (start, j)
-                start = j
-        a, b = best
-        if b - a >= 2:
-            runs.append((anchors[a], anchors[a + 1] - anchors[a], b - a, key))
+        run = _longest_run(by_idx, pos)
+        if run is not None:
+            runs.append((*run, key))
     loops, covered = [], []
     for a0, K, L, key in sorted(runs):
         if any(lo <= a0 < hi for lo, hi in covered):
@@ -193,6 +180,33 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
         else:
             loops.append(found)
     return loops
+
+
+def _longest_run(by_idx: dict, pos: dict):
+    """(first anchor, K, L): the longest chain of consecutive step indices whose reads are first
+    used K nodes apart. An index may be read by several nodes (x[:, 0] also read before the
+    loop to size the state); each is a candidate anchor."""
+    cands = {i: sorted({min((pos[u] for u in n.users), default=pos[n]) for n in nodes})
+             for i, nodes in by_idx.items()}
+    sets = {i: set(c) for i, c in cands.items()}
+    diffs: dict[int, int] = defaultdict(int)
+    for i, c in cands.items():
+        for a in c[:4]:
+            for b in cands.get(i + 1, [])[:4]:
+                if b > a:
+                    diffs[b - a] += 1
+    best = None
+    for K in sorted(diffs, key=lambda k: -diffs[k])[:3]:
+        for i0 in sorted(cands):
+            if i0 - 1 in sets and any(a - K in sets[i0 - 1] for a in cands[i0]):
+                continue    # not the start of a chain
+            for a in cands[i0]:
+                m = 1
+                while i0 + m in sets and a + m * K in sets[i0 + m]:
+                    m += 1
+                if m >= 2 and (best is None or m > best[2]):
+                    best = (a, K, m)
+    return best
 
 
 class _NotALoop(Exception):

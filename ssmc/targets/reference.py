@@ -53,14 +53,15 @@ class ReferenceKernel:
 
     def backward(self, inputs, grads, needs):
         xs = [x.detach().requires_grad_(bool(n)) for x, n in zip(inputs, needs)]
-        with torch.enable_grad():
+        with autograd_inside_op(), torch.enable_grad():
             outs = run(self.region, xs, self.chunk)
         pairs = [(o, g) for o, g in zip(outs, grads) if g.numel() and o.requires_grad]
         wrt = [x for x, n in zip(xs, needs) if n]
         if not pairs or not wrt:
             return [torch.zeros_like(x) if n else None for x, n in zip(inputs, needs)]
-        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs],
-                                  allow_unused=True)
+        with autograd_inside_op():
+            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs],
+                                      allow_unused=True)
         it = iter(got)
         res = []
         for x, n in zip(inputs, needs):
@@ -70,6 +71,17 @@ class ReferenceKernel:
             else:
                 res.append(None)
         return res
+
+
+def autograd_inside_op():
+    """Custom-op kernels run below the autograd dispatch key; the reference backward re-runs
+    the forward under autograd, so it switches autograd dispatch back on locally."""
+    ex = torch._C._dispatch_tls_local_exclude_set()
+    for k in ("AutogradCPU", "AutogradCUDA", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"):
+        key = getattr(torch._C.DispatchKey, k, None)
+        if key is not None:
+            ex = ex.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), ex)
 
 
 def compute_dtype(region: Region, inputs) -> torch.dtype:

@@ -1,0 +1,50 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import ssmc  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = torch.cuda.is_available()
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def ssmc_run(fn, inputs, **options):
+    """Compile fn with ssmc (fresh Dynamo state) and run it once; returns (outputs, report)."""
+    report = ssmc.Report()
+
+    def backend(gm, ex):
+        return ssmc.ssmc_backend(gm, ex, options=options, _report=report)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend)(*inputs)
+    return out, report
+
+
+def as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def reference(fn, inputs):
+    return as_tuple(fn(*[x.double() if x.is_floating_point() else x for x in inputs]))
+
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def run():
+    return ssmc_run
