@@ -109,7 +109,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
         lowered.append(RegionInfo(cand.name, entry.strategy, cand.strategy_reason or "default", entry.target,
                                   dict(cand.target_reasons), pkg.get(entry.target, "?"), str(entry.region),
                                   cand.loop.python(), entry.source, entry.key, list(cand.notes),
-                                  getattr(entry.kernel, "cache_status", "")))
+                                  getattr(entry.kernel, "cache_status", ""), entry.region))
     greport.regions.extend(reversed(lowered))
     if opts.validate:
         _validate(gm)
@@ -123,15 +123,22 @@ def _compile_region(cand, ctx, opts):
     region = cand.plan.region
     strategy = cand.strategy or "chunked_scan"
     target = cand.target or "torch"
-    t = ctx.targets.get(target) or ctx.targets["torch"]
-    try:
-        kernel = t.compile(region, strategy, opts)
-    except Exception as e:
-        if target == "torch":
-            raise
-        cand.notes.append(f"target {target} failed to compile ({type(e).__name__}: {e}); using torch")
-        target, t = "torch", ctx.targets["torch"]
-        kernel = t.compile(region, strategy, opts)
+    chain = [target] + [t for t in ("triton", "torch") if t != target and (t == "torch" or target == "cuda")]
+    kernel = None
+    for i, name in enumerate(chain):
+        t = ctx.targets.get(name)
+        if t is None:
+            continue
+        try:
+            kernel = t.compile(region, strategy, opts)
+            target = name
+            break
+        except Exception as e:   # the report carries the compiler's message; the next target runs
+            if name == "torch":
+                raise
+            cand.notes.append(f"target {name} failed to compile, falling back to {chain[i + 1]}: "
+                              f"{type(e).__name__}: {e}")
+            log.warning("ssmc: target %s failed to compile %s: %s", name, region.name, e)
     key = f"{region.name}-{region.key()}-{target}-{strategy}"
     return Compiled(key, region, strategy, target, kernel, t.source(kernel))
 

@@ -23,6 +23,7 @@ class RegionInfo:
     key: str
     notes: list
     cache: str = ""              # "hit" | "miss" | "" (no cache for this target)
+    ir: object = None            # the ssmc.ir.Region object itself
 
     def __str__(self):
         lines = [f"region {self.name}: strategy {self.strategy} ({self.strategy_reason})",
