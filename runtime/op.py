@@ -25,6 +25,7 @@ class Compiled:
     target: str
     kernel: Any              # .forward(inputs) -> list[Tensor]; .backward(inputs, grads, needs)
     source: str | None = None
+    failure: str | None = None   # set when the kernel failed at run time and the reference took over
 
     def output_shapes(self, inputs) -> list[tuple]:
         r = self.region
@@ -88,11 +89,29 @@ def _all_loads(r: Region):
     return out
 
 
+def _run(entry: Compiled, method: str, *args):
+    """Run the target's kernel; if a generated kernel fails at run time, the torch reference
+    runs instead (the model keeps working) and the failure is logged once."""
+    try:
+        return getattr(entry.kernel, method)(*args)
+    except Exception as e:
+        if entry.target == "torch":
+            raise
+        import logging
+        from ssmc.targets.reference import ReferenceKernel
+        logging.getLogger("ssmc").warning(
+            "ssmc: %s kernel of region %s failed (%s: %s); using the torch reference from now on",
+            entry.target, entry.region.name, type(e).__name__, e)
+        entry.failure = f"{entry.target} kernel failed at run time: {type(e).__name__}: {e}"
+        entry.kernel, entry.target = ReferenceKernel(entry.region), "torch"
+        return getattr(entry.kernel, method)(*args)
+
+
 @torch.library.custom_op("ssmc::region", mutates_args=())
 def region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     entry = lookup(key)
     check_inputs(entry, inputs)
-    return list(entry.kernel.forward(list(inputs)))
+    return list(_run(entry, "forward", list(inputs)))
 
 
 @region.register_fake
@@ -104,7 +123,7 @@ def _region_fake(key, inputs):
 def region_bwd(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor],
                needs: list[bool]) -> list[torch.Tensor]:
     entry = lookup(key)
-    out = entry.kernel.backward(list(inputs), list(grads), list(needs))
+    out = _run(entry, "backward", list(inputs), list(grads), list(needs))
     return [g if (need and g is not None) else x.new_empty(0) for g, x, need in zip(out, inputs, needs)]
 
 

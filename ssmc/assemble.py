@@ -403,6 +403,23 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
                 continue
         results.append(("out", add_out("steps", v, t_at), flat))
 
+    if fuse_epilogue:
+        before = _nodes_before(loop.anchor)
+        for i, (r, how) in enumerate(zip(loop.results, results)):
+            if how[0] == "out" and how[2] is None and r.kind == "steps" and r.sink in ("stack", "cat") \
+                    and len(r.replace) == 1:
+                spec, chain = _pull_epilogue(bld, outputs[how[1]], r.replace[0], before)
+                if chain:
+                    outputs.append(spec)
+                    results[i] = ("out", len(outputs) - 1, None, chain)
+
+    # drop outputs that no result reads any more (replaced by a pulled epilogue)
+    used = sorted({h[1] for h in results if h[0] == "out"} | set(boundary.values()))
+    remap = {k: i for i, k in enumerate(used)}
+    outputs = [outputs[k] for k in used]
+    results = [(h[0], remap[h[1]], *h[2:]) if h[0] == "out" else h for h in results]
+    boundary = {n: remap[k] for n, k in boundary.items()}
+
     inputs, axis_size, length = [], [None] * len(axes), None
     init = None
     for src in bld.sources:
@@ -435,6 +452,58 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     region = Region(loop.name, axes, tuple(axis_size), length, tuple(inputs), decay, drive,
                     tuple(outputs), init)
     return Plan(region, bld.sources, results, boundary, fuse)
+
+
+def _nodes_before(anchor) -> set:
+    out, n = set(), anchor.prev
+    while n.op != "root":
+        out.add(n)
+        n = n.prev
+    return out
+
+
+class _Stop(Exception):
+    pass
+
+
+def _pull_epilogue(bld: _Builder, spec: OutputSpec, sink: fx.Node, before: set):
+    """Elementwise work done on the stacked output after the loop (``y = stack(ys) + D * x``,
+    ``y * silu(z)``) joins the output expression; its operands must be computable from values
+    that exist before the loop. Returns the new output spec and the outer nodes it replaces."""
+    chain, expr, cur, dt = [], spec.expr, sink, spec.dtype
+    while len(cur.users) == 1:
+        u = next(iter(cur.users))
+        c = _outer_fusable(u)
+        if c is None or c.kind != "ew" or shape(u) != shape(cur) or cur not in c.args:
+            break
+        try:
+            args = [expr if a is cur else _epi_operand(bld, a, spec.index, shape(u), before)
+                    for a in c.args]
+        except (_Stop, AssembleError):
+            break
+        expr = _ew_expr(c, args, bld.build)
+        chain.append(u)
+        cur, dt = u, ir.dtype_name(dtype(u))
+    return OutputSpec(spec.kind, expr, spec.index, dt), chain
+
+
+def _epi_operand(bld: _Builder, a, out_index, out_shape, before) -> ir.Expr:
+    if not isinstance(a, fx.Node):
+        return bld.build(a)
+    off = len(out_shape) - len(shape(a))
+    if off < 0:
+        raise _Stop()
+    idx = tuple(out_index[j + off] if s != 1 else 0 for j, s in enumerate(shape(a)))
+    idx = tuple(0 if i == 1 else i for i in idx)
+    if a in before:
+        td = idx.index("t") if "t" in idx else None
+        return bld.outer(a, idx, td, 0)
+    c = _outer_fusable(a)
+    if c is None or c.kind == "view":
+        raise _Stop()
+    if c.kind == "identity":
+        return _epi_operand(bld, c.args[0], idx, shape(a), before)
+    return _ew_expr(c, [_epi_operand(bld, x, idx, shape(a), before) for x in c.args], bld.build)
 
 
 def _post_inputs(v, rec, fuse) -> list:

@@ -102,8 +102,16 @@ class Lowering:
                 else:
                     v = self._post(r, how[1], outs)
                 vals.append(v)
-        for r, v in zip(lp.results, vals):
-            self._reroute(r, v)
+        pulled = []
+        for r, how, v in zip(lp.results, plan.results, vals):
+            chain = how[3] if how[0] == "out" and len(how) > 3 else None
+            if chain:      # elementwise work after the loop that the region now computes
+                chain[-1].replace_all_uses_with(v)
+                pulled.extend(chain)
+            else:
+                self._reroute(r, v)
+        for n in reversed(pulled):
+            g.erase_node(n)
         for n in reversed(lp.erase):
             if n.graph is g:
                 for u in list(n.users):

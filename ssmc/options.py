@@ -24,7 +24,7 @@ class Options:
     rest: str = "auto"            # what runs the graph outside the regions: inductor | eager | auto
     debug_dir: str | None = None
     cache_dir: str = ""
-    chunk: int = 128              # time-chunk of the torch reference executor
+    chunk: int = 64               # time-chunk of the torch reference executor
     validate: bool = True         # shape-check the rewritten graph with fake tensors
 
     def with_(self, **kw) -> "Options":

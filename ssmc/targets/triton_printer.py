@@ -1,0 +1,281 @@
+"""Prints region IR expressions as Triton code, each subexpression once and at its own rank.
+
+A kernel body is a few blocks of straight-line code (before the time loop, inside it, after
+it). A `Frame` says how each iteration variable reads in one block: a scalar (``idx_i0``,
+``t``) or a broadcast vector (``od`` = ``offs_d[:, None]``) with its mask. Loads become
+``tl.load(ptr + offsets, mask)`` whose shape is exactly the axes the load varies along, so
+every Op is evaluated at the rank of its operands: ``softplus(dt + bias)`` is a (BLOCK_D, 1)
+value per step, ``exp(delta * A)`` the full (BLOCK_D, BLOCK_N) tile, a decay shared per head
+a scalar per program. Subexpressions free of time and of the state are hoisted into the
+prelude before the time loop (they are shared by every block).
+
+Numerics follow the torch reference (ssmc.targets.reference): casts to a float type keep the
+compute dtype, softplus honours beta/threshold, exps are exp2 with log2(e) folded into the
+loop-invariant factor of ``exp(u * v)`` when there is one. Transcendentals Triton's core lacks
+(log1p, expm1, tanh, pow) are small @jit helpers from templates/triton/macros.py.j2, written
+with core ops only so the same source runs under TRITON_INTERPRET=1 and on sm_80 / sm_90.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ssmc import ir
+from ssmc.ir import Const, Load, Op, Reduce, State
+
+LOG2E = 1.4426950408889634
+
+# op -> format string over the printed operands {0}, {1}, {2}. {cdt}: the compute dtype.
+_FORMAT = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "gt": "({0} > {1})", "lt": "({0} < {1})", "ge": "({0} >= {1})", "le": "({0} <= {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})",
+    "maximum": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "where": "tl.where({0}, {1}, {2})",
+    "neg": "(-{0})", "exp2": "tl.exp2({0})", "expm1": "_expm1({0})", "log": "tl.log({0})",
+    "log1p": "_log1p({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})",
+    "tanh": "_tanh({0})", "sigmoid": f"(1.0 / (1.0 + tl.exp2({{0}} * {-LOG2E!r})))",
+    "logsigmoid": f"(tl.minimum({{0}}, 0.0) - _log1p(tl.exp2(tl.abs({{0}}) * {-LOG2E!r})))",
+    "silu": f"({{0}} / (1.0 + tl.exp2({{0}} * {-LOG2E!r})))", "relu": "tl.where({0} < 0.0, 0.0, {0})",
+    "abs": "tl.abs({0})", "reciprocal": "(1.0 / {0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})",
+}
+# ops printed by code below rather than by a format string
+_SPECIAL = {"exp", "pow", "softplus", "cast"}
+SUPPORTED_OPS = frozenset(_FORMAT) | _SPECIAL
+_ATTRS = {"softplus": {"beta", "threshold"}, "cast": {"dtype"}}
+_TL_INT = {"int8": "tl.int8", "int16": "tl.int16", "int32": "tl.int32", "int64": "tl.int64",
+           "uint8": "tl.uint8"}
+_INFIX_BINARY = {"add", "sub", "mul", "div", "gt", "lt", "ge", "le", "eq", "ne"}
+
+
+def literal(v: float) -> str:
+    """A Python literal Triton accepts as a constant (inf and nan included)."""
+    v = float(v)
+    if math.isnan(v):
+        return 'float("nan")'
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else '(-float("inf"))'
+    return repr(v)
+
+
+def unsupported(e: ir.Expr) -> str | None:
+    """Why this printer cannot print `e` (one node), or None."""
+    if isinstance(e, Op):
+        if e.name not in SUPPORTED_OPS:
+            return f"op {e.name!r} has no Triton printing"
+        extra = {k for k, _ in e.attrs} - _ATTRS.get(e.name, set())
+        if extra:
+            return f"op {e.name} with attributes {sorted(extra)}"
+        if e.name == "cast":
+            dt = e.attr("dtype")
+            if not (dt in _TL_INT or dt == "bool" or ir.to_dtype(dt).is_floating_point):
+                return f"cast to {dt}"
+    if isinstance(e, Reduce) and e.op != "sum":
+        return f"reduction {e.op!r}"
+    return None
+
+
+@dataclasses.dataclass
+class Frame:
+    """How iteration variables read in one block of code.
+
+    codes: axis name or "t" -> (code, mask or None); scalars have no mask.
+    state: the code of h in this block ("h", "H", "h[:, :, None]"), None before the update.
+    reg_dim: the position of the register (reduced) axis in the tile, for tl.sum.
+    """
+    codes: dict
+    state: str | None
+    reg_dim: int | None
+    reg_mask: str | None
+
+
+class TritonPrinter:
+    """Prints expressions into named temporaries, once each (a DAG, not a tree).
+
+    ``prelude`` collects loop-invariant lines (no "t", no state); `block()` starts a new
+    block whose lines and temporaries are private to it (a loop body, the final epilogue).
+    """
+
+    def __init__(self, region: ir.Region, cdt: str = "tl.float32", prefix: str = "v"):
+        self.r = region
+        self.cdt = cdt
+        self.prefix = prefix
+        self.prelude: list[str] = []
+        self._pre_memo: dict = {}
+        self._n = 0
+        self.frame: Frame | None = None
+        self.lines: list[str] | None = None
+        self._memo: dict = {}
+
+    # -- blocks --------------------------------------------------------------------------------
+    def set_prelude_frame(self, frame: Frame):
+        self._pre_frame = frame
+
+    def block(self, frame: Frame) -> list[str]:
+        """Start a block; returns its line list (printing appends to it)."""
+        self.frame, self.lines, self._memo = frame, [], {}
+        return self.lines
+
+    def switch(self, lines: list[str], state: str | None = None):
+        """Continue the current block's temporaries into another line list (pre -> post)."""
+        self.lines = lines
+        if state is not None:
+            self.frame = dataclasses.replace(self.frame, state=state)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def axes(self, e) -> frozenset:
+        return ir.axes_of(e, self.r.axes)
+
+    def hoistable(self, e) -> bool:
+        return "t" not in self.axes(e) and not ir.uses_state(e) and not isinstance(e, Const)
+
+    def _name(self, hoisted: bool) -> str:
+        self._n += 1
+        return f"{'p' if hoisted else self.prefix}{self._n}"
+
+    def _emit(self, e, code: str, hoisted: bool) -> str:
+        name = self._name(hoisted)
+        (self.prelude if hoisted else self.lines).append(f"{name} = {code}")
+        (self._pre_memo if hoisted else self._memo)[e] = name
+        return name
+
+    # -- printing ------------------------------------------------------------------------------
+    def expr(self, e: ir.Expr) -> str:
+        """The code (a temporary's name or a literal) of `e` in the current block."""
+        if isinstance(e, Const):
+            return literal(e.value)
+        hoisted = self.hoistable(e)
+        memo = self._pre_memo if hoisted else self._memo
+        if e in memo:
+            return memo[e]
+        folded = self._fold(e)
+        if folded is not None:
+            return folded
+        frame = self._pre_frame if hoisted else self.frame
+        saved, self.frame = self.frame, frame
+        try:
+            code = self._code(e)
+        finally:
+            self.frame = saved
+        if isinstance(e, State):
+            return code
+        return self._emit(e, code, hoisted)
+
+    def _fold(self, e) -> str | None:
+        """An Op of constants only is evaluated here (float results only)."""
+        if not isinstance(e, Op) or not e.args or not all(isinstance(a, Const) for a in e.args):
+            return None
+        from ssmc.targets.reference import _op
+        try:
+            v = _op(e, [torch.tensor(a.value, dtype=torch.float64) for a in e.args], torch.float64)
+        except Exception:
+            return None
+        if not v.is_floating_point():
+            return None
+        return literal(v.item())
+
+    def _code(self, e) -> str:
+        if isinstance(e, Load):
+            return self.load(e)
+        if isinstance(e, State):
+            if self.frame.state is None:
+                raise ValueError("the state is read before the update")
+            return self.frame.state
+        if isinstance(e, Reduce):
+            k, mask = self.frame.reg_dim, self.frame.reg_mask
+            x = self.expr(e.arg)
+            inner = f"tl.where({mask}, {x}, 0.0)" if mask else x
+            return f"tl.expand_dims(tl.sum({inner}, axis={k}), {k})"
+        if isinstance(e, Op):
+            return self.op(e)
+        raise TypeError(f"cannot print {e!r}")
+
+    def load(self, ld: Load) -> str:
+        scal, vec, masks = [], [], []
+        for d, ix in enumerate(ld.index):
+            s = f"in{ld.input}_s{d}"
+            if isinstance(ix, int):
+                if ix:
+                    scal.append(f"{ix} * {s}")
+                continue
+            code, mask = self.frame.codes[ix]
+            (vec if mask else scal).append(f"{code} * {s}")
+            if mask and mask not in masks:
+                masks.append(mask)
+        off = " + ".join(scal + vec) or "0"
+        spec = self.r.inputs[ld.input]
+        is_float = spec.dtype not in ("bool",) and ir.to_dtype(spec.dtype).is_floating_point
+        other = "0.0" if is_float else "0"
+        m = f", mask={' & '.join(masks)}, other={other}" if masks else ""
+        conv = f".to({self.cdt})" if is_float else ""
+        return f"tl.load(in{ld.input}_ptr + ({off}){m}){conv}"
+
+    def _arg(self, a, other=None) -> str:
+        """An operand of a function call: constants become tensors like their sibling."""
+        if isinstance(a, Const) and other is not None:
+            return f"(tl.zeros_like({other}) + {literal(a.value)})"
+        return self.expr(a)
+
+    def op(self, e: Op) -> str:
+        n = e.name
+        if n == "exp":
+            return self.exp(e.args[0])
+        if n == "pow":
+            return self.pow(*e.args)
+        if n == "softplus":
+            x = self.expr(e.args[0])
+            beta, thr = float(e.attr("beta", 1.0)), float(e.attr("threshold", 20.0))
+            bx = x if beta == 1.0 else f"({x} * {literal(beta)})"
+            soft = f"_log1p(tl.exp2({bx} * {LOG2E!r}))"
+            if beta != 1.0:
+                soft = f"({soft} / {literal(beta)})"
+            return f"tl.where({bx} > {literal(thr)}, {x}, {soft})"
+        if n == "cast":
+            x = self.expr(e.args[0])
+            dt = e.attr("dtype")
+            if dt == "bool":
+                return f"({x} != 0)"
+            if dt in _TL_INT:
+                return f"{x}.to({_TL_INT[dt]})"
+            return f"{x}.to({self.cdt})"
+        if n in ("maximum", "minimum"):
+            a, b = e.args
+            pa = self.expr(a) if not isinstance(a, Const) else None
+            pb = self.expr(b) if not isinstance(b, Const) else None
+            pa = pa if pa is not None else self._arg(a, pb)
+            pb = pb if pb is not None else self._arg(b, pa)
+            return _FORMAT[n].format(pa, pb)
+        args = [self.expr(a) for a in e.args]
+        return _FORMAT[n].format(*args, cdt=self.cdt)
+
+    def exp(self, u) -> str:
+        """exp(u) as exp2; log2(e) is folded into a loop-invariant factor of u = p * q."""
+        if isinstance(u, Op) and u.name == "mul" and not u.attrs:
+            p, q = u.args
+            for inv, var in ((q, p), (p, q)):
+                if isinstance(inv, Const):
+                    return f"tl.exp2({self.expr(var)} * {literal(inv.value * LOG2E)})"
+                if self.hoistable(inv) and not self.hoistable(var):
+                    key = ("log2e", inv)
+                    if key not in self._pre_memo:
+                        self._emit(key, f"{self.expr(inv)} * {LOG2E!r}", True)
+                    return f"tl.exp2({self.expr(var)} * {self._pre_memo[key]})"
+        return f"tl.exp2({self.expr(u)} * {LOG2E!r})"
+
+    def pow(self, x, y) -> str:
+        if isinstance(y, Const):
+            c = float(y.value)
+            px = self.expr(x)
+            small = {1.0: "{0}", 2.0: "({0} * {0})", 3.0: "({0} * {0} * {0})", 0.5: "tl.sqrt({0})",
+                     -0.5: "tl.rsqrt({0})", -1.0: "(1.0 / {0})", -2.0: "(1.0 / ({0} * {0}))",
+                     0.0: "(tl.zeros_like({0}) + 1.0)"}
+            if c in small:
+                return small[c].format(px)
+            return f"_pow({px}, {literal(c)})"
+        py = self.expr(y)
+        if isinstance(x, Const):
+            return f"_pow({self._arg(x, py)}, {py})"
+        return f"_pow({self.expr(x)}, {py})"

@@ -1,0 +1,92 @@
+"""What a user sees: explain, the CLI, the debug directory, the entry point."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import programs as P
+import ssmc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_explain_report_fields():
+    rep = ssmc.explain(P.mamba1("stack"), *P.mamba1_inputs(seed=51))
+    text = str(rep)
+    assert len(rep.regions) == 1
+    r = rep.regions[0]
+    assert r.strategy == "chunked_scan" and r.target == "torch" and r.plugin.startswith("ssmc")
+    for needle in ("region loop0", "re-rolled step", "def forward", "region IR", "decay: per-element",
+                   "reroll", "detect_recurrence", "select_strategy", "ms"):
+        assert needle in text, needle
+    assert all(len(tuple(p)) == 3 for p in rep.passes)
+
+
+def test_explain_shows_fallback_reason():
+    rep = ssmc.explain(P.nonlinear("tanh"), *P.nonlinear_inputs())
+    assert not rep.regions
+    (where, why), = [f for f in rep.fallbacks if "detect_recurrence" in f[1]]
+    assert "tanh" in why and "not linear" in why
+    assert "fallback" in str(rep)
+
+
+def test_cli_explain(tmp_path):
+    f = tmp_path / "model.py"
+    f.write_text(textwrap.dedent("""
+        import torch
+        def loop(x, a):
+            h = torch.zeros_like(x[:, 0])
+            ys = []
+            for t in range(x.shape[1]):
+                h = a[:, t] * h + x[:, t]
+                ys.append(h)
+            return torch.stack(ys, 1)
+        def factory():
+            return loop, (torch.randn(2, 5, 3), torch.rand(2, 5, 3))
+    """))
+    out = subprocess.run([sys.executable, "-m", "ssmc", "explain", f"{f}:factory"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "region loop0" in out.stdout and "strategy chunked_scan" in out.stdout
+
+
+def test_debug_dir(tmp_path):
+    ssmc.explain(P.mamba1("stack"), *P.mamba1_inputs(seed=52), debug_dir=str(tmp_path))
+    (gdir,) = list(tmp_path.iterdir())
+    names = sorted(p.name for p in gdir.iterdir())
+    assert names[:6] == ["000_input.py", "001_reroll.py", "002_detect_recurrence.py",
+                         "003_fuse_prologue.py", "004_fuse_epilogue.py", "005_select_strategy.py"]
+    assert "999_lowered.py" in names
+    assert "def forward" in (gdir / "001_reroll.py").read_text()
+    assert "torch.ops.ssmc.region" in (gdir / "999_lowered.py").read_text()
+
+
+def test_backend_found_without_import():
+    code = textwrap.dedent("""
+        import sys, torch
+        def loop(x, a):
+            h = torch.zeros_like(x[:, 0])
+            ys = []
+            for t in range(x.shape[1]):
+                h = a[:, t] * h + x[:, t]
+                ys.append(h)
+            return torch.stack(ys, 1)
+        x, a = torch.randn(2, 5, 3), torch.rand(2, 5, 3)
+        y = torch.compile(loop, backend="ssmc")(x, a)
+        assert torch.allclose(y, loop(x, a), atol=1e-6)
+        assert "ssmc" in sys.modules
+        import ssmc
+        assert len(ssmc.backend.LAST_REPORT.regions) == 1
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_plugins_listed():
+    pl = ssmc.plugins()
+    names = {(p.group, p.name) for p in pl if p.error is None}
+    assert {("ssmc.passes", "reroll"), ("ssmc.targets", "torch")} <= names
+    assert "reroll" in str(pl)

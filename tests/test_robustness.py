@@ -1,0 +1,125 @@
+"""Bad inputs give clear errors or correct fallbacks; NaN/Inf propagate as in eager."""
+import pytest
+import torch
+
+import programs as P
+from conftest import TOL, reference, rel_err, ssmc_run
+from ssmc.runtime.op import lookup
+
+
+@pytest.fixture(scope="module")
+def compiled_region():
+    ins = P.mamba1_inputs(seed=41)
+    _, rep = ssmc_run(P.mamba1("stack"), ins)
+    info = rep.regions[0]
+    r = info.ir
+    # region inputs rebuilt from the program inputs by name
+    by_name = dict(zip(["l_x_", "l_dt_", "l_a_", "l_b_", "l_c_", "l_d_", "l_z_", "l_bias_"], ins))
+    xs = []
+    for spec in r.inputs:
+        base = spec.name.split(" ")[0]
+        xs.append(by_name[base] if base in by_name else torch.zeros(2, 4, 3))
+    return info.key, xs
+
+
+def test_region_rejects_wrong_dtype(compiled_region):
+    key, xs = compiled_region
+    bad = list(xs)
+    bad[0] = bad[0].to(torch.int64)
+    with pytest.raises(TypeError, match=r"input 0 \(.*\) has unsupported dtype torch.int64"):
+        torch.ops.ssmc.region(key, bad)
+
+
+def test_region_rejects_mismatched_shapes(compiled_region):
+    key, xs = compiled_region
+    bad = list(xs)
+    i = next(k for k, x in enumerate(bad) if x.dim() == 3 and x.shape[1] > 1)
+    bad[i] = torch.randn(bad[i].shape[0] + 1, *bad[i].shape[1:])
+    with pytest.raises(ValueError, match=r"input \d+ \(.*\) has size \d at dim 0 for axis i0, but input \d+ has"):
+        torch.ops.ssmc.region(key, bad)
+
+
+@pytest.mark.gpu
+def test_region_rejects_mixed_devices(compiled_region):
+    key, xs = compiled_region
+    bad = [x.cuda() for x in xs]
+    bad[1] = bad[1].cpu()
+    with pytest.raises(ValueError, match=r"input 1 \(.*\) is on cpu"):
+        torch.ops.ssmc.region(key, bad)
+
+
+def test_region_rejects_wrong_rank(compiled_region):
+    key, xs = compiled_region
+    bad = list(xs)
+    bad[0] = bad[0][0]
+    with pytest.raises(ValueError, match="input 0 .* has 2 dims, expected 3"):
+        torch.ops.ssmc.region(key, bad)
+
+
+def test_nan_and_inf_propagate_like_eager():
+    fn = P.mamba1("stack")
+    x, dt, A, B, C, D, z, bias = P.mamba1_inputs(seed=42)
+    x = x.clone()
+    x[0, 3, 1] = float("nan")
+    dt = dt.clone()
+    dt[1, 5, 2] = float("inf")
+    ins = (x, dt, A, B, C, D, z, bias)
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1
+    ref = fn(*ins)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    ok = torch.isfinite(ref)
+    assert torch.allclose(out[ok], ref[ok], rtol=1e-4, atol=1e-5)
+
+
+def test_shapes_changing_between_calls_recompile():
+    fn = P.mamba1("stack")
+    torch._dynamo.reset()
+    import ssmc
+    f = torch.compile(fn, backend="ssmc")
+    for L, b in ((6, 2), (9, 3), (6, 2)):
+        ins = P.mamba1_inputs(b=b, L=L, seed=L)
+        out = f(*ins)
+        assert out.shape == (b, L, 4)
+        assert rel_err(out, reference(fn, ins)[0]) < TOL[torch.float32]
+
+
+def test_length_one_loop_runs():
+    fn = P.mamba1("final")
+    ins = P.mamba1_inputs(L=1, seed=43)
+    out, rep = ssmc_run(fn, ins)
+    for o, r in zip(out, reference(fn, ins)):
+        assert rel_err(o, r) < TOL[torch.float32]
+
+
+def test_batch_zero():
+    fn = P.mamba1("stack")
+    ins = P.mamba1_inputs(b=0, seed=44)
+    out, rep = ssmc_run(fn, ins)
+    assert out.shape == (0, 8, 4)
+
+
+def test_large_decays_are_stable():
+    """|dt*A| up to ~100: decays underflow to 0 exactly, nothing overflows."""
+    fn = P.mamba1("stack")
+    x, dt, A, B, C, D, z, bias = P.mamba1_inputs(L=16, seed=45)
+    ins = (x, dt * 40, A * 3, B, C, D, z, bias)
+    out, rep = ssmc_run(fn, ins)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, reference(fn, ins)[0]) < TOL[torch.float32]
+
+
+def test_decays_near_one_over_many_steps():
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = a * h + x[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+    x = torch.randn(2, 64, 3)
+    a = torch.tensor([1 - 1e-7, 1 - 1e-6, 0.999])
+    out, rep = ssmc_run(fn, (x, a))
+    assert len(rep.regions) == 1
+    assert rel_err(out, reference(fn, (x, a))[0]) < 1e-5
