@@ -1,0 +1,650 @@
+"""The ``triton`` target: fused selective-scan kernels rendered with Jinja from the region IR.
+
+Python decides, the template holds the kernel (templates/triton/selective_scan_fwd.py.j2):
+- `make_plan` reads the region: which state axis is held whole in registers and summed by the
+  readout (the *register* axis, e.g. n), which parallel axis is blocked across a program (the
+  *channel* axis, e.g. d), and which parallel axes get one program per index (batch, heads).
+  A region that does not fit (a sum over two axes, over a parallel axis, an op the printer
+  lacks, reverse time) gets a reason string, and select_strategy falls back to ``torch``.
+- `render` prints decay, drive and outputs with `TritonPrinter` into two kernel variants
+  (``_loop``: sequential steps; ``_scan``: tl.associative_scan over chunks of steps).
+- `TritonKernel` writes the source to the kernel cache (runtime/cache.py; Triton's @jit needs a
+  real file), imports it, autotunes over the per-arch configs next to the template
+  (selective_scan_fwd.configs.json) on the first call per (source, shape bucket, arch) and
+  stores the winner in the cache, so a second process or a new length in the same bucket
+  skips the search.
+
+Backward: `TritonKernel.backward` delegates to the torch reference
+(``ReferenceKernel(region).backward``, the forward re-run under autograd); generated backward
+kernels are a later issue.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ssmc import ir
+from ssmc.ir import Const, Load, Reduce, Region, State
+
+from .triton_printer import Frame, TritonPrinter, unsupported
+
+try:
+    import triton
+    _TRITON_VERSION = triton.__version__
+except Exception as _e:  # pragma: no cover - triton missing on this platform
+    triton = None
+    _TRITON_VERSION = f"unavailable ({type(_e).__name__})"
+
+log = logging.getLogger("ssmc")
+
+TEMPLATE = "triton/selective_scan_fwd.py.j2"
+CONFIGS = "triton/selective_scan_fwd.configs.json"
+STRATEGIES = ("chunked_scan", "chunked_ssd", "step")
+MAX_BLOCK_N = 1024          # the register axis must fit in registers
+_INT32_MAX = 2 ** 31 - 1
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (read where Triton reads it: at @jit decoration)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# -- plan ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    reg: str | None                 # state axis held whole in registers and summed by tl.sum
+    block: str | None               # parallel axis blocked by BLOCK_D per program
+    scalars: tuple[str, ...]        # other parallel axes: one program per index
+    inputs: tuple[int, ...]         # region inputs the kernel reads
+
+
+def _all_exprs(r: Region):
+    yield r.decay
+    yield r.drive
+    for o in r.outputs:
+        yield o.expr
+
+
+def make_plan(r: Region) -> Plan | str:
+    """The kernel's plan for `r`, or why the kernel cannot compute it."""
+    if r.reverse:
+        return "reverse-time recurrences are not generated yet"
+    if not r.axes:
+        return "a scalar state (no state axes)"
+    names = set(r.axes) | {"t"}
+    loads = []
+    for e in _all_exprs(r):
+        for x in ir.walk(e):
+            why = unsupported(x)
+            if why:
+                return why
+            if isinstance(x, Load):
+                loads.append(x)
+    for ld in loads:
+        if ld.input >= len(r.inputs) or len(ld.index) != r.inputs[ld.input].ndim:
+            return f"load {ld} does not match input {ld.input}'s rank"
+        for ix in ld.index:
+            if isinstance(ix, int):
+                if ix < 0:
+                    return f"load {ld} with a negative index"
+            elif ix not in names:
+                return f"load {ld} indexes by unknown axis {ix!r}"
+    for e in (r.decay, r.drive):
+        if any(isinstance(x, (Reduce, State)) for x in ir.walk(e)):
+            return "a reduction or the state inside the decay/drive"
+    reduced = set()
+    for o in r.outputs:
+        for x in ir.walk(o.expr):
+            if isinstance(x, Reduce):
+                if not x.axes or any(a not in r.axes for a in x.axes):
+                    return f"reduction over {list(x.axes)}: not all state axes"
+                if any(isinstance(y, Reduce) for y in ir.walk(x.arg)):
+                    return "a reduction nested in a reduction"
+                if not set(x.axes) <= ir.axes_of(x.arg, r.axes):
+                    return f"reduction over {list(x.axes)} of a value constant along it"
+                reduced |= set(x.axes)
+    if len(reduced) > 1:
+        return (f"outputs reduce over {sorted(reduced)}; the kernel holds one state axis in "
+                "registers and sums over it")
+    reg = next(iter(reduced)) if reduced else None
+    for o in r.outputs:
+        if isinstance(o.expr, Const):
+            return "an output that is a constant"
+        idx = [ix for ix in o.index if ix != 1]
+        if len(set(idx)) != len(idx) or any(ix not in names for ix in idx):
+            return f"output index {o.index}"
+        if o.kind == "steps" and "t" not in idx:
+            return "a per-step output without a time dim"
+        if o.kind == "final" and "t" in idx:
+            return "a final output with a time dim"
+        if o.kind not in ("steps", "final"):
+            return f"output kind {o.kind!r}"
+        extra = ir.axes_of(o.expr, r.axes) - set(idx) - ({"t"} if o.kind == "final" else set())
+        if extra:
+            return f"output {o.index} varies along {sorted(extra)}, which it does not index"
+    if r.init is not None and r.inputs[r.init].ndim != len(r.axes):
+        return "an initial state not laid out as the state"
+    parallel = [a for a in r.axes if a != reg]
+    block = _channel_axis(r, parallel, loads)
+    scalars = tuple(a for a in parallel if a != block)
+    used = {ld.input for ld in loads} | ({r.init} if r.init is not None else set())
+    return Plan(reg, block, scalars, tuple(sorted(used)))
+
+
+def _channel_axis(r: Region, parallel, loads) -> str | None:
+    """The parallel axis most often innermost in time-indexed loads and outputs (coalesced
+    loads across a program's block); ties go to the last parallel axis in state order."""
+    if not parallel:
+        return None
+    votes = {a: 0 for a in parallel}
+    idxs = [ld.index for ld in loads if "t" in ld.index] + [o.index for o in r.outputs]
+    for index in idxs:
+        named = [ix for ix in index if isinstance(ix, str)]
+        if named and named[-1] in votes:
+            votes[named[-1]] += 1
+    best = max(votes.values())
+    return [a for a in parallel if votes[a] == best][-1]
+
+
+# -- rendering -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Variant:
+    prelude: list
+    init: str | None
+    pre: list
+    a: str
+    b: str
+    post: list
+    final: list
+
+
+def _frames(plan: Plan, three_d: bool):
+    """(prelude, body, final) frames: how each axis reads in each block of one variant."""
+    sfx, mt = ("3", "mt") if three_d else ("", None)
+    codes = {a: (f"idx_{a}", None) for a in plan.scalars}
+    if plan.block:
+        codes[plan.block] = (f"od{sfx}", f"md{sfx}")
+    if plan.reg:
+        codes[plan.reg] = (f"on{sfx}", f"mn{sfx}")
+    reg_mask = f"mn{sfx}" if plan.reg else None
+    pre = Frame(dict(codes), None, 1, reg_mask)
+    body = Frame({**codes, "t": ("tt", mt) if three_d else ("t", None)}, None, 1, reg_mask)
+    final = Frame({**codes, "t": ("t_last", None)}, "h", 1, reg_mask)
+    return pre, body, final
+
+
+def _store(printer: TritonPrinter, k: int, o: ir.OutputSpec, value: str) -> str:
+    scal, vec, masks = [], [], []
+    for d, ix in enumerate(o.index):
+        if ix == 1:
+            continue
+        code, mask = printer.frame.codes[ix]
+        (vec if mask else scal).append(f"{code} * out{k}_s{d}")
+        if mask and mask not in masks:
+            masks.append(mask)
+    off = " + ".join(scal + vec) or "0"
+    m = f", mask={' & '.join(masks)}" if masks else ""
+    return f"tl.store(out{k}_ptr + ({off}), {value}.to(out{k}_ptr.dtype.element_ty){m})"
+
+
+def _print_variant(r: Region, plan: Plan, cdt: str, three_d: bool) -> Variant:
+    p = TritonPrinter(r, cdt)
+    pre_f, body_f, final_f = _frames(plan, three_d)
+    p.set_prelude_frame(pre_f)
+    p.block(pre_f)
+    init = p.expr(Load(r.init, tuple(r.axes))) if r.init is not None else None
+    pre = p.block(body_f)
+    a, b = p.expr(r.decay), p.expr(r.drive)
+    post = []
+    p.switch(post, state="H" if three_d else "h")
+    for k, o in enumerate(r.outputs):
+        if o.kind == "steps":
+            post.append(_store(p, k, o, p.expr(o.expr)))
+    final = p.block(final_f)
+    for k, o in enumerate(r.outputs):
+        if o.kind == "final":
+            final.append(_store(p, k, o, p.expr(o.expr)))
+    return Variant(list(p.prelude), init, pre, a, b, post, final)
+
+
+def kernel_args(r: Region, plan: Plan) -> list[str]:
+    """The runtime arguments of both kernels, in order (the constexprs follow)."""
+    args = [f"in{i}_ptr" for i in plan.inputs] + [f"out{k}_ptr" for k in range(len(r.outputs))]
+    args += [f"in{i}_s{d}" for i in plan.inputs for d in range(r.inputs[i].ndim)]
+    args += [f"out{k}_s{d}" for k, o in enumerate(r.outputs) for d in range(len(o.index))]
+    args += [f"size_{a}" for a in plan.scalars] + ["SIZE_D", "SIZE_N", "L"]
+    return args
+
+
+def _arg_lines(r: Region, plan: Plan) -> list[str]:
+    """`kernel_args` one group a line: pointers, each tensor's strides, sizes."""
+    def group(n):
+        if n.endswith("_ptr"):
+            return "ptr"
+        return n.split("_")[0] if "_s" in n and n[:2] in ("in", "ou") else "sizes"
+    lines, last = [], None
+    for n in kernel_args(r, plan):
+        g = group(n)
+        if g != last:
+            lines.append([])
+            last = g
+        lines[-1].append(n)
+    return [", ".join(g) + "," for g in lines]
+
+
+def _lines(items, indent: int, sep: str = "") -> str:
+    pad = " " * indent
+    return (sep + "\n").join(pad + s for s in items)
+
+
+@functools.lru_cache(maxsize=None)
+def _env():
+    import jinja2
+
+    root = importlib.resources.files("ssmc.templates")
+
+    def load(name):
+        return (root / name).read_text()
+    env = jinja2.Environment(loader=jinja2.FunctionLoader(load), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["lines"] = _lines
+    env.filters["comment"] = lambda s: "\n".join("# " + l for l in str(s).splitlines())
+    return env
+
+
+def kernel_name(r: Region) -> str:
+    safe = "".join(c if c.isalnum() else "_" for c in r.name)
+    return f"ssmc_{safe}_{r.key()[:8]}"
+
+
+def render(r: Region, plan: Plan, cdt: str = "tl.float32") -> str:
+    env = _env()
+    return env.get_template(TEMPLATE).render(
+        region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=kernel_name(r),
+        plan=plan, args=kernel_args(r, plan),
+        loop=_print_variant(r, plan, cdt, False), scan=_print_variant(r, plan, cdt, True))
+
+
+@functools.lru_cache(maxsize=None)
+def load_configs() -> dict:
+    return json.loads((importlib.resources.files("ssmc.templates") / CONFIGS).read_text())
+
+
+def arch_key(arch) -> str:
+    if arch is None:
+        return "interpreter"
+    return "sm_90" if arch >= 90 else "sm_80"
+
+
+# -- module loading ----------------------------------------------------------------------------------
+
+_MODULES: dict[tuple[str, bool], object] = {}
+_LOCK = threading.Lock()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def import_source(source: str, key: str, cache) -> tuple[object, Path]:
+    """Import rendered source from a real file (Triton's @jit reads it back with inspect).
+
+    The file lives next to the cache entries (``<cache>/triton/<key>.py``), or in a temp dir
+    when the cache is not writable; it is rewritten when it does not hold `source`."""
+    interp = interpreting()
+    with _LOCK:
+        hit = _MODULES.get((key, interp))
+        if hit is not None:
+            return hit, Path(hit.__file__)
+        path = Path(cache.root) / "triton" / f"{key}.py"
+        try:
+            if not path.is_file() or path.read_text() != source:
+                _write_atomic(path, source)
+        except OSError:
+            path = Path(tempfile.mkdtemp(prefix="ssmc_triton_")) / f"{key}.py"
+            path.write_text(source)
+        name = f"ssmc_triton_{key[:24]}_{'interp' if interp else 'jit'}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except Exception:
+            sys.modules.pop(name, None)
+            raise
+        _MODULES[(key, interp)] = mod
+        return mod, path
+
+
+# -- the kernel ----------------------------------------------------------------------------------------
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class TritonKernel:
+    """The forward kernel of one region: rendered source, per-bucket autotuned configs.
+
+    ``cache_status``: "hit" when the rendered source was already in the kernel cache.
+    ``config``: the config of the last launch; ``chosen``: bucket -> config.
+    ``fallback``: set when a call had to run the torch reference instead, and why.
+    """
+
+    def __init__(self, region: Region, strategy: str, plan: Plan, options, arch):
+        from ssmc import __version__
+        from ssmc.runtime.cache import cache_key, get_cache
+        self.region, self.strategy, self.plan = region, strategy, plan
+        self.arch = arch                   # sm number of the device at compile time, None on CPU
+        self.cache = get_cache(options.cache_dir)
+        self._version = __version__
+        self._cache_key = cache_key
+        self.chosen: dict = {}
+        self.config: dict | None = None
+        self.fallback: str | None = None
+        self.timings: dict = {}
+        self._ref = None
+        self._lock = threading.Lock()
+        self._sources: dict[str, tuple[str, str, str]] = {}      # cdt -> (source, key, status)
+        cdt = "tl.float64" if any(s.dtype == "float64" for s in region.inputs) else "tl.float32"
+        self.cdt = cdt
+        self.source, self.key, self.cache_status = self._source(cdt)
+        self.module, self.path = import_source(self.source, self.key, self.cache)
+
+    # -- source and cache ------------------------------------------------------------------------
+    def _source(self, cdt: str):
+        if cdt not in self._sources:
+            src = render(self.region, self.plan, cdt)
+            key = self._cache_key("triton-source", src, arch_key(self.arch), TritonTarget.name,
+                                  TritonTarget.version, _TRITON_VERSION, self._version)
+            got = self.cache.get(key, "kernel.py")
+            status = "hit" if got is not None and got.decode() == src else "miss"
+            if status == "miss":
+                self.cache.put(key, "kernel.py", src.encode())
+            self._sources[cdt] = (src, key, status)
+        return self._sources[cdt]
+
+    def _module(self, cdt: str):
+        """The imported module for this compute dtype, decorated for the interpreter or the
+        GPU as TRITON_INTERPRET is now (Triton decides at @jit decoration)."""
+        src, key, _ = self._source(cdt)
+        return import_source(src, key, self.cache)[0]
+
+    def _fn(self, mod, variant: str):
+        return getattr(mod, f"{kernel_name(self.region)}_{variant}")
+
+    # -- shapes ------------------------------------------------------------------------------------
+    def sizes(self, inputs) -> tuple[dict, int]:
+        r = self.region
+        sizes = {a: int(inputs[i].shape[d]) for a, (i, d) in zip(r.axes, r.axis_size)}
+        return sizes, int(inputs[r.length[0]].shape[r.length[1]])
+
+    def bucket(self, inputs) -> tuple:
+        sizes, L = self.sizes(inputs)
+        p = self.plan
+        others = math.prod(sizes[a] for a in p.scalars)
+        return (tuple(str(x.dtype).replace("torch.", "") for x in inputs),
+                _pow2(sizes[p.reg]) if p.reg else 1,
+                min(_pow2(sizes[p.block]), 4096) if p.block else 1,
+                min(_pow2(others), 1 << 16), min(_pow2(L), 1 << 14))
+
+    def candidates(self, inputs, arch) -> list[dict]:
+        """The configs of this arch that fit these shapes (clamped, deduplicated)."""
+        table = load_configs()
+        sizes, L = self.sizes(inputs)
+        bn = _pow2(sizes[self.plan.reg]) if self.plan.reg else 1
+        bd_max = _pow2(sizes[self.plan.block]) if self.plan.block else 1
+        budget = table.get("max_tile_per_thread", 64) * 32
+        out, seen = [], set()
+        for c in table[arch_key(arch)]:
+            c = dict(c)
+            c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
+            if c["variant"] == "scan":
+                c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L)))
+                if c["BLOCK_D"] * bn * c["CHUNK"] > budget * c["num_warps"] and out:
+                    continue
+            else:
+                c["CHUNK"] = max(1, min(int(c["CHUNK"]), L))
+            sig = tuple(sorted(c.items()))
+            if sig not in seen:
+                seen.add(sig)
+                out.append(c)
+        return out
+
+    # -- launching -----------------------------------------------------------------------------------
+    def outputs(self, inputs) -> list[torch.Tensor]:
+        sizes, L = self.sizes(inputs)
+        dev = inputs[0].device
+        return [torch.empty([L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index],
+                            dtype=ir.to_dtype(o.dtype), device=dev) for o in self.region.outputs]
+
+    def launch_args(self, inputs, outs) -> list:
+        r, p = self.region, self.plan
+        sizes, L = self.sizes(inputs)
+        args = [inputs[i] for i in p.inputs] + list(outs)
+        for i in p.inputs:
+            x = inputs[i]
+            args += [0 if x.shape[d] == 1 else x.stride(d) for d in range(x.dim())]
+        for o in outs:
+            args += [0 if o.shape[d] == 1 else o.stride(d) for d in range(o.dim())]
+        args += [sizes[a] for a in p.scalars]
+        args += [sizes[p.block] if p.block else 1, sizes[p.reg] if p.reg else 1, L]
+        return args
+
+    def constexprs(self, inputs, config) -> dict:
+        sizes, _ = self.sizes(inputs)
+        return {"BLOCK_D": config["BLOCK_D"],
+                "BLOCK_N": _pow2(sizes[self.plan.reg]) if self.plan.reg else 1,
+                "CHUNK": config["CHUNK"]}
+
+    def grid(self, inputs, config) -> tuple[int]:
+        sizes, _ = self.sizes(inputs)
+        d = sizes[self.plan.block] if self.plan.block else 1
+        return (math.prod(sizes[a] for a in self.plan.scalars) * triton.cdiv(d, config["BLOCK_D"]),)
+
+    def signature(self, inputs, config) -> tuple[object, dict, dict]:
+        """(jit function, signature, constexprs) for ``triton.compile(ASTSource(...))``."""
+        outs = self.outputs(inputs)
+        names = kernel_args(self.region, self.plan)
+        sig = {}
+        for n, v in zip(names, self.launch_args(inputs, outs)):
+            if isinstance(v, torch.Tensor):
+                sig[n] = "*" + _TL_PTR[v.dtype]
+            else:
+                sig[n] = "i32" if abs(v) <= _INT32_MAX else "i64"
+        cx = self.constexprs(inputs, config)
+        sig.update({k: "constexpr" for k in cx})
+        return self._fn(self._module(self._cdt(inputs)), config["variant"]), sig, cx
+
+    def _cdt(self, inputs) -> str:
+        return "tl.float64" if any(x.dtype == torch.float64 for x in inputs) else "tl.float32"
+
+    def launch(self, inputs, config, outs=None) -> list[torch.Tensor]:
+        """Run one config (tests use this to check every variant)."""
+        outs = self.outputs(inputs) if outs is None else outs
+        fn = self._fn(self._module(self._cdt(inputs)), config["variant"])
+        extra = {} if inputs[0].device.type == "cpu" else {
+            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        fn[self.grid(inputs, config)](*self.launch_args(inputs, outs),
+                                      **self.constexprs(inputs, config), **extra)
+        return outs
+
+    def _why_not(self, inputs) -> str | None:
+        sizes, L = self.sizes(inputs)
+        dev = inputs[0].device
+        if L == 0:
+            return "zero steps"
+        if dev.type == "cpu" and not interpreting():
+            return "CPU tensors without TRITON_INTERPRET=1"
+        if dev.type not in ("cpu", "cuda"):
+            return f"device {dev.type}"
+        if self.plan.reg and _pow2(sizes[self.plan.reg]) > MAX_BLOCK_N:
+            return f"register axis of {sizes[self.plan.reg]} > {MAX_BLOCK_N} elements"
+        for x in (*inputs, *self.outputs_meta(inputs)):
+            if x.numel() > _INT32_MAX:
+                return "a tensor of more than 2**31 elements (32-bit offsets)"
+        for x in inputs:
+            if x.dtype not in _TL_PTR:
+                return f"input dtype {x.dtype}"
+        return None
+
+    def outputs_meta(self, inputs):
+        sizes, L = self.sizes(inputs)
+        return [torch.empty([L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index], device="meta")
+                for o in self.region.outputs]
+
+    def _reference(self):
+        if self._ref is None:
+            from .reference import ReferenceKernel
+            self._ref = ReferenceKernel(self.region)
+        return self._ref
+
+    def forward(self, inputs):
+        why = self._why_not(inputs)
+        if why is not None:
+            self.fallback = why
+            return self._reference().forward(inputs)
+        arch = None
+        if inputs[0].device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(inputs[0].device)
+            arch = major * 10 + minor
+        config = self._config(inputs, arch)
+        if config is None:
+            return self._reference().forward(inputs)
+        self.config = config
+        return self.launch(inputs, config)
+
+    def _config(self, inputs, arch) -> dict | None:
+        bucket = (arch_key(arch), self.bucket(inputs))
+        if bucket in self.chosen:
+            return self.chosen[bucket]
+        with self._lock:
+            if bucket in self.chosen:
+                return self.chosen[bucket]
+            src_key = self._source(self._cdt(inputs))[1]
+            tkey = self._cache_key("triton-autotune", src_key, repr(bucket))
+            got = self.cache.get(tkey, "config.json")
+            if got is not None:
+                try:
+                    cfg = json.loads(got)
+                    if cfg in self.candidates(inputs, arch):
+                        self.chosen[bucket] = cfg
+                        return cfg
+                except ValueError:
+                    pass
+            cfg = self._autotune(inputs, arch, bucket)
+            if cfg is not None:
+                self.cache.put(tkey, "config.json", json.dumps(cfg, sort_keys=True).encode())
+                self.chosen[bucket] = cfg
+            return cfg
+
+    def _autotune(self, inputs, arch, bucket) -> dict | None:
+        """Time every candidate (a failing one, e.g. out of registers, is skipped)."""
+        cands = self.candidates(inputs, arch)
+        times, errors = {}, []
+        cuda = inputs[0].device.type == "cuda"
+        for c in cands:
+            try:
+                outs = self.launch(inputs, c)                  # compiles
+                if cuda:
+                    torch.cuda.synchronize()
+                    reps = 10
+                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t0.record()
+                    for _ in range(reps):
+                        self.launch(inputs, c, outs)
+                    t1.record()
+                    torch.cuda.synchronize()
+                    ms = t0.elapsed_time(t1) / reps
+                else:
+                    s = time.perf_counter()
+                    self.launch(inputs, c, outs)
+                    ms = (time.perf_counter() - s) * 1e3
+                times[json.dumps(c, sort_keys=True)] = ms
+            except Exception as e:
+                errors.append(f"{c}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                log.debug("ssmc triton: config %s failed", c, exc_info=True)
+        self.timings[bucket] = times
+        if not times:
+            self.fallback = (f"every Triton config failed (kernel source {self.path}); "
+                             f"the torch reference ran instead: " + "; ".join(errors))
+            log.warning("ssmc: %s", self.fallback)
+            return None
+        return json.loads(min(times, key=times.get))
+
+    def backward(self, inputs, grads, needs):
+        """Delegates to the torch reference (the forward re-run under autograd); generated
+        backward kernels are a later issue."""
+        return self._reference().backward(inputs, grads, needs)
+
+
+_TL_PTR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+           torch.float64: "fp64", torch.bool: "i1"}
+
+
+# -- the target ----------------------------------------------------------------------------------------
+
+class TritonTarget:
+    name = "triton"
+    version = f"1+triton-{_TRITON_VERSION}"
+
+    def supports(self, region: Region, strategy: str, arch, device_type: str):
+        if triton is None:
+            return f"triton is not installed ({_TRITON_VERSION})"
+        if device_type == "cuda":
+            if arch is None or arch < 80:
+                return f"needs sm_80 or newer (this device is sm_{arch})"
+        elif device_type == "cpu":
+            if not interpreting():
+                return "Triton kernels run on CUDA GPUs; on CPU only under TRITON_INTERPRET=1"
+        else:
+            return f"no Triton kernels for device {device_type!r}"
+        if strategy not in STRATEGIES:
+            return f"strategy {strategy!r} has no Triton kernel"
+        plan = make_plan(region)
+        return plan if isinstance(plan, str) else True
+
+    def compile(self, region: Region, strategy: str, options) -> TritonKernel:
+        if triton is None:
+            raise RuntimeError(f"triton is not installed ({_TRITON_VERSION})")
+        plan = make_plan(region)
+        if isinstance(plan, str):
+            raise ValueError(f"triton target cannot compile region {region.name}: {plan}")
+        arch = None
+        if not interpreting() and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            arch = major * 10 + minor
+        return TritonKernel(region, strategy, plan, options, arch)
+
+    def source(self, kernel: TritonKernel) -> str:
+        head = [f"# triton target {self.version}: kernel cache {kernel.cache_status}, source file {kernel.path}",
+                f"# plan: register axis {kernel.plan.reg}, channel axis {kernel.plan.block}, "
+                f"one program per index of {list(kernel.plan.scalars)}"]
+        if kernel.chosen:
+            for (arch, bucket), cfg in kernel.chosen.items():
+                head.append(f"# config for {arch}, bucket {bucket}: {json.dumps(cfg, sort_keys=True)}")
+        else:
+            cands = load_configs()[arch_key(kernel.arch)]
+            head.append(f"# config: autotuned on the first call over {len(cands)} {arch_key(kernel.arch)} "
+                        f"configs ({CONFIGS})")
+        if kernel.fallback:
+            head.append(f"# fallback: {kernel.fallback}")
+        return "\n".join(head) + "\n" + kernel.source
