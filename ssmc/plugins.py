@@ -23,7 +23,8 @@ _BUILTIN = {
         "fuse_epilogue": "ssmc.passes.fuse_epilogue:FuseEpilogue",
         "select_strategy": "ssmc.passes.select_strategy:SelectStrategy",
     },
-    "ssmc.targets": {"torch": "ssmc.targets.reference:TorchTarget"},
+    "ssmc.targets": {"torch": "ssmc.targets.reference:TorchTarget",
+                     "triton": "ssmc.targets.triton:TritonTarget"},
 }
 
 

@@ -276,7 +276,7 @@ def render(r: Region, plan: Plan, cdt: str = "tl.float32") -> str:
     env = _env()
     return env.get_template(TEMPLATE).render(
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=kernel_name(r),
-        plan=plan, args=kernel_args(r, plan),
+        plan=plan, args=_arg_lines(r, plan),
         loop=_print_variant(r, plan, cdt, False), scan=_print_variant(r, plan, cdt, True))
 
 
