@@ -262,9 +262,9 @@ def view_map(node: fx.Node) -> tuple[tuple, dict] | None:
     x = node.args[0]
     if not is_tensor(x) or not is_tensor(node):
         return None
-    in_shape, out_shape = shape(x), shape(node)
-    if not all(isinstance(s, int) for s in (*in_shape, *out_shape)):
-        return None  # symbolic sizes: leave it to torch
+    in_shape, out_shape = _hint(shape(x)), _hint(shape(node))
+    if in_shape is None or out_shape is None:
+        return None  # sizes without a known value
     nd = len(in_shape)
     src: list = [None] * len(out_shape)
     hits = [0] * len(out_shape)
@@ -305,12 +305,27 @@ def view_map(node: fx.Node) -> tuple[tuple, dict] | None:
     return tuple(src), consts
 
 
+def _hint(sizes):
+    """Concrete sizes: symbolic sizes (dynamic shapes) by the value they had when captured."""
+    out = []
+    for s in sizes:
+        if isinstance(s, torch.SymInt):
+            h = getattr(s.node, "hint", None)
+            if h is None:
+                return None
+            s = h
+        out.append(int(s))
+    return tuple(out)
+
+
 def _meta_like(a):
     if isinstance(a, fx.Node):
         v = value(a)
         if isinstance(v, torch.Tensor):
-            return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
-        return v
+            return torch.empty(_hint(v.shape), dtype=v.dtype, device="meta")
+        return _meta_like(v)
+    if isinstance(a, torch.SymInt):
+        return _hint((a,))[0]
     return a
 
 

@@ -123,3 +123,18 @@ def test_decays_near_one_over_many_steps():
     out, rep = ssmc_run(fn, (x, a))
     assert len(rep.regions) == 1
     assert rel_err(out, reference(fn, (x, a))[0]) < 1e-5
+
+
+def test_dynamic_batch_keeps_the_fusion():
+    """After a recompile with a symbolic batch size the region is the same: views are still
+    understood, nothing is computed outside the kernel."""
+    import ssmc
+    fn = P.mamba1("stack")
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="ssmc")
+    f(*P.mamba1_inputs(b=2, L=6, seed=1))
+    f(*P.mamba1_inputs(b=3, L=6, seed=2))
+    r = ssmc.backend.LAST_REPORT.regions[0].ir
+    assert not any("before the region" in s.name for s in r.inputs), str(r)
+    ins = P.mamba1_inputs(b=5, L=6, seed=3)
+    assert rel_err(f(*ins), reference(fn, ins)[0]) < TOL[torch.float32]

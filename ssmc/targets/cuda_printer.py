@@ -257,9 +257,9 @@ def level(e, region: Region, inner) -> str:
 
 def const(v: float) -> str:
     if math.isnan(v):
-        return "ssmc_t(NAN)"
+        return "ssmc_t(SSMC_NAN)"
     if math.isinf(v):
-        return "ssmc_t(INFINITY)" if v > 0 else "ssmc_t(-INFINITY)"
+        return "ssmc_t(SSMC_INF)" if v > 0 else "ssmc_t(-SSMC_INF)"
     return f"ssmc_t({v!r})"
 
 
