@@ -41,12 +41,15 @@ class Reroll(Pass):
 
     def run(self, ctx) -> bool:
         loops = []
+        hops = {getattr(torch.ops.higher_order, "scan", None): loop_from_scan,
+                getattr(torch.ops.higher_order, "associative_scan", None): loop_from_associative_scan}
+        hops.pop(None, None)
         for node in list(ctx.gm.graph.nodes):
-            if node.op == "call_function" and node.target is getattr(torch.ops.higher_order, "scan", None):
+            if node.op == "call_function" and node.target in hops:
                 try:
-                    loops.append(loop_from_scan(ctx.gm, node))
+                    loops.append(hops[node.target](ctx.gm, node))
                 except ValueError as e:
-                    ctx.fallbacks.append((node.name, f"scan not taken: {e}"))
+                    ctx.fallbacks.append((node.name, f"{node.target} not taken: {e}"))
         loops += find_unrolled(ctx.gm, ctx)
         for i, lp in enumerate(sorted(loops, key=lambda lp: _order(ctx.gm, lp))):
             lp.name = f"loop{i}"
@@ -455,3 +458,62 @@ def loop_from_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
     return Loop("", fx.GraphModule(gm, body), None, list(init),
                 [Read(x, int(dim), 0) for x in xs], list(extra), results,
                 erase=[node, *[u for us in getitems.values() for u in us]], anchor=node, origin="scan")
+
+
+# -- the associative_scan higher-order op -----------------------------------------------------
+
+def _is_pair_combine(sub: fx.GraphModule) -> bool:
+    """True when the combine function is the linear-recurrence pair
+    ((a1, b1), (a2, b2)) -> (a1 * a2, a2 * b1 + b2), up to commutativity."""
+    from ssmc.ops import canonical
+    phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    if len(phs) != 4 or len(out) != 2:
+        return False
+    a1, b1, a2, b2 = phs
+
+    def is_op(n, op, operands):
+        c = canonical(n) if isinstance(n, fx.Node) and n.op != "placeholder" else None
+        return c is not None and c.kind == "ew" and c.op == op and not c.params and \
+            sorted(map(id, c.args)) == sorted(map(id, operands))
+    if not is_op(out[0], "mul", (a1, a2)):
+        return False
+    c = canonical(out[1]) if isinstance(out[1], fx.Node) else None
+    if c is None or c.kind != "ew" or c.op != "add" or c.params:
+        return False
+    x, y = c.args
+    return (is_op(x, "mul", (a2, b1)) and y is b2) or (is_op(y, "mul", (a2, b1)) and x is b2)
+
+
+def loop_from_associative_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
+    fn, xs, extra = (list(node.args) + [[]])[:3]
+    if fn.op != "get_attr" or len(xs) != 2 or extra:
+        raise ValueError("only associative_scan(combine, (a, b)) with the linear-recurrence pair")
+    if not _is_pair_combine(getattr(gm, fn.target)):
+        raise ValueError("the combine function is not (a1*a2, a2*b1 + b2)")
+    a, b = xs
+    mode = _fake_mode(gm.graph)
+    body = fx.Graph()
+    h = body.placeholder("carry_0")
+    ra, rb = body.placeholder("read_0"), body.placeholder("read_1")
+    with (mode if mode is not None else contextlib.nullcontext()):
+        for ph, src in ((ra, a), (rb, b)):
+            ph.meta["example_value"] = torch.select(value_of(src), 0, 0)
+        h.meta["example_value"] = torch.select(value_of(b), 0, 0)
+        m = body.call_function(operator.mul, (ra, h))
+        m.meta["example_value"] = h.meta["example_value"] * ra.meta["example_value"]
+        new = body.call_function(operator.add, (m, rb))
+        new.meta["example_value"] = m.meta["example_value"] + rb.meta["example_value"]
+    getitems = defaultdict(list)
+    for u in node.users:
+        if u.op == "call_function" and u.target is operator.getitem and _is_int(u.args[1]):
+            getitems[u.args[1]].append(u)
+        else:
+            raise ValueError(f"associative_scan output used by {u.name} directly")
+    if getitems.get(0):
+        raise ValueError("the running product of the decays (output 0) is used")
+    body.output((new, new))
+    return Loop("", fx.GraphModule(gm, body), None, [None], [Read(a, 0, 0), Read(b, 0, 0)], [],
+                [Result("steps", "scan", 0, getitems.get(1, []))],
+                erase=[node, *[u for us in getitems.values() for u in us]], anchor=node,
+                origin="associative_scan")

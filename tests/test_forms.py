@@ -88,3 +88,47 @@ def test_not_associative_falls_back(kind):
     reasons = " ".join(r for _, r in report.fallbacks)
     assert "detect_recurrence" in reasons, reasons
     assert torch.equal(out, fn(*ins))        # runs unchanged
+
+
+def _assoc_scan_graph(combine):
+    """A graph as Dynamo captures torch.associative_scan(combine, (a, b), dim=0) (pointwise mode
+    needs CUDA to trace, so the CPU test builds the same graph by hand)."""
+    import operator
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    root = torch.nn.Module()
+    root.comb = fx.symbolic_trace(combine)
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    fn = g.get_attr("comb")
+    n = g.call_function(torch.ops.higher_order.associative_scan, (fn, [a, b], []))
+    out = g.call_function(operator.getitem, (n, 1))
+    g.output((out,))
+    gm = fx.GraphModule(root, g)
+    xa, xb = torch.rand(7, 2, 3), torch.randn(7, 2, 3)
+    a.meta["example_value"], b.meta["example_value"] = mode.from_tensor(xa), mode.from_tensor(xb)
+    return gm, (xa, xb)
+
+
+def test_associative_scan_hop():
+    import ssmc
+    gm, (xa, xb) = _assoc_scan_graph(lambda a1, b1, a2, b2: (a1 * a2, a2 * b1 + b2))
+    rep = ssmc.Report()
+    fn = ssmc.ssmc_backend(gm, [xa, xb], _report=rep)
+    assert len(rep.regions) == 1 and "associative_scan" in rep.regions[0].loop
+    (y,) = fn(xa, xb)
+    h, ref = torch.zeros(2, 3), []
+    for t in range(7):
+        h = xa[t] * h + xb[t]
+        ref.append(h)
+    assert torch.allclose(y, torch.stack(ref), atol=1e-6)
+
+
+def test_associative_scan_other_combine_is_left_alone():
+    import ssmc
+    gm, (xa, xb) = _assoc_scan_graph(lambda a1, b1, a2, b2: (a1 + a2, b1 + b2))
+    rep = ssmc.Report()
+    ssmc.ssmc_backend(gm, [xa, xb], _report=rep)
+    assert not rep.regions
+    assert any("not (a1*a2, a2*b1 + b2)" in why for _, why in rep.fallbacks)
