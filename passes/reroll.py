@@ -163,10 +163,12 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
         if any(lo <= a0 < hi for lo, hi in covered):
             continue
         found, why = None, "the steps do not repeat the same operations"
-        for s in range(max(0, a0 - K + 1), a0 + 1):
+        # the latest start that works: the step then ends with what it computes from its new
+        # state (outputs), rather than beginning with the previous step's outputs
+        for s in range(a0, max(0, a0 - K + 1) - 1, -1):
             seg = _Segment(nodes, pos, reads, s, K, L)
             if seg.e >= len(nodes):
-                break
+                continue
             try:
                 found = _try_segment(gm, seg)
             except _NotALoop as e:
@@ -337,10 +339,11 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
             if not full or len(tpos) != 1 or any(not (isinstance(x, slice) and x == slice(None))
                                                    for i, x in enumerate(full) if i != tpos[0]):
                 raise _NotALoop(f"`{buf.name}[...] = ...` writes are supported as out[:, t] = y only")
-            if full[tpos[0]] != 1 or shape(buf)[tpos[0]] != L:   # template is step 1
+            start = full[tpos[0]] - 1                               # template is step 1
+            if start < 0 or start + L > shape(buf)[tpos[0]]:
                 raise _NotALoop(f"writes into {buf.name} do not cover it step by step")
             writes = [nodes[s + k * K + j] for k in range(L)]
-            results.append(Result("steps", "setitem", tpos[0], writes, buffer=buf))
+            results.append(Result("steps", "setitem", tpos[0], writes, buffer=buf, start=start))
             result_vals.append(fx.node.map_arg(val, body_arg))
             continue
         env[n] = body.node_copy(n, body_arg)
@@ -363,8 +366,8 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
                 last_uses[j].append(n)
             else:
                 raise _NotALoop(f"{u.name} uses {n.name}, a value of step {k}, after the loop")
-    for u, (j, kind, dim) in sinks.items():
-        results.append(Result("steps", kind, dim, [u]))
+    for u, (j, kind, dim, pre, post) in sinks.items():
+        results.append(Result("steps", kind, dim, [u], prefix=pre, suffix=post))
         result_vals.append(env[tmpl[j]])
     for j, outer in last_uses.items():
         results.append(Result("last", replace=list(dict.fromkeys(outer))))
@@ -382,22 +385,30 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
 
 
 def _stack_sink(u: fx.Node, seg: _Segment):
-    """(template position, "stack"|"cat", dim) when u stacks one value per step, in order."""
+    """(template position, "stack"|"cat", dim, prefix, suffix) when u stacks one value per step,
+    in order; values before and after the steps (peeled steps, an initial state) are kept."""
     if u.op != "call_function" or u.target not in (torch.stack, torch.cat):
         return None
     seq = u.args[0] if u.args else u.kwargs.get("tensors")
     dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
-    if not isinstance(seq, (list, tuple)) or len(seq) != seg.L or not _is_int(dim):
+    if not isinstance(seq, (list, tuple)) or not _is_int(dim):
+        return None
+    inside = [i for i, x in enumerate(seq) if isinstance(x, fx.Node) and seg.inside(x)]
+    if len(inside) != seg.L or inside != list(range(inside[0], inside[0] + seg.L)):
         return None
     js = set()
-    for k, x in enumerate(seq):
-        if not isinstance(x, fx.Node) or not seg.inside(x) or seg.it(seg.pos[x]) != k:
+    for k, i in enumerate(inside):
+        x = seq[i]
+        if seg.it(seg.pos[x]) != k:
             return None
         js.add((seg.pos[x] - seg.s) % seg.K)
     if len(js) != 1:
         return None
+    pre, post = list(seq[:inside[0]]), list(seq[inside[-1] + 1:])
+    if not all(isinstance(x, fx.Node) and not seg.inside(x) for x in pre + post):
+        return None
     ndim = len(shape(u))
-    return js.pop(), "stack" if u.target is torch.stack else "cat", dim % ndim
+    return js.pop(), "stack" if u.target is torch.stack else "cat", dim % ndim, pre, post
 
 
 # -- the scan higher-order op ------------------------------------------------------------------

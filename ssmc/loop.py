@@ -29,6 +29,9 @@ class Result:
     dim: int = 0                       # where the time axis goes in the sink
     replace: list = dataclasses.field(default_factory=list)  # outer nodes standing for this result
     buffer: fx.Node | None = None      # setitem: the tensor written into
+    start: int = 0                     # setitem: the loop writes buffer[start : start + L] along dim
+    prefix: list = dataclasses.field(default_factory=list)   # stack/cat: peeled values before
+    suffix: list = dataclasses.field(default_factory=list)   # ... and after the loop's steps
 
 
 @dataclasses.dataclass

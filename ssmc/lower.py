@@ -167,17 +167,29 @@ class Lowering:
         return res
 
     def _reroute(self, r, v):
+        g = self.g
         if r.sink == "setitem":
             buf = r.buffer
             writes = set(r.replace)
             later = [u for u in buf.users if u not in writes]
-            if _is_alloc(buf) and all(_after(u, r.replace[-1]) for u in later):
+            n = self.loop.length
+            whole = r.start == 0 and shape(buf)[r.dim] == n
+            if whole and _is_alloc(buf) and all(_after(u, r.replace[-1]) for u in later):
                 for u in later:
                     u.replace_input_with(buf, v)
-            else:
-                with self.g.inserting_after(v):
-                    self.g.call_method("copy_", (buf, v))
+                return
+            with g.inserting_before(r.replace[-1].next):     # buf[..., start:start + L, ...] = v
+                idx = (slice(None),) * r.dim + (slice(r.start, r.start + n),)
+                g.call_function(operator.setitem, (buf, idx, v))
             return
+        if r.prefix or r.suffix:       # peeled steps around the loop's
+            with g.inserting_before(r.replace[0]):
+                if r.sink == "stack":
+                    parts = [g.call_function(torch.stack, (list(p), r.dim)) for p in (r.prefix, r.suffix) if p]
+                    parts = ([parts.pop(0)] if r.prefix else []) + [v] + parts
+                else:
+                    parts = [*r.prefix, v, *r.suffix]
+                v = g.call_function(torch.cat, (parts, r.dim))
         for n in r.replace:
             n.replace_all_uses_with(v)
 

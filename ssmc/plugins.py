@@ -24,7 +24,8 @@ _BUILTIN = {
         "select_strategy": "ssmc.passes.select_strategy:SelectStrategy",
     },
     "ssmc.targets": {"torch": "ssmc.targets.reference:TorchTarget",
-                     "triton": "ssmc.targets.triton:TritonTarget"},
+                     "triton": "ssmc.targets.triton:TritonTarget",
+                     "cuda": "ssmc.targets.cuda:CudaTarget"},
 }
 
 

@@ -48,3 +48,15 @@ TOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-2}
 @pytest.fixture
 def run():
     return ssmc_run
+
+
+def pytest_terminal_summary(terminalreporter):
+    try:
+        import test_fuzz
+    except ImportError:
+        return
+    if test_fuzz.TALLY["tried"]:
+        t = test_fuzz.TALLY
+        terminalreporter.write_line(
+            f"ssmc fuzz: {t['tried']} programs tried ({t['linear']} linear, {t['nonlinear']} not), "
+            f"{t['wrong']} wrong, {t['crashed']} crashed")

@@ -132,3 +132,39 @@ def test_associative_scan_other_combine_is_left_alone():
     ssmc.ssmc_backend(gm, [xa, xb], _report=rep)
     assert not rep.regions
     assert any("not (a1*a2, a2*b1 + b2)" in why for _, why in rep.fallbacks)
+
+
+def test_peeled_first_step_and_initial_value_in_the_stack():
+    """The output buffer made in the first step, the initial state stacked before the steps:
+    the irregular first step stays as written, the rest becomes the region."""
+    def fn(x, a):
+        h = x[:, 0] * 0
+        hs = [h]
+        out = None
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            if out is None:
+                out = torch.empty(x.shape[0], x.shape[1], x.shape[2])
+            out[:, t] = h * 2
+            hs.append(h)
+        return out, torch.stack(hs, 1)
+    ins = (torch.randn(2, 7, 3), torch.rand(2, 7, 3))
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1
+    for o, r in zip(out, reference(fn, ins)):
+        assert rel_err(o, r) < 1e-6
+
+
+def test_setitem_into_a_buffer_passed_in():
+    def fn(x, a, out):
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            out[:, t] = h
+        return out
+    x, a = torch.randn(2, 6, 3), torch.rand(2, 6, 3)
+    buf = torch.full((2, 6, 3), float("nan"))
+    out, rep = ssmc_run(fn, (x, a, buf))
+    assert len(rep.regions) == 1
+    ref = fn(x.double(), a.double(), torch.empty(2, 6, 3, dtype=torch.float64))
+    assert rel_err(buf, ref) < 1e-6 and out.data_ptr() == buf.data_ptr()

@@ -249,7 +249,8 @@ class _Exp2Rewrite:
 
 def level(e, region: Region, inner) -> str:
     ax = ir.axes_of(e, region.axes)
-    has_t, has_in = "t" in ax, bool(ax & set(inner))
+    has_t = "t" in ax or ir.uses_state(e)      # the state changes every step (ir.axes_of omits t)
+    has_in = bool(ax & set(inner))
     return ST if (has_t and has_in) else TIME if has_t else STATE if has_in else BLOCK
 
 

@@ -66,7 +66,7 @@ def interpreting() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    reg: str | None                 # state axis held whole in registers and summed by tl.sum
+    reg: str | None                 # state axis held whole in registers and summed over
     block: str | None               # parallel axis blocked by BLOCK_D per program
     scalars: tuple[str, ...]        # other parallel axes: one program per index
     inputs: tuple[int, ...]         # region inputs the kernel reads
@@ -407,27 +407,29 @@ class TritonKernel:
                 min(_pow2(others), 1 << 16), min(_pow2(L), 1 << 14))
 
     def candidates(self, inputs, arch) -> list[dict]:
-        """The configs of this arch that fit these shapes (clamped, deduplicated)."""
+        """The configs of this arch that fit these shapes: BLOCK_D clamped to the channel
+        count, CHUNK to the length, tiles too big for the registers dropped (the smallest
+        one is kept when all are), duplicates removed."""
         table = load_configs()
         sizes, L = self.sizes(inputs)
         bn = _pow2(sizes[self.plan.reg]) if self.plan.reg else 1
         bd_max = _pow2(sizes[self.plan.block]) if self.plan.block else 1
-        budget = table.get("max_tile_per_thread", 64) * 32
-        out, seen = [], set()
+        budget = int(table.get("max_tile_per_thread", 64)) * 32
+        fits, tiles, seen = [], [], set()
         for c in table[arch_key(arch)]:
             c = dict(c)
             c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
-            if c["variant"] == "scan":
-                c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L)))
-                if c["BLOCK_D"] * bn * c["CHUNK"] > budget * c["num_warps"] and out:
-                    continue
-            else:
-                c["CHUNK"] = max(1, min(int(c["CHUNK"]), L))
+            scan = c["variant"] == "scan"
+            c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L) if scan else L))
             sig = tuple(sorted(c.items()))
-            if sig not in seen:
-                seen.add(sig)
-                out.append(c)
-        return out
+            if sig in seen:
+                continue
+            seen.add(sig)
+            tile = c["BLOCK_D"] * bn * (c["CHUNK"] if scan else 1)
+            tiles.append((tile / c["num_warps"], c))
+            if tile <= budget * c["num_warps"]:
+                fits.append(c)
+        return fits or [min(tiles, key=lambda x: x[0])[1]]
 
     # -- launching -----------------------------------------------------------------------------------
     def outputs(self, inputs) -> list[torch.Tensor]:
@@ -460,19 +462,27 @@ class TritonKernel:
         d = sizes[self.plan.block] if self.plan.block else 1
         return (math.prod(sizes[a] for a in self.plan.scalars) * triton.cdiv(d, config["BLOCK_D"]),)
 
-    def signature(self, inputs, config) -> tuple[object, dict, dict]:
-        """(jit function, signature, constexprs) for ``triton.compile(ASTSource(...))``."""
-        outs = self.outputs(inputs)
-        names = kernel_args(self.region, self.plan)
+    def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None):
+        """(jit function, signature, constexprs) for a compile-only
+        ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(...))``:
+        pointers typed by the region's input/output dtypes (`dtypes`: input index -> torch
+        dtype overrides), every stride and size a 32-bit int."""
+        r, p = self.region, self.plan
+        dts = [ir.to_dtype(s.dtype) for s in r.inputs]
+        for i, dt in (dtypes or {}).items():
+            dts[i] = dt
         sig = {}
-        for n, v in zip(names, self.launch_args(inputs, outs)):
-            if isinstance(v, torch.Tensor):
-                sig[n] = "*" + _TL_PTR[v.dtype]
+        for n in kernel_args(r, p):
+            if n.endswith("_ptr"):
+                k = int(n[2:-4]) if n.startswith("in") else None
+                dt = dts[k] if k is not None else ir.to_dtype(r.outputs[int(n[3:-4])].dtype)
+                sig[n] = "*" + _TL_PTR[dt]
             else:
-                sig[n] = "i32" if abs(v) <= _INT32_MAX else "i64"
-        cx = self.constexprs(inputs, config)
+                sig[n] = "i32"
+        cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n if p.reg else 1, "CHUNK": config["CHUNK"]}
         sig.update({k: "constexpr" for k in cx})
-        return self._fn(self._module(self._cdt(inputs)), config["variant"]), sig, cx
+        cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
+        return self._fn(self._module(cdt), config["variant"]), sig, cx
 
     def _cdt(self, inputs) -> str:
         return "tl.float64" if any(x.dtype == torch.float64 for x in inputs) else "tl.float32"
@@ -559,6 +569,9 @@ class TritonKernel:
     def _autotune(self, inputs, arch, bucket) -> dict | None:
         """Time every candidate (a failing one, e.g. out of registers, is skipped)."""
         cands = self.candidates(inputs, arch)
+        if len(cands) == 1:                    # nothing to choose between
+            self.timings[bucket] = {json.dumps(cands[0], sort_keys=True): None}
+            return cands[0]
         times, errors = {}, []
         cuda = inputs[0].device.type == "cuda"
         for c in cands:

@@ -12,7 +12,7 @@ prelude before the time loop (they are shared by every block).
 Numerics follow the torch reference (ssmc.targets.reference): casts to a float type keep the
 compute dtype, softplus honours beta/threshold, exps are exp2 with log2(e) folded into the
 loop-invariant factor of ``exp(u * v)`` when there is one. Transcendentals Triton's core lacks
-(log1p, expm1, tanh, pow) are small @jit helpers from templates/triton/macros.py.j2, written
+(log1p, expm1, tanh, pow, and sum without Triton's own @jit wrapper) are small @jit helpers from templates/triton/macros.py.j2, written
 with core ops only so the same source runs under TRITON_INTERPRET=1 and on sm_80 / sm_90.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Frame:
 
     codes: axis name or "t" -> (code, mask or None); scalars have no mask.
     state: the code of h in this block ("h", "H", "h[:, :, None]"), None before the update.
-    reg_dim: the position of the register (reduced) axis in the tile, for tl.sum.
+    reg_dim: the position of the register (reduced) axis in the tile, for the sum.
     """
     codes: dict
     state: str | None
@@ -188,7 +188,7 @@ class TritonPrinter:
             k, mask = self.frame.reg_dim, self.frame.reg_mask
             x = self.expr(e.arg)
             inner = f"tl.where({mask}, {x}, 0.0)" if mask else x
-            return f"tl.expand_dims(tl.sum({inner}, axis={k}), {k})"
+            return f"tl.expand_dims(_sum({inner}, {k}), {k})"
         if isinstance(e, Op):
             return self.op(e)
         raise TypeError(f"cannot print {e!r}")
@@ -213,10 +213,11 @@ class TritonPrinter:
         conv = f".to({self.cdt})" if is_float else ""
         return f"tl.load(in{ld.input}_ptr + ({off}){m}){conv}"
 
-    def _arg(self, a, other=None) -> str:
-        """An operand of a function call: constants become tensors like their sibling."""
-        if isinstance(a, Const) and other is not None:
-            return f"(tl.zeros_like({other}) + {literal(a.value)})"
+    def _arg(self, a, other: str) -> str:
+        """An operand of a @jit helper: a constant becomes a tensor shaped like `other`."""
+        if isinstance(a, Const):
+            c = literal(a.value)
+            return f"tl.where({other} == {other}, {c}, {c})"
         return self.expr(a)
 
     def op(self, e: Op) -> str:
@@ -241,13 +242,6 @@ class TritonPrinter:
             if dt in _TL_INT:
                 return f"{x}.to({_TL_INT[dt]})"
             return f"{x}.to({self.cdt})"
-        if n in ("maximum", "minimum"):
-            a, b = e.args
-            pa = self.expr(a) if not isinstance(a, Const) else None
-            pb = self.expr(b) if not isinstance(b, Const) else None
-            pa = pa if pa is not None else self._arg(a, pb)
-            pb = pb if pb is not None else self._arg(b, pa)
-            return _FORMAT[n].format(pa, pb)
         args = [self.expr(a) for a in e.args]
         return _FORMAT[n].format(*args, cdt=self.cdt)
 
@@ -271,11 +265,13 @@ class TritonPrinter:
             px = self.expr(x)
             small = {1.0: "{0}", 2.0: "({0} * {0})", 3.0: "({0} * {0} * {0})", 0.5: "tl.sqrt({0})",
                      -0.5: "tl.rsqrt({0})", -1.0: "(1.0 / {0})", -2.0: "(1.0 / ({0} * {0}))",
-                     0.0: "(tl.zeros_like({0}) + 1.0)"}
+                     0.0: "tl.where({0} == {0}, 1.0, 1.0)"}
             if c in small:
                 return small[c].format(px)
             return f"_pow({px}, {literal(c)})"
         py = self.expr(y)
         if isinstance(x, Const):
+            if x.value > 0:
+                return f"tl.exp2({py} * {literal(math.log2(x.value))})"
             return f"_pow({self._arg(x, py)}, {py})"
         return f"_pow({self.expr(x)}, {py})"

@@ -1,0 +1,543 @@
+"""The ``cuda`` target: CUDA C rendered with Jinja from the region IR, compiled by NVRTC through
+CuPy for the device's own sm_XX, launched on torch's current stream.
+
+Kernel: ``templates/cuda/selective_scan_fwd.cu.j2`` (the chunked selective scan; see its header
+for the thread, warp and block roles), with the region's expressions printed into it by
+``ssmc/targets/cuda_printer.py``; per-arch variants (block sizes, items per thread, the exp2
+split between SFU and FMA polynomial, the shared-memory layout) in
+``templates/cuda/variants.j2``. One module per arch holds every variant; each call picks the
+layout from the inputs' strides (lanes along time when time is contiguous, lanes along rows
+otherwise) and the block size from the sequence length.
+
+Toolchain, found at run time:
+- NVRTC: CuPy's low-level ``cupy_backends.cuda.libs.nvrtc`` (needs no GPU, so CPU CI compiles
+  for sm_80 and sm_90 with the arch given). CuPy loads libnvrtc itself, through
+  cuda-pathfinder (a CuPy dependency): a system CUDA (the GPU machine's /usr/local/cuda) or the
+  ``nvidia-cuda-nvrtc`` wheel (site-packages/nvidia/cu13/lib). Pin that wheel to the toolkit
+  series tested with (13.0).
+- Headers (``cuda_fp16.h``, ``cuda_bf16.h``): cuda-pathfinder's "cudart" header directory (a
+  system CUDA, or the ``nvidia-cuda-runtime`` wheel), else /usr/local/cuda/include, else the
+  nvidia wheels under site-packages. ``pip install "ssmc[cuda]"`` brings all of it.
+
+Binaries are cached through runtime/cache.py (key: rendered source, arch, NVRTC version, ssmc
+version, flags); the rendered source of every compiled kernel is written beside its entry, and
+a failed compile raises `CudaCompileError` with that path, the options and the NVRTC log, so
+the backend falls back (triton, then torch) and the report shows why.
+
+Backward: the torch reference (``ReferenceKernel(region).backward``) for now; the adjoint
+recurrence as a generated kernel is future work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import logging
+import os
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from ssmc import ir
+from ssmc.targets.cuda_printer import CTYPES, ITEMSIZE, ScanPlan, Unsupported, emit, plan
+
+log = logging.getLogger("ssmc")
+
+KERNEL_VERSION = "1"
+TEMPLATE = "cuda/selective_scan_fwd.cu.j2"
+VARIANTS = "cuda/variants.j2"
+STRATEGIES = ("chunked_scan", "chunked_ssd", "step")   # one kernel, numerically right for all
+MIN_ARCH = 80
+SMEM_DEFAULT = 48 * 1024        # dynamic shared memory without opting in
+
+
+class CudaCompileError(RuntimeError):
+    """NVRTC rejected a rendered kernel; the message has the source path, options and log."""
+
+
+# -- toolchain -----------------------------------------------------------------------------------
+
+def nvrtc():
+    """CuPy's low-level NVRTC bindings (raises ImportError/OSError with the cause)."""
+    from cupy_backends.cuda.libs import nvrtc as mod
+    return mod
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> str | None:
+    try:
+        major, minor = nvrtc().getVersion()
+        return f"{major}.{minor}"
+    except Exception:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def include_dirs() -> tuple[str, ...]:
+    """Directories that hold cuda_fp16.h / cuda_bf16.h (and CCCL's nv/target) for NVRTC."""
+    found = []
+    try:
+        import cuda.pathfinder as pf
+        for lib in ("cudart", "cccl"):
+            try:
+                d = pf.find_nvidia_header_directory(lib)
+            except Exception:
+                d = None
+            if d:
+                found.append(Path(d))
+    except ImportError:
+        pass
+    found.append(Path("/usr/local/cuda/include"))
+    for sp in map(Path, sys.path):
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
+            found.append(sp / sub)
+    out, seen = [], set()
+    for d in found:
+        if ((d / "cuda_fp16.h").is_file() or (d / "nv" / "target").is_file()) and d.resolve() not in seen:
+            seen.add(d.resolve())
+            out.append(str(d))
+    return tuple(out)
+
+
+def toolchain_problem() -> str | None:
+    """Why the cuda target cannot compile here, or None."""
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:
+        return f"cupy is not installed or does not load ({type(e).__name__}: {e}); pip install 'ssmc[cuda]'"
+    if nvrtc_version() is None:
+        try:
+            nvrtc().getVersion()
+        except Exception as e:
+            return f"NVRTC does not load ({type(e).__name__}: {e}); pip install 'nvidia-cuda-nvrtc==13.0.*'"
+    if not any(Path(d, "cuda_bf16.h").is_file() for d in include_dirs()):
+        return "cuda_bf16.h not found (no CUDA toolkit, no nvidia-cuda-runtime wheel); pip install 'ssmc[cuda]'"
+    return None
+
+
+def nvrtc_compile(source: str, arch: int, name: str, extra_flags=()) -> tuple[bytes, str, list[str], str]:
+    """Compile for sm_<arch>: (binary, "cubin" | "ptx", options, log). Archs this NVRTC does not
+    know get PTX for the newest compute_XX below them, which the driver finishes."""
+    mod = nvrtc()
+    try:
+        known = sorted(int(a) for a in mod.getSupportedArchs())
+    except Exception:
+        known = [arch]
+    if arch in known:
+        target, fmt = f"--gpu-architecture=sm_{arch}", "cubin"
+    else:
+        below = [a for a in known if a <= arch]
+        if not below:
+            raise CudaCompileError(f"NVRTC {nvrtc_version()} knows archs {known}, none at or below sm_{arch}")
+        target, fmt = f"--gpu-architecture=compute_{below[-1]}", "ptx"
+    opts = [target, "-std=c++17", "-lineinfo", *(f"-I{d}" for d in include_dirs()), *extra_flags]
+    prog = mod.createProgram(source, name, [], [])
+    try:
+        try:
+            mod.compileProgram(prog, opts)
+        except mod.NVRTCError as e:
+            raise _CompileFailed(str(e), mod.getProgramLog(prog), opts) from None
+        binary = mod.getCUBIN(prog) if fmt == "cubin" else mod.getPTX(prog)
+        return bytes(binary), fmt, opts, mod.getProgramLog(prog)
+    finally:
+        mod.destroyProgram(prog)
+
+
+class _CompileFailed(Exception):
+    def __init__(self, status, log_text, opts):
+        super().__init__(status)
+        self.status, self.log, self.opts = status, log_text, opts
+
+
+# -- rendering -----------------------------------------------------------------------------------
+
+def _load_template(name: str):
+    path = importlib.resources.files("ssmc.templates").joinpath(name)
+    text = path.read_text()
+    return text, str(path), lambda: True
+
+
+@functools.lru_cache(maxsize=None)
+def jinja_env():
+    import jinja2
+    return jinja2.Environment(loader=jinja2.FunctionLoader(_load_template), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def variant_table() -> dict:
+    return jinja_env().get_template(VARIANTS).module.selective_scan_fwd
+
+
+def variant_for(arch: int) -> tuple[str, dict]:
+    """The declared variant with the largest sm_YY <= arch."""
+    table = variant_table()
+    keys = sorted((int(k[3:]), k) for k in table)
+    fit = [k for a, k in keys if a <= arch] or [keys[0][1]]
+    return fit[-1], table[fit[-1]]
+
+
+def configs_of(variant: dict, prefix: str) -> list[dict]:
+    """Every kernel instance of a variant: layout, block size, items, knobs, kernel name."""
+    poly = int(variant.get("exp2_poly_every", 0) or 0)
+    pair = variant.get("totals", "split") == "pair"
+    mins = {int(k): int(v) for k, v in dict(variant.get("min_blocks", {})).items()}
+    out = []
+    for c in variant["time_major"]:
+        t, it = int(c["threads"]), int(c["items"])
+        if t % 32 or not 32 <= t <= 1024 or it < 1:
+            raise ValueError(f"time_major variant {c}: threads must be a multiple of 32 in [32, 1024]")
+        out.append(dict(layout="time_major", kernel=f"{prefix}_tm{t}x{it}", block=t, lanes_or_threads=t,
+                        items=it, poly=poly, pair=pair, min_blocks=mins.get(t, 1), max_len=c["max_len"]))
+    for c in variant.get("row_major", []):
+        w, it = int(c["warps"]), int(c["items"])
+        if not 1 <= w <= 32 or it < 1:
+            raise ValueError(f"row_major variant {c}: warps must be in [1, 32]")
+        out.append(dict(layout="row_major", kernel=f"{prefix}_rm{w}x{it}", block=32 * w, lanes_or_threads=w,
+                        items=it, poly=poly, pair=pair, min_blocks=mins.get(32 * w, 1), max_len=c["max_len"]))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    arch: int
+    variant: str
+    source: str
+    configs: tuple
+
+
+def render(region: ir.Region, arch: int, variant: dict | None = None, p: ScanPlan | None = None) -> Rendered:
+    """The CUDA C source of one region for sm_<arch> (or for an explicit variant dict)."""
+    p = p or plan(region)
+    vname = "custom"
+    if variant is None:
+        vname, variant = variant_for(arch)
+    prefix = "ssmc_" + "".join(ch if ch.isalnum() else "_" for ch in region.name)
+    configs = configs_of(variant, prefix)
+    code = emit(p)
+    src = jinja_env().get_template(TEMPLATE).render(
+        name=prefix, region_name=region.name, region_text=str(region), compute=p.compute, code=code,
+        params=[x.decl for x in p.params], args=[x.name for x in p.params],
+        outer=[region.axes.index(a) for a in p.outer], inner=[region.axes.index(a) for a in p.inner],
+        configs=configs)
+    return Rendered(arch, vname, src, tuple(configs))
+
+
+# -- the kernel ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    rendered: Rendered
+    kernel: str
+    binary: bytes
+    fmt: str                   # "cubin" | "ptx"
+    source_path: str
+    cache: str                 # "hit" | "miss"
+
+
+def _write_text(path: Path, text: str) -> Path:
+    """Atomic write (temp file + rename); a read-only cache dir falls back to the temp dir."""
+    for p in (path, Path(tempfile.gettempdir()) / "ssmc-cuda" / path.parent.name / path.name):
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, p)
+            return p
+        except OSError:
+            continue
+    return path
+
+
+def build(rendered: Rendered, kernel: str, cache, extra_flags=()) -> Built:
+    """NVRTC-compile one kernel of a rendered source (``-DSSMC_ONE_KERNEL``) through the cache."""
+    from ssmc import __version__
+    from ssmc.runtime.cache import cache_key
+    if kernel not in {c["kernel"] for c in rendered.configs}:
+        raise KeyError(f"no kernel {kernel!r} in the rendered source")
+    flags = ("-DSSMC_ONE_KERNEL", f"-DSSMC_KERNEL_{kernel}", *extra_flags)
+    key = cache_key("ssmc-cuda", KERNEL_VERSION, rendered.source, rendered.arch, nvrtc_version(), __version__,
+                    "-std=c++17 -lineinfo", " ".join(flags), " ".join(include_dirs()))
+    for fmt in ("cubin", "ptx"):
+        data = cache.get(key, f"kernel.{fmt}")
+        if data is not None:
+            return Built(rendered, kernel, data, fmt, str(cache.path_of(key, "kernel.cu")), "hit")
+    src_path = _write_text(cache.path_of(key, "kernel.cu"), rendered.source)
+    name = f"{kernel}.cu"
+    try:
+        binary, fmt, opts, _ = nvrtc_compile(rendered.source, rendered.arch, name, flags)
+    except _CompileFailed as e:
+        text = e.log if len(e.log) < 6000 else e.log[:6000] + "\n... (log truncated)"
+        raise CudaCompileError(f"NVRTC {nvrtc_version()} ({e.status}) failed to compile {kernel} for "
+                               f"sm_{rendered.arch}\n  source: {src_path}\n  options: {' '.join(e.opts)}\n"
+                               f"  log:\n{text}") from None
+    cache.put(key, f"kernel.{fmt}", binary)
+    return Built(rendered, kernel, binary, fmt, str(src_path), "miss")
+
+
+class CudaKernel:
+    """The generated kernel for one region. ``forward`` launches it on the inputs' device and
+    torch's current stream; ``backward`` is the torch reference's (``ReferenceKernel.backward``)
+    until the adjoint is generated too.
+
+    ``poison``: allocate outputs filled with NaN (tests: an element the kernel never writes
+    shows). ``force_layout``: "time_major" | "row_major" instead of choosing by strides.
+    ``variants``: a variant dict to use instead of the per-arch table (tests, tuning).
+    """
+
+    def __init__(self, region: ir.Region, p: ScanPlan, cache, variants: dict | None = None, extra_flags=()):
+        from ssmc.targets.reference import ReferenceKernel
+        self.region, self.plan, self.cache = region, p, cache
+        self.variants, self.extra_flags = variants, tuple(extra_flags)
+        self.poison = False
+        self.force_layout: str | None = None
+        self.cache_status = ""
+        self.last_launch: dict | None = None
+        self._reference = ReferenceKernel(region)
+        self._rendered: dict[int, Rendered] = {}
+        self._built: dict[tuple, Built] = {}
+        self._functions: dict = {}
+        self._smem_limit: dict = {}
+        self._streams: dict = {}
+        self._lock = threading.Lock()
+
+    # -- rendering and compiling, per arch ------------------------------------------------------
+    def rendered(self, arch: int) -> Rendered:
+        if arch not in self._rendered:
+            self._rendered[arch] = render(self.region, arch, self.variants, self.plan)
+        return self._rendered[arch]
+
+    def built(self, arch: int, kernel: str | None = None) -> Built:
+        """The binary of one kernel instance for sm_<arch> (default: the last time-major one,
+        used for long sequences)."""
+        rend = self.rendered(arch)
+        if kernel is None:
+            kernel = [c["kernel"] for c in rend.configs if c["layout"] == "time_major"][-1]
+        with self._lock:
+            if (arch, kernel) not in self._built:
+                b = build(rend, kernel, self.cache, self.extra_flags)
+                self._built[(arch, kernel)] = b
+                self.cache_status = self.cache_status or b.cache
+            return self._built[(arch, kernel)]
+
+    @property
+    def source(self) -> str | None:
+        if self._rendered:
+            return next(iter(self._rendered.values())).source
+        return None
+
+    # -- running --------------------------------------------------------------------------------
+    def forward(self, inputs):
+        dev = inputs[0].device
+        if dev.type != "cuda":
+            raise RuntimeError(f"the cuda kernel got inputs on {dev}")
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        arch = _capability(idx)
+        return self.run(inputs, arch, functools.partial(self._launch_cuda, idx, arch))
+
+    def backward(self, inputs, grads, needs):
+        return self._reference.backward(inputs, grads, needs)
+
+    def run(self, inputs, arch: int, launch):
+        """Allocate the outputs, choose the kernel instance and its launch shape, marshal the
+        arguments, and call ``launch(config, grid, block, smem_bytes, args)``; ``args`` is a
+        list of (kind, value) with kind "ptr" | "i64" | "i32", in the kernel's parameter order."""
+        r, p = self.region, self.plan
+        for i, (x, s) in enumerate(zip(inputs, r.inputs)):
+            if ir.dtype_name(x.dtype) != s.dtype:
+                raise TypeError(f"input {i} ({s.name}) is {x.dtype}; the kernel was generated for {s.dtype}")
+        sizes = {a: int(inputs[i].shape[d]) for a, (i, d) in zip(r.axes, r.axis_size)}
+        L = int(inputs[r.length[0]].shape[r.length[1]])
+        if L == 0:
+            return self._reference.forward(inputs)
+        rows = _prod(sizes[a] for a in p.outer)
+        N = _prod(sizes[a] for a in p.inner)
+        outputs = self._outputs(inputs, sizes, L)
+        if rows == 0:
+            return outputs
+        if L >= 2**31 - 2**20 or N >= 2**31:
+            raise ValueError(f"sequence length {L} / state size {N} beyond the kernel's int32 indexing")
+        rend = self.rendered(arch)
+        layout = self._layout(inputs, outputs, sizes, N)
+        cfg = _pick(rend.configs, layout, L)
+        esize = 8 if p.compute == "double" else 4
+        if layout == "time_major":
+            grid, smem = rows, 2 * N * esize
+        else:
+            grid, smem = -(-rows // 32), 2 * N * 32 * esize
+        if grid >= 2**31:
+            raise ValueError(f"{rows} rows exceed the grid limit")
+        args = self._args(inputs, outputs, sizes, L, rows, N)
+        self.last_launch = dict(kernel=cfg["kernel"], layout=layout, grid=grid, block=cfg["block"],
+                                smem=smem, items=cfg["items"], arch=arch, variant=rend.variant)
+        launch(cfg, grid, cfg["block"], smem, args)
+        return outputs
+
+    def _outputs(self, inputs, sizes, L):
+        dev = inputs[0].device
+        outs = []
+        for o in self.region.outputs:
+            shape = tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index)
+            dt = ir.to_dtype(o.dtype)
+            if self.poison:
+                outs.append(torch.full(shape, float("nan") if dt.is_floating_point else 1, dtype=dt, device=dev))
+            else:
+                outs.append(torch.empty(shape, dtype=dt, device=dev))
+        return outs
+
+    def _layout(self, inputs, outputs, sizes, N) -> str:
+        """Lanes along time when the big per-row tensors are contiguous in time; lanes along
+        rows when they are contiguous along the last row axis (a (b, L, d) layout)."""
+        if self.force_layout:
+            return self.force_layout
+        p = self.plan
+        esize = 8 if p.compute == "double" else 4
+        if not p.outer or 2 * N * 32 * esize > SMEM_DEFAULT:
+            return "time_major"
+        last = p.outer[-1]
+        along_t = along_row = 0
+        seen = set()
+        tensors = [(ld.index, inputs[ld.input], ITEMSIZE[self.region.inputs[ld.input].dtype])
+                   for ld in _loads(p) if ld not in seen and not seen.add(ld)]
+        tensors += [(o.spec.index, outputs[o.k], ITEMSIZE[o.spec.dtype]) for o in p.outputs if o.where == "row"]
+        for index, x, w in tensors:
+            if "t" not in index or set(index) & set(p.inner):
+                continue
+            td = index.index("t")
+            if x.shape[td] > 1 and x.stride(td) == 1:
+                along_t += w
+            elif last in index and x.stride(index.index(last)) == 1 and x.shape[index.index(last)] > 1:
+                along_row += w
+        return "row_major" if along_row > along_t else "time_major"
+
+    def _args(self, inputs, outputs, sizes, L, rows, N) -> list:
+        out = []
+        for prm in self.plan.params:
+            s = prm.source
+            if s[0] == "in":
+                v = inputs[s[1]].data_ptr()
+            elif s[0] == "out":
+                v = outputs[s[1]].data_ptr()
+            elif s[0] in ("in_stride", "out_stride"):
+                x = (inputs if s[0] == "in_stride" else outputs)[s[1]]
+                v = 0 if x.shape[s[2]] == 1 else x.stride(s[2])
+            elif s[0] == "size":
+                v = sizes[s[1]]
+            else:
+                v = {"L": L, "rows": rows, "N": N}[s[0]]
+            out.append((prm.kind, int(v)))
+        return out
+
+    def _launch_cuda(self, idx: int, arch: int, cfg, grid, block, smem, args):
+        import numpy as np
+        import cupy
+        conv = {"ptr": np.uint64, "i64": np.int64, "i32": np.int32}
+        values = tuple(conv[k](v) for k, v in args)
+        stream_ptr = torch.cuda.current_stream(idx).cuda_stream
+        with cupy.cuda.Device(idx):
+            fn = self._function(idx, arch, cfg["kernel"], smem)
+            stream = self._stream(idx, stream_ptr)
+            fn((grid, 1, 1), (block, 1, 1), values, shared_mem=smem, stream=stream)
+
+    def _function(self, idx: int, arch: int, name: str, smem: int):
+        fn = self._functions.get((idx, name))
+        if fn is None:
+            import cupy
+            mod = cupy.cuda.function.Module()
+            mod.load(self.built(arch, name).binary)
+            fn = mod.get_function(name)          # keeps its module alive
+            self._functions[(idx, name)] = fn
+            self._smem_limit[(idx, name)] = SMEM_DEFAULT
+        if smem > self._smem_limit[(idx, name)]:
+            from cupy.cuda import driver
+            driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            self._smem_limit[(idx, name)] = smem
+        return fn
+
+    def _stream(self, idx: int, ptr: int):
+        s = self._streams.get((idx, ptr))
+        if s is None:
+            import cupy
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = cupy.cuda.ExternalStream(ptr, idx)
+            self._streams[(idx, ptr)] = s
+        return s
+
+
+def _loads(p: ScanPlan):
+    out = ir.loads(p.decay) + ir.loads(p.drive)
+    for o in p.outputs:
+        out += ir.loads(o.expr)
+    return out
+
+
+def _pick(configs, layout: str, L: int) -> dict:
+    cands = [c for c in configs if c["layout"] == layout]
+    for c in cands:
+        if c["max_len"] is None or L <= int(c["max_len"]):
+            return c
+    return cands[-1]
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(idx: int) -> int:
+    major, minor = torch.cuda.get_device_capability(idx)
+    return major * 10 + minor
+
+
+# -- the target ----------------------------------------------------------------------------------
+
+class CudaTarget:
+    """Target "cuda": see the module docstring."""
+    name = "cuda"
+
+    def __init__(self):
+        self.version = f"{KERNEL_VERSION}+nvrtc{nvrtc_version() or '-none'}"
+
+    def supports(self, region, strategy, arch, device_type):
+        if device_type != "cuda":
+            return f"runs on CUDA devices only (the graph is on {device_type})"
+        if arch is None or arch < MIN_ARCH:
+            return f"needs sm_{MIN_ARCH} or newer (device is sm_{arch})"
+        if strategy not in STRATEGIES:
+            return f"has no kernel for strategy {strategy!r}"
+        why = toolchain_problem()
+        if why:
+            return why
+        try:
+            plan(region)
+        except Unsupported as e:
+            return f"the chunked-scan kernel does not cover this region: {e}"
+        return True
+
+    def compile(self, region, strategy, options, variants: dict | None = None, extra_flags=()):
+        """Plan and render now; on a machine with a GPU also NVRTC-compile for the current
+        device, so that a failure surfaces here and the backend falls back."""
+        from ssmc.runtime.cache import get_cache
+        p = plan(region)
+        kernel = CudaKernel(region, p, get_cache(options.cache_dir), variants, extra_flags or EXTRA_FLAGS)
+        if torch.cuda.is_available():
+            kernel.built(_capability(torch.cuda.current_device()))
+        else:
+            kernel.rendered(90)
+        return kernel
+
+    def source(self, kernel) -> str | None:
+        return kernel.source
+
+
+EXTRA_FLAGS: tuple[str, ...] = ()   # appended to every NVRTC command line (tests inject failures here)
+__all__ = ["CudaTarget", "CudaKernel", "CudaCompileError", "render", "build", "nvrtc_compile",
+           "include_dirs", "nvrtc_version", "toolchain_problem", "variant_for", "CTYPES"]

@@ -1,0 +1,150 @@
+"""Random naive recurrent programs for the fuzzer, written out as Python source so Dynamo
+traces them exactly as it would a user's code.
+
+A program has a state of random rank (b, d[, n[, m]]), per-step inputs with random broadcast
+patterns, random decay / drive / epilogue expressions, a random capture form, and is either a
+linear recurrence (ssmc must compile it and match eager) or deliberately not one (ssmc must
+leave it alone).
+"""
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+import torch
+import torch.nn.functional as F  # noqa: F401  (used by generated code)
+from hypothesis import strategies as st
+
+FORMS = ["stack", "cat", "setitem", "unbind", "final", "h0", "scan"]
+UNARY_SAFE = ["torch.tanh({})", "torch.sigmoid({})", "F.silu({})", "torch.sin({})",
+              "(0.5 * {})", "F.softplus({})", "torch.exp(-torch.abs({}))", "torch.sqrt(1.0 + {} * {})"]
+BINARY = ["({} + {})", "({} * {})", "({} - {})", "torch.maximum({}, {})", "({} / (1.5 + torch.abs({})))"]
+DECAYS = ["torch.sigmoid({})", "torch.exp(-F.softplus({}))", "torch.exp({} * A)", "0.9",
+          "(1 - torch.sigmoid({}))", "torch.exp(-torch.exp({}))"]
+
+
+@dataclasses.dataclass
+class Program:
+    source: str
+    shapes: dict            # input name -> shape (time dim included for per-step inputs)
+    linear: bool
+    form: str
+    dtype: torch.dtype
+    L: int
+
+    def make(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for name, shp in self.shapes.items():
+            x = torch.randn(*shp, generator=g)
+            if name == "A":
+                x = -x.abs() - 0.1
+            out.append(x.to(self.dtype))
+        return out
+
+    def fn(self):
+        ns = {"torch": torch, "F": F}
+        exec(self.source, ns)
+        return ns["program"]
+
+
+@st.composite
+def programs(draw, linear=None):
+    rank = draw(st.integers(2, 4))
+    sizes = [2, 3, 4, 2][:rank]                      # (b, d, n, m)
+    L = draw(st.integers(2, 6))
+    form = draw(st.sampled_from(FORMS))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float64]))
+    is_linear = draw(st.booleans()) if linear is None else linear
+    n_in = draw(st.integers(1, 3))
+    shapes, names = {}, []
+    for i in range(n_in):
+        # which state axes this per-step input varies along (batch always)
+        keep = [0] + [k for k in range(1, rank) if draw(st.booleans())]
+        shp = [sizes[k] if k in keep else 1 for k in range(rank)]
+        while len(shp) > 1 and shp[0] == 1:          # leading broadcast dims can be dropped
+            shp = shp[1:]
+        shapes[f"u{i}"] = (shp[0], L, *shp[1:])      # time at dim 1
+        names.append(f"u{i}")
+    shapes["A"] = tuple(sizes[1:rank]) if rank > 1 else (1,)
+
+    def step(name):                                   # the value of input `name` at step t
+        return f"{name}[:, t]"
+
+    def leaf():
+        return step(draw(st.sampled_from(names)))
+
+    def expr(depth):
+        if depth == 0 or draw(st.integers(0, 2)) == 0:
+            return leaf()
+        if draw(st.booleans()):
+            e = expr(depth - 1)
+            return draw(st.sampled_from(UNARY_SAFE)).format(e, e)
+        a, b = expr(depth - 1), expr(depth - 1)
+        return draw(st.sampled_from(BINARY)).format(a, b)
+
+    decay = draw(st.sampled_from(DECAYS)).format(expr(1))
+    drive = expr(2)
+    if is_linear:
+        update = draw(st.sampled_from(["h = {a} * h + {b}", "h = ({b}) + h * {a}",
+                                       "h = {a} * (h - {b}) + {b}", "h = h * {a} - (-{b})"]))
+    else:
+        update = draw(st.sampled_from(["h = torch.tanh({a} * h + {b})", "h = {a} * h * h + {b}",
+                                       "h = torch.sigmoid(h) * h + {b}", "h = {a} * torch.abs(h) + {b}"]))
+    update = update.format(a=decay, b=drive)
+    readout = draw(st.sampled_from(["h", "(h * {c}).sum(-1)", "torch.tanh(h) * {c}", "h * 2.0 + {c}",
+                                    "F.silu({c}) * h"])).format(c=leaf())
+    if rank == 2 and ".sum(-1)" in readout:
+        readout = "h"
+    state = ", ".join(["u0.shape[0]"] + [str(s) for s in sizes[1:rank]])
+    body = f"{update}\ny = {readout}"
+    zeros = f"torch.zeros({state}, dtype=u0.dtype)"
+    if form == "scan":
+        upd = update.replace("[:, t]", "")
+        ro = readout.replace("[:, t]", "")
+        src = "\n".join([
+            "from torch._higher_order_ops.scan import scan",
+            f"def program({', '.join(shapes)}):",
+            "    def step(h, xs):",
+            f"        {', '.join(names)}, = xs",
+            f"        {upd}",
+            f"        y = {ro}",
+            "        return h, y + 0.0",
+            f"    h, ys = scan(step, {zeros}, ({', '.join(names)},), dim=1)",
+            "    return ys, h"])
+    else:
+        head = {"stack": "ys = []", "cat": "ys = []", "unbind": "ys = []", "final": "ys = []",
+                "h0": "ys = []", "setitem": None}[form]
+        loop = "for t in range(u0.shape[1]):"
+        init = zeros if form != "h0" else "h0"
+        lines = [f"h = {init}"]
+        if form == "setitem":
+            ysz = sizes[1:rank] if ".sum(-1)" not in readout else sizes[1:rank - 1]
+            lines.append(f"out = torch.empty(u0.shape[0], u0.shape[1], {', '.join(map(str, ysz))}, dtype=u0.dtype)")
+        else:
+            lines.append(head)
+        lines.append(loop)
+        lines += ["    " + l for l in body.splitlines()]
+        if form == "setitem":
+            lines += ["    out[:, t] = y"]
+            ret = "return out"
+        elif form == "cat":
+            lines.append("    ys.append(y.unsqueeze(1))")
+            ret = "return torch.cat(ys, 1)"
+        elif form in ("final", "h0"):
+            lines.append("    ys.append(y)")
+            ret = "return torch.stack(ys, 1), h"
+        else:
+            lines.append("    ys.append(y)")
+            ret = "return torch.stack(ys, 1)"
+        if form == "unbind":
+            its = ", ".join(f"{n}.unbind(1)" for n in names)
+            lines[2] = f"for t, ({', '.join(n + '_t' for n in names)},) in enumerate(zip({its})):"
+            lines = [l.replace("[:, t]", "_t") if i > 2 else l for i, l in enumerate(lines)]
+            lines = [l.replace("u0_t.shape", "u0.shape") for l in lines]
+        lines.append(ret)
+        args = list(shapes) + (["h0"] if form == "h0" else [])
+        src = "def program(" + ", ".join(args) + "):\n" + textwrap.indent("\n".join(lines), "    ")
+        if form == "h0":
+            shapes["h0"] = (sizes[0], *sizes[1:rank])
+    return Program(src, shapes, is_linear, form, dtype, L)

@@ -1,0 +1,465 @@
+"""The ``cuda`` target: CUDA C rendered from the region IR, compiled by NVRTC, run by CuPy.
+
+Without a GPU (CI):
+- structure: what the plan hoists where (softplus once per step, exp2 with log2(e) folded into
+  A once per state element), the reasons supports() gives;
+- every kernel renders and compiles through NVRTC for sm_80 and sm_90, for the Mamba-1, Mamba-2
+  and gated regions, with fp32, bf16 and fp16 inputs (skipped without CuPy/NVRTC/headers);
+- numerics of the generated source itself, compiled with g++ against tests/cuda_emu.h (a CPU
+  emulation of blocks, warps, shuffles and shared memory), against the float64 torch
+  reference: both layouts, several chunks, L not a multiple of any block, L = 1, non-contiguous
+  and misaligned inputs, bf16, initial and final state (skipped without g++).
+With a GPU (``pytest -m gpu``): numerics on the device at L in {1, 7, 513, 2048}, fp32 and bf16,
+non-contiguous inputs, poisoned outputs, several GPUs, and a failed NVRTC compile falling back
+with the log in the report.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import programs as P
+from conftest import TOL, as_tuple, reference, rel_err, ssmc_run
+from ssmc import ir
+from ssmc.options import make_options
+from ssmc.runtime.cache import get_cache
+from ssmc.targets import cuda
+from ssmc.targets.cuda_printer import Unsupported, emit, plan
+from ssmc.targets.reference import run as reference_run
+
+HERE = Path(__file__).parent
+
+
+# -- regions, captured once ---------------------------------------------------------------------
+
+def _capture(fn, inputs) -> ir.Region:
+    _, rep = ssmc_run(fn, inputs, target="torch")
+    assert len(rep.regions) == 1, str(rep)
+    return rep.regions[0].ir
+
+
+@pytest.fixture(scope="module")
+def regions():
+    x, dt, A, B, C, *_ = P.mamba1_inputs()
+    return {
+        "mamba1": _capture(P.mamba1("final"), P.mamba1_inputs()),           # (b, L, d), + final state
+        "mamba1_bdl": _capture(P.mamba1_bdl(), P.mamba1_inputs(layout="bdl")),  # time contiguous
+        "mamba2": _capture(P.mamba2("final"), P.mamba2_inputs(with_h0=True)),
+        "gated": _capture(P.gated(), P.gated_inputs()),
+        "s4d": _capture(P.s4d(), P.s4d_inputs()),
+        "scan": _capture(P.mamba1_scan(), P.mamba1_inputs()),               # output laid out (t, b, d)
+    }
+
+
+def with_dtype(r: ir.Region, dtype: str) -> ir.Region:
+    """The same region for other input dtypes: float inputs and per-step outputs in `dtype`, the
+    state (initial and final) in fp32."""
+    ins = tuple(dataclasses.replace(s, dtype=dtype) if i != r.init else s for i, s in enumerate(r.inputs))
+    outs = tuple(dataclasses.replace(o, dtype=dtype if o.kind == "steps" else o.dtype) for o in r.outputs)
+    return dataclasses.replace(r, inputs=ins, outputs=outs)
+
+
+def region_inputs(name: str, r: ir.Region, L: int, dtype=torch.float32, seed=0) -> list[torch.Tensor]:
+    """Random inputs for a captured region, in its input order, at sequence length L."""
+    g = torch.Generator().manual_seed(seed)
+    b, d, n = 2, 3, 4
+    if name in ("mamba1", "mamba1_bdl", "scan"):
+        x, dt, A, B, C, D, z, bias = P.mamba1_inputs(b, L, d, n, seed=seed, layout="bdl" if name == "mamba1_bdl" else "bld")
+        named = {"l_x_": x, "l_dt_": dt, "l_a_": A, "l_b_": B, "l_c_": C, "l_d_": D, "l_z_": z, "l_bias_": bias,
+                 "h": torch.randn(b, d, n, generator=g), "h0": torch.randn(b, d, n, generator=g)}
+    elif name == "mamba2":
+        x, dt, A, B, C, D, h0 = P.mamba2_inputs(b, L, 2, 3, 5, seed=seed, with_h0=True)
+        named = {"l_x_": x, "l_dt_": dt, "l_a_": A, "l_b_": B, "l_c_": C, "l_d_": D, "l_h0_0_": h0}
+    elif name == "gated":
+        x, gate, z, w = P.gated_inputs(b, L, 5, seed=seed)
+        named = {"l_x_": x, "l_gate_": gate, "l_z_": z, "l_w_": w, "h": torch.randn(b, 5, generator=g)}
+    elif name == "s4d":
+        x, log_dt, A, Bm, Cm = P.s4d_inputs(b, L, d, n, seed=seed)
+        dA = torch.exp(torch.exp(log_dt).unsqueeze(-1) * A)
+        named = {"l_x_": x, "dA": dA, "dB": (dA - 1) / A * Bm, "l_cm_": Cm, "h": torch.randn(b, d, n, generator=g)}
+    else:
+        raise KeyError(name)
+    out = []
+    for i, s in enumerate(r.inputs):
+        t = named[s.name.split(" (")[0]]
+        out.append(t.to(dtype) if (t.is_floating_point() and i != r.init) else t.float())
+    return out
+
+
+def scramble(x: torch.Tensor, how: str | None) -> torch.Tensor:
+    """The same values in another memory layout (on x's device)."""
+    if how == "strided":         # every other element of a wider buffer along the last dim
+        buf = torch.full((*x.shape[:-1], 2 * x.shape[-1]), float("nan"), dtype=x.dtype, device=x.device)
+        buf[..., ::2] = x
+        return buf[..., ::2]
+    if how == "misaligned":      # contiguous, one element off the allocation's alignment
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+        out = buf[1:].view(x.shape)
+        out.copy_(x)
+        return out
+    if how == "transposed":      # first and last dims swapped in memory
+        return x.transpose(0, -1).contiguous().transpose(0, -1) if x.dim() > 1 else x
+    return x
+
+
+def check_close(outs, ref, dtype, what=""):
+    tol = TOL[dtype] if dtype != torch.float16 else 2e-3
+    for k, (o, r) in enumerate(zip(outs, ref)):
+        assert o.shape == r.shape, (what, k, o.shape, r.shape)
+        assert torch.isfinite(o.double()).all(), f"{what}: output {k} has unwritten (NaN) or inf elements"
+        err = rel_err(o, r)
+        assert err <= tol, f"{what}: output {k} rel err {err:.3g} > {tol}"
+
+
+# -- structure: no toolchain needed ----------------------------------------------------------------
+
+def test_mamba1_plan_hoists_per_level(regions):
+    p = plan(regions["mamba1"])
+    assert p.inner == ("i2",) and p.outer == ("i0", "i1")
+    assert [o.where for o in p.outputs] == ["row", "final"]
+    code = emit(p)
+    time_code, state_code, st_code = "\n".join(code.time), "\n".join(code.state), "\n".join(code.st)
+    assert "ssmc_softplus" in time_code and "ssmc_softplus" not in st_code   # once per step, not per n
+    assert "1.4426950408889634" in state_code                             # log2(e) folded into A, per n
+    assert "ssmc_exp2_it<POLY>" in st_code and "ssmc_exp(" not in st_code  # the decay: one exp2 per (t, n)
+    assert any(line.startswith("acc0[i] +=") for line in code.replay)   # the readout: a sum in registers
+
+
+def test_mamba2_decay_is_per_step_not_per_state_element(regions):
+    p = plan(regions["mamba2"])
+    assert p.inner == ("i3",) and p.outer == ("i0", "i1", "i2")
+    code = emit(p)
+    assert any("ssmc_exp2_it" in line for line in code.time)               # shared decay: once per step
+    assert not any("exp2" in line for line in code.st)
+
+
+def test_gated_has_no_readout_sum(regions):
+    p = plan(regions["gated"])
+    assert p.inner == () and p.reduces == ()
+    assert [o.where for o in p.outputs] == ["inner"]                      # reads h directly
+
+
+def test_supports_gives_reasons(regions):
+    t = cuda.CudaTarget()
+    r = regions["mamba1"]
+    assert "CUDA devices only" in t.supports(r, "chunked_scan", None, "cpu")
+    assert "sm_80" in t.supports(r, "chunked_scan", 75, "cuda")
+    assert "strategy" in t.supports(r, "grouped", 90, "cuda")
+    rev = dataclasses.replace(r, reverse=True)
+    why = t.supports(rev, "chunked_scan", 90, "cuda")
+    assert why is not True and ("reverse" in why or "cupy" in why or "NVRTC" in why or "cuda_bf16" in why)
+    assert t.version.startswith(cuda.KERNEL_VERSION + "+nvrtc")
+
+
+def test_unsupported_regions_say_why(regions):
+    r = regions["mamba1"]
+    two_sums = dataclasses.replace(r, outputs=(
+        *r.outputs, ir.OutputSpec("steps", ir.Reduce(ir.State(), ("i1", "i2")), ("i0", "t"), "float32")))
+    with pytest.raises(Unsupported, match="different state axes"):
+        plan(two_sums)
+    with pytest.raises(Unsupported, match="reverse"):
+        plan(dataclasses.replace(r, reverse=True))
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_region_renders(regions, arch):
+    for name, r in regions.items():
+        src = cuda.render(r, arch).source
+        assert "__shfl_up_sync" in src and "__syncthreads" in src, name
+        code = [line for line in src.splitlines() if not line.lstrip().startswith("//")]
+        assert not any("None" in line or "Undefined" in line for line in code), name
+        kernels = re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+, \d+\)\n(\w+)\(', src)
+        assert len(kernels) == len(cuda.render(r, arch).configs) >= 2, name
+    _, v80 = cuda.variant_for(86)
+    _, v90 = cuda.variant_for(120)
+    assert cuda.variant_for(86)[0] == "sm_80" and cuda.variant_for(120)[0] == "sm_90"
+    assert v90["exp2_poly_every"] != v80["exp2_poly_every"]
+
+
+# -- NVRTC: every kernel compiles for sm_80 and sm_90, without a GPU ---------------------------------
+
+def _toolchain():
+    try:
+        why = cuda.toolchain_problem()
+    except Exception as e:   # pragma: no cover
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        pytest.skip(f"no CUDA toolchain for compile-only tests: {why}")
+
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("name", ["mamba1", "mamba2", "gated"])
+def test_nvrtc_compiles(regions, name, arch, dtype):
+    """The short-sequence kernel of each layout, in one NVRTC program (the long-sequence ones:
+    test_every_variant_builds_through_the_cache); the PTX holds the warp scan, the SFU exp2
+    and vector loads."""
+    _toolchain()
+    rend = cuda.render(with_dtype(regions[name], dtype), arch)
+    picks = [[c for c in rend.configs if c["layout"] == lay][0]["kernel"] for lay in ("time_major", "row_major")]
+    flags = ["-DSSMC_ONE_KERNEL", *(f"-DSSMC_KERNEL_{k}" for k in picks)]
+    mod = cuda.nvrtc()
+    prog = mod.createProgram(rend.source, f"{name}.cu", [], [])
+    try:
+        try:
+            mod.compileProgram(prog, [f"--gpu-architecture=sm_{arch}", "-std=c++17",
+                                      *(f"-I{d}" for d in cuda.include_dirs()), *flags])
+        except mod.NVRTCError:
+            pytest.fail(mod.getProgramLog(prog))
+        cubin, ptx = mod.getCUBIN(prog), mod.getPTX(prog)
+    finally:
+        mod.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert len(cubin) > 1000
+    for k in picks:
+        assert k.encode() in cubin
+    assert "shfl.sync.up" in ptx and "bar.sync" in ptx
+    if name != "gated":                                  # gated's decay is a sigmoid, no exp2 of its own
+        assert "ex2.approx.ftz.f32" in ptx
+    assert re.search(r"ld\.global\.nc\.v[24]\.", ptx)     # a run of 4 items: one 16- or 8-byte load
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_variant_builds_through_the_cache(regions, arch, tmp_path):
+    """The kernels of the per-arch table (sm_90: all; sm_80: the long-sequence one of each
+    layout; the short ones compile in test_nvrtc_compiles), through build(): a miss writes the
+    source and the binary, the same build again is a hit."""
+    _toolchain()
+    r = with_dtype(regions["mamba1"], "bfloat16")
+    cache = get_cache(str(tmp_path / "cache"))
+    kernel = cuda.CudaKernel(r, plan(r), cache)
+    rend = kernel.rendered(arch)
+    configs = rend.configs if arch == 90 else [
+        [c for c in rend.configs if c["layout"] == lay][-1] for lay in ("time_major", "row_major")]
+    for c in configs:
+        b = kernel.built(arch, c["kernel"])
+        assert b.cache == "miss" and b.fmt == "cubin" and len(b.binary) > 1000
+        assert Path(b.source_path).read_text() == rend.source
+    again = cuda.CudaKernel(r, plan(r), cache)
+    assert again.built(arch, rend.configs[-1]["kernel"]).cache == "hit"
+    assert again.cache_status == "hit"
+
+
+def test_compile_error_carries_log_and_source_path(regions, tmp_path):
+    _toolchain()
+    r = regions["gated"]
+    kernel = cuda.CudaKernel(r, plan(r), get_cache(str(tmp_path / "cache")), extra_flags=("-D__syncthreads=no_such_fn",))
+    with pytest.raises(cuda.CudaCompileError) as e:
+        kernel.built(90)
+    msg = str(e.value)
+    assert "sm_90" in msg and "-D__syncthreads=no_such_fn" in msg and "no_such_fn" in msg.split("log:")[1]
+    path = re.search(r"source: (\S+)", msg).group(1)
+    assert Path(path).read_text() == kernel.rendered(90).source
+
+
+def test_target_compile_without_gpu_renders_only(regions, tmp_path):
+    kernel = cuda.CudaTarget().compile(regions["mamba1"], "chunked_scan", make_options(cache_dir=str(tmp_path)))
+    assert "_time_major<" in cuda.CudaTarget().source(kernel)
+
+
+# -- numerics of the generated source, emulated on the CPU ------------------------------------------
+
+SMALL = {   # small blocks so that short sequences span several chunks; both smem layouts, poly exp2
+    "pair": {"time_major": [{"max_len": 8, "threads": 32, "items": 2}, {"max_len": None, "threads": 64, "items": 4}],
+             "row_major": [{"max_len": None, "warps": 2, "items": 4}],
+             "exp2_poly_every": 2, "totals": "pair", "min_blocks": {}},
+    "split": {"time_major": [{"max_len": None, "threads": 64, "items": 8}],
+              "row_major": [{"max_len": None, "warps": 3, "items": 2}],
+              "exp2_poly_every": 0, "totals": "split", "min_blocks": {}},
+}
+
+
+GXX = ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", "-DSSMC_EMULATE"]
+
+
+@pytest.fixture(scope="module")
+def emu_dir(tmp_path_factory):
+    """A work dir with the emulator header precompiled (each kernel build then takes ~1 s)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found: the CUDA emulator needs it")
+    d = tmp_path_factory.mktemp("cuda_emu")
+    shutil.copy(HERE / "cuda_emu.h", d / "cuda_emu.h")
+    subprocess.run([*GXX, "-x", "c++-header", str(d / "cuda_emu.h"), "-o", str(d / "cuda_emu.h.gch")],
+                   capture_output=True)    # without the .gch, g++ reads the header itself
+    return d
+
+
+def _emulator(source: str, workdir: Path) -> ctypes.CDLL:
+    key = hashlib.sha256((source + (HERE / "cuda_emu.h").read_text()).encode()).hexdigest()[:16]
+    lib = workdir / f"{key}.so"
+    if not lib.exists():
+        src = workdir / f"{key}.cpp"
+        src.write_text(source)
+        cmd = [*GXX, "-shared", "-include", str(workdir / "cuda_emu.h"), "-Wno-unknown-pragmas",
+               "-x", "c++", str(src), "-o", str(lib)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-4000:]
+    return ctypes.CDLL(str(lib))
+
+
+def emulate(kernel: cuda.CudaKernel, inputs, workdir: Path, arch: int = 90):
+    """kernel.run with the launch done by the CPU emulator instead of a GPU."""
+    lib = _emulator(kernel.rendered(arch).source, workdir)
+    types = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32}
+
+    def launch(cfg, grid, block, smem, args):
+        f = getattr(lib, cfg["kernel"] + "_emulate")
+        f.argtypes = [ctypes.c_uint] * 3 + [types[k] for k, _ in args]
+        f.restype = None
+        f(grid, block, smem, *[v for _, v in args])
+    return kernel.run(inputs, arch, launch)
+
+
+def _emu_case(regions, emu_dir, name, L, dtype, layout, variant="pair", how=None, seed=0):
+    r = regions[name]
+    if dtype != torch.float32:
+        r = with_dtype(r, ir.dtype_name(dtype))
+    kernel = cuda.CudaKernel(r, plan(r), get_cache(str(emu_dir / "cache")), variants=SMALL[variant])
+    kernel.poison = True
+    kernel.force_layout = layout
+    xs = region_inputs(name, r, L, dtype, seed)
+    if how:
+        xs = [scramble(x, how) for x in xs]
+    outs = emulate(kernel, xs, emu_dir)
+    ref = reference_run(r, [x.double() for x in xs])
+    check_close(outs, ref, dtype, f"{name} L={L} {dtype} {layout} {how or 'contiguous'}")
+    return kernel
+
+
+@pytest.mark.parametrize("layout", ["time_major", "row_major"])
+@pytest.mark.parametrize("L", [1, 7, 300])
+def test_emulated_mamba1(regions, emu_dir, L, layout):
+    k = _emu_case(regions, emu_dir, "mamba1", L, torch.float32, layout)
+    assert k.last_launch["layout"] == layout
+
+
+@pytest.mark.parametrize("name", ["mamba1_bdl", "mamba2", "gated", "s4d", "scan"])
+def test_emulated_regions(regions, emu_dir, name):
+    for layout in ("time_major", "row_major"):
+        _emu_case(regions, emu_dir, name, 137, torch.float32, layout, seed=1)
+
+
+@pytest.mark.parametrize("how", ["strided", "misaligned", "transposed"])
+def test_emulated_non_contiguous(regions, emu_dir, how):
+    for name in ("mamba1", "mamba1_bdl"):
+        k = _emu_case(regions, emu_dir, name, 93, torch.float32, None, how=how, seed=2)
+        assert k.last_launch["layout"] in ("time_major", "row_major")
+
+
+@pytest.mark.parametrize("name,dtype,layout", [("mamba1_bdl", torch.bfloat16, "time_major"),
+                                               ("mamba1", torch.bfloat16, "row_major"),
+                                               ("mamba1_bdl", torch.float16, "time_major")])
+def test_emulated_half_inputs(regions, emu_dir, name, dtype, layout):
+    _emu_case(regions, emu_dir, name, 200, dtype, layout, variant="split", seed=3)
+
+
+def test_layout_follows_strides(regions, emu_dir):
+    """(b, L, d) inputs get lanes along rows; (b, d, L) lanes along time; the state loop's smem
+    for the row layout is bounded."""
+    for name, want in (("mamba1", "row_major"), ("mamba1_bdl", "time_major")):
+        k = _emu_case(regions, emu_dir, name, 40, torch.float32, None, seed=4)
+        assert k.last_launch["layout"] == want, name
+
+
+def test_emulated_production_variant(regions, emu_dir):
+    """The sm_90 table itself (128 threads x 16 items, poly exp2), across two chunks."""
+    r = regions["mamba1_bdl"]
+    kernel = cuda.CudaKernel(r, plan(r), get_cache(str(emu_dir / "cache")))
+    kernel.poison = True
+    xs = region_inputs("mamba1_bdl", r, 2100, torch.float32, seed=5)
+    outs = emulate(kernel, xs, emu_dir, arch=90)
+    assert kernel.last_launch["kernel"].endswith("tm128x16")
+    check_close(outs, reference_run(r, [x.double() for x in xs]), torch.float32, "sm_90 table")
+
+
+# -- on the GPU -----------------------------------------------------------------------------------
+
+GPU_L = [1, 7, 513, 2048]
+
+
+def _gpu_kernel(r, tmp_path):
+    kernel = cuda.CudaTarget().compile(r, "chunked_scan", make_options(cache_dir=str(tmp_path)))
+    kernel.poison = True
+    return kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L", GPU_L)
+@pytest.mark.parametrize("name", ["mamba1", "mamba1_bdl", "mamba2", "gated"])
+def test_gpu_numerics(regions, tmp_path, name, L, dtype):
+    r = regions[name] if dtype == torch.float32 else with_dtype(regions[name], ir.dtype_name(dtype))
+    kernel = _gpu_kernel(r, tmp_path)
+    for how in (None, "strided", "transposed", "misaligned"):
+        xs = [scramble(x.cuda(), how) for x in region_inputs(name, r, L, dtype, seed=L)]
+        outs = kernel.forward(xs)
+        torch.cuda.synchronize()
+        ref = reference_run(r, [x.double().cpu() for x in xs])
+        check_close([o.cpu() for o in outs], ref, dtype, f"{name} L={L} {how} {kernel.last_launch}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["time_major", "row_major"])
+def test_gpu_both_layouts_large(regions, tmp_path, layout):
+    """b8 d64 n16 at L 2048 and 4100 with each layout forced, bf16 in, fp32 state."""
+    r = with_dtype(regions["mamba1"], "bfloat16")
+    kernel = _gpu_kernel(r, tmp_path)
+    kernel.force_layout = layout
+    for L in (2048, 4100):
+        x, dt, A, B, C, D, z, bias = P.mamba1_inputs(8, L, 64, 16, dtype=torch.bfloat16, seed=L)
+        named = {"l_x_": x, "l_dt_": dt, "l_a_": A, "l_b_": B, "l_c_": C, "l_d_": D, "l_z_": z, "l_bias_": bias,
+                 "h": torch.zeros(8, 64, 16)}
+        xs = [named[s.name.split(" (")[0]].cuda() for s in r.inputs]
+        outs = kernel.forward(xs)
+        ref = reference_run(r, [x.double().cpu() for x in xs])
+        check_close([o.cpu() for o in outs], ref, torch.bfloat16, f"L={L} {layout}")
+
+
+@pytest.mark.gpu
+def test_gpu_second_device(regions, tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU")
+    r = regions["mamba1"]
+    kernel = _gpu_kernel(r, tmp_path)
+    xs = [x.to("cuda:1") for x in region_inputs("mamba1", r, 513)]
+    with torch.cuda.device(0):
+        outs = kernel.forward(xs)
+    assert all(o.device == torch.device("cuda:1") for o in outs)
+    check_close([o.cpu() for o in outs], reference_run(r, [x.double().cpu() for x in xs]), torch.float32, "cuda:1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_end_to_end(tmp_path, dtype):
+    fn = P.mamba1("stack")
+    xs = [x.cuda() for x in P.mamba1_inputs(L=64, dtype=dtype, seed=7)]
+    out, rep = ssmc_run(fn, xs, target="cuda", cache_dir=str(tmp_path), rest="eager")
+    assert rep.regions[0].target == "cuda", str(rep)
+    assert "__shfl_up_sync" in rep.regions[0].kernel_source
+    for o, r in zip(as_tuple(out), reference(fn, [x.cpu() for x in xs])):
+        assert rel_err(o.cpu(), r) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+def test_gpu_failed_nvrtc_compile_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(cuda, "EXTRA_FLAGS", ("-D__syncthreads=no_such_fn",))   # every kernel fails to compile
+    fn = P.mamba1("stack")
+    xs = [x.cuda() for x in P.mamba1_inputs(L=16, seed=8)]
+    out, rep = ssmc_run(fn, xs, target="cuda", cache_dir=str(tmp_path), rest="eager")
+    reg = rep.regions[0]
+    assert reg.target in ("triton", "torch"), str(rep)
+    note = " ".join(reg.notes)
+    assert "target cuda failed to compile" in note and "NVRTC" in note and "source: " in note, note
+    assert "no_such_fn" in note                                              # the NVRTC log itself
+    assert rel_err(as_tuple(out)[0].cpu(), reference(fn, [x.cpu() for x in xs])[0]) <= TOL[torch.float32]

@@ -1,0 +1,521 @@
+"""The ``triton`` target.
+
+- compile-only for sm_80 and sm_90 (no GPU needed): Mamba-1, Mamba-2 and the gated recurrence;
+- numerics under TRITON_INTERPRET=1 on tiny shapes, end to end through the backend with
+  target "triton", both kernel variants, outputs poisoned with NaN, against float64 eager;
+- every elementwise op the printer knows, against the float64 torch reference;
+- plans, refusals with reasons, the kernel cache (second process, same bucket);
+- on a GPU (marker gpu): b8 d1536 n16, L in {1, 7, 512, 2048, 4096}, fp32 and bf16.
+
+TRITON_INTERPRET is read by Triton when @triton.jit decorates a function, i.e. when ssmc imports
+a rendered kernel module; the fixtures set it per test (monkeypatch restores it) and ssmc keeps
+interpreted and compiled imports of one source apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._higher_order_ops.scan import scan
+
+import programs as P
+import ssmc
+import ssmc.ops
+from conftest import TOL, as_tuple, reference, rel_err, ssmc_run
+from ssmc import ir
+from ssmc.ir import Const, InputSpec, Load, Op, OutputSpec, Region, State
+from ssmc.runtime import cache as kcache
+from ssmc.runtime.op import lookup
+
+triton = pytest.importorskip("triton")
+T = pytest.importorskip("ssmc.targets.triton")
+
+VARIANTS = ["loop", "scan"]
+
+
+# -- more capture forms: the scan higher-order op (one node at any length), fp32 state -----------
+
+def mamba1_scan_cast(x, dt, A, B, C, D, z, bias):
+    def combine(h, xs):
+        x_t, dt_t, B_t, C_t, z_t = xs
+        delta = F.softplus(dt_t.float() + bias.float())
+        h = torch.exp(delta.unsqueeze(-1) * A.float()) * h + \
+            (delta * x_t.float()).unsqueeze(-1) * B_t.float().unsqueeze(1)
+        y = (h * C_t.float().unsqueeze(1)).sum(-1) + D.float() * x_t.float()
+        return h, (y * F.silu(z_t.float())).to(x_t.dtype)
+    h0 = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=torch.float32, device=x.device)
+    hT, ys = scan(combine, h0, (x, dt, B, C, z), dim=1)
+    return ys, hT
+
+
+def mamba2_scan_cast(x, dt, A, B, C, D):
+    b, L, H, Pd = x.shape
+
+    def combine(h, xs):
+        x_t, dt_t, B_t, C_t = xs
+        dA = torch.exp(dt_t.float() * A.float())
+        h = dA[:, :, None, None] * h + \
+            (dt_t.float()[:, :, None] * x_t.float())[..., None] * B_t.float()[:, None, None, :]
+        y = torch.einsum("bhpn,bn->bhp", h, C_t.float()) + D.float()[:, None] * x_t.float()
+        return h, y.to(x_t.dtype)
+    h0 = torch.zeros(b, H, Pd, B.shape[-1], dtype=torch.float32, device=x.device)
+    hT, ys = scan(combine, h0, (x, dt, B, C), dim=1)
+    return ys, hT
+
+
+def gated_scan_cast(x, gate, z, w):
+    def combine(h, xs):
+        x_t, g_t, z_t = xs
+        f = torch.sigmoid(g_t.float() + w.float())
+        h = f * h + (1 - f) * torch.tanh(x_t.float())
+        return h, (h * F.silu(z_t.float()) + 0.5 * h).to(x_t.dtype)
+    h0 = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float32, device=x.device)
+    hT, ys = scan(combine, h0, (x, gate, z), dim=1)
+    return ys, hT
+
+
+def mamba1_keepdim(x, dt, A, B, C, D, z, bias):
+    """A per-step output with a size-1 dim (sum with keepdim) and the final state."""
+    h = torch.zeros(x.shape[0], x.shape[2], A.shape[1])
+    ys = []
+    for t in range(x.shape[1]):
+        delta = F.softplus(dt[:, t] + bias)
+        h = torch.exp(delta.unsqueeze(-1) * A) * h + (delta * x[:, t]).unsqueeze(-1) * B[:, t].unsqueeze(1)
+        ys.append((h * C[:, t].unsqueeze(1)).sum(-1, keepdim=True))
+    return torch.stack(ys, 1), h
+
+
+def mamba2_sum_two_axes(x, dt, A, B, C, D):
+    """The readout sums over two state axes (p and n): not what the kernel holds in registers."""
+    b, L, H, Pd = x.shape
+    h = x.new_zeros(b, H, Pd, B.shape[-1])
+    ys = []
+    for t in range(L):
+        h = torch.exp(dt[:, t] * A)[:, :, None, None] * h + \
+            (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, None, None, :]
+        ys.append((h * C[:, t, None, None, :]).sum((-1, -2)))
+    return torch.stack(ys, 1)
+
+
+# -- fixtures and helpers ---------------------------------------------------------------------------
+
+def poison_outputs(monkeypatch):
+    """Every output the kernel allocates starts as NaN: an element it does not write shows."""
+    orig = T.TritonKernel.outputs
+
+    def poisoned(self, inputs):
+        return [o.fill_(float("nan")) if o.is_floating_point() else o for o in orig(self, inputs)]
+    monkeypatch.setattr(T.TritonKernel, "outputs", poisoned)
+
+
+@pytest.fixture
+def interp(monkeypatch, tmp_path):
+    """Triton's CPU interpreter on, a fresh kernel cache, outputs poisoned."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path / "cache"))
+    poison_outputs(monkeypatch)
+    return tmp_path
+
+
+def pin(monkeypatch, variant: str):
+    """Only configs of one kernel variant are candidates."""
+    table = dict(T.load_configs())
+    for k, v in table.items():
+        if isinstance(v, list):
+            table[k] = [c for c in v if c["variant"] == variant]
+    monkeypatch.setattr(T, "load_configs", lambda: table)
+
+
+def run_triton(fn, inputs, variant=None, **options):
+    """Compile with target "triton" and run once; the Triton kernel must have run."""
+    out, report = ssmc_run(fn, inputs, target="triton", **options)
+    assert len(report.regions) == 1, str(report)
+    info = report.regions[0]
+    assert info.target == "triton", str(report)
+    entry = lookup(info.key)
+    kern = entry.kernel
+    assert entry.target == "triton" and entry.failure is None, entry.failure
+    assert isinstance(kern, T.TritonKernel) and kern.fallback is None, kern.fallback
+    assert kern.config is not None
+    if variant:
+        assert kern.config["variant"] == variant
+    return as_tuple(out), report, kern
+
+
+def check(fn, inputs, variant=None, tol=None, **options):
+    out, report, kern = run_triton(fn, inputs, variant, **options)
+    ref = reference(fn, inputs)
+    assert len(out) == len(ref)
+    for o, r in zip(out, ref):
+        assert o.shape == r.shape
+        err = rel_err(o, r)
+        assert err <= (tol or TOL[inputs[0].dtype]), f"rel err {err:.3g}\n{report}"
+    return report, kern
+
+
+def region_of(fn, inputs) -> Region:
+    return ssmc_run(fn, inputs, target="torch")[1].regions[0].ir
+
+
+def region_inputs(region: Region, fn, args) -> list:
+    """The region's inputs for a call fn(*args): Dynamo names a graph input for argument `x`
+    "l_x_"; the initial state, created inside the loop, is zeros of the state's shape."""
+    import inspect
+    params = {p.lower(): a for p, a in zip(inspect.signature(fn).parameters, args)}
+    dev = args[0].device
+    out = []
+    for i, spec in enumerate(region.inputs):
+        name = spec.name[2:-1] if spec.name.startswith("l_") and spec.name.endswith("_") else None
+        if name in params:
+            out.append(params[name])
+        elif i == region.init:
+            out.append(None)
+        else:
+            raise KeyError(f"region input {spec.name} is not an argument of {fn.__name__}")
+    sizes = {a: out[i].shape[d] for a, (i, d) in zip(region.axes, region.axis_size) if out[i] is not None}
+    if region.init is not None:
+        out[region.init] = torch.zeros([sizes[a] for a in region.axes], dtype=ir.to_dtype(
+            region.inputs[region.init].dtype), device=dev)
+    return out
+
+
+def match_outputs(got, want):
+    """Region outputs against the function's outputs, paired by shape."""
+    want = list(want)
+    pairs = []
+    for g in got:
+        j = next(j for j, w in enumerate(want) if tuple(w.shape) == tuple(g.shape))
+        pairs.append((g, want.pop(j)))
+    return pairs
+
+
+def ast_source(fn, signature, constexprs):
+    try:
+        return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    except TypeError:       # older Triton spelled it `constants`
+        return triton.compiler.ASTSource(fn=fn, signature=signature, constants=constexprs)
+
+
+# -- compile-only for sm_80 / sm_90 -------------------------------------------------------------------
+
+COMPILE_PROGRAMS = {
+    "mamba1": (lambda: P.mamba1("final"), lambda: P.mamba1_inputs(seed=1)),
+    "mamba2": (lambda: P.mamba2("final"), lambda: P.mamba2_inputs(seed=2, with_h0=True)),
+    "gated": (P.gated, lambda: P.gated_inputs(seed=3)),
+}
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("name", sorted(COMPILE_PROGRAMS))
+def test_compiles_for_sm80_sm90_without_gpu(name, cc, monkeypatch, tmp_path):
+    from triton.backends.compiler import GPUTarget
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    build, make = COMPILE_PROGRAMS[name]
+    region = region_of(build(), make())
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options(cache_dir=str(tmp_path)))
+    seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if i != region.init and s.ndim >= 3}
+    block_n = 16 if kern.plan.reg else 1
+    table = T.load_configs()[f"sm_{cc}"]
+    for variant in VARIANTS:
+        cfg = next(c for c in table if c["variant"] == variant)
+        fn, sig, cx = kern.signature(cfg, block_n, seq)
+        assert isinstance(fn, triton.runtime.jit.JITFunction)
+        assert "*bf16" in sig.values()
+        ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
+                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+        ptx = ck.asm["ptx"]
+        assert f".target sm_{cc}" in ptx and ck.asm.get("cubin")
+        assert "ex2.approx" in ptx                        # exps are exp2 on the SFU
+
+
+# -- the plan and the rendered source -------------------------------------------------------------------
+
+def test_plan_mamba1_mamba2_gated():
+    m1 = T.make_plan(region_of(P.mamba1("stack"), P.mamba1_inputs(seed=4)))
+    assert (m1.reg, m1.block, m1.scalars) == ("i2", "i1", ("i0",))       # n in registers, d blocked, b
+    m2 = T.make_plan(region_of(P.mamba2("stack"), P.mamba2_inputs(seed=5)))
+    assert (m2.reg, m2.block, m2.scalars) == ("i3", "i2", ("i0", "i1"))  # n; p blocked; b, head
+    g = T.make_plan(region_of(P.gated(), P.gated_inputs(seed=6)))
+    assert (g.reg, g.block, g.scalars) == (None, "i1", ("i0",))
+
+
+def _body(src: str, variant: str) -> str:
+    start = src.index(f"_{variant}(\n")
+    end = src.find("@triton.jit", start)
+    return src[start:end if end > 0 else None]
+
+
+def test_rendered_source_hoists_and_folds():
+    r = region_of(P.mamba1("stack"), P.mamba1_inputs(seed=7))
+    src = T.render(r, T.make_plan(r))
+    compile(src, "<kernel>", "exec")
+    for variant in VARIANTS:
+        body = _body(src, variant)
+        loop_at = body.index("for t0 in range(")
+        before, inside = body[:loop_at], body[loop_at:]
+        # A (d, n) is loaded once before the time loop, log2(e) folded into it there
+        assert "in2_ptr" in before and "in2_ptr" not in inside
+        assert "* 1.4426950408889634" in before
+        assert "tl.exp(" not in body                      # every exp is an exp2
+        # softplus(dt + bias) is per (b, d, t): dt's load reads channel offsets, no state offsets
+        assert len([l for l in inside.splitlines() if "_log1p(" in l]) == (2 if variant == "loop" else 1)
+        dt_line = next(l for l in inside.splitlines() if "in0_ptr" in l)
+        assert re.search(r"\bod3?\b", dt_line) and not re.search(r"\bon3?\b", dt_line)
+        assert "_sum(" in inside                           # the readout is a register reduction
+    assert "tl.associative_scan(" in _body(src, "scan")
+    # Mamba-2: the decay is one scalar per program and step (no offsets, no mask)
+    r2 = region_of(P.mamba2("stack"), P.mamba2_inputs(seed=8))
+    body = _body(T.render(r2, T.make_plan(r2)), "loop")
+    dt_line = next(l for l in body.splitlines() if "tl.load(in0_ptr" in l)
+    assert "mask" not in dt_line and not re.search(r"\bo[dn]3?\b", dt_line)
+
+
+# -- numerics under the interpreter ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", ["stack", "setitem"])
+def test_mamba1_forms(form, variant, interp, monkeypatch):
+    pin(monkeypatch, variant)
+    # L=9: chunks of 4 and a remainder; d=6: a partial channel block; n=5: masked register lanes
+    check(P.mamba1(form), P.mamba1_inputs(b=2, L=9, d=6, n=5, seed=len(form)), variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mamba1_scan_hop_bdl_and_h0(variant, interp, monkeypatch):
+    pin(monkeypatch, variant)
+    check(P.mamba1_scan(), P.mamba1_inputs(L=7, seed=21), variant)
+    check(P.mamba1_bdl(), P.mamba1_inputs(L=6, layout="bdl", seed=22), variant)
+    x, dt, A, B, C, *_ = P.mamba1_inputs(L=5, seed=23)
+    h0 = torch.randn(x.shape[0], x.shape[2], A.shape[1])
+    check(P.mamba1_h0(), (x, dt.abs(), A, B, C, h0), variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("h0", [False, True])
+def test_mamba2(h0, variant, interp, monkeypatch):
+    pin(monkeypatch, variant)
+    rep, kern = check(P.mamba2("final"), P.mamba2_inputs(L=9, P=6, seed=24, with_h0=h0), variant)
+    assert rep.regions[0].ir.decay_kind == "shared"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_s4d_and_gated(variant, interp, monkeypatch):
+    pin(monkeypatch, variant)
+    rep, _ = check(P.s4d(), P.s4d_inputs(L=10, seed=25), variant)
+    assert rep.regions[0].ir.decay_kind == "lti"
+    rep, kern = check(P.gated(), P.gated_inputs(L=9, d=5, seed=26), variant)
+    assert kern.plan.reg is None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scan_forms_bf16(variant, interp, monkeypatch):
+    pin(monkeypatch, variant)
+    bf = torch.bfloat16
+    check(mamba1_scan_cast, P.mamba1_inputs(L=6, dtype=bf, seed=27), variant, rest="eager")
+    check(mamba2_scan_cast, P.mamba2_inputs(L=6, dtype=bf, seed=28), variant, rest="eager")
+    check(gated_scan_cast, P.gated_inputs(L=6, dtype=bf, seed=29), variant, rest="eager")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_edge_shapes(variant, interp, monkeypatch):
+    pin(monkeypatch, variant)
+    check(P.mamba1_scan(), P.mamba1_inputs(L=1, seed=30), variant)                 # one step
+    fn = P.mamba1("final")                                    # and a kernel of 9 steps run for 1
+    region = region_of(fn, P.mamba1_inputs(L=9, seed=30))
+    kern = T.TritonTarget().compile(region, "step", ssmc.make_options())
+    args = P.mamba1_inputs(L=1, seed=30)
+    for g, w in match_outputs(kern.forward(region_inputs(region, fn, args)), reference(fn, args)):
+        assert rel_err(g, w) <= TOL[torch.float32]
+    assert kern.fallback is None and kern.config["variant"] == variant
+    check(mamba1_keepdim, P.mamba1_inputs(L=5, d=6, n=4, seed=31), variant)       # (b, L, d, 1) output
+    x, dt, A, B, C, D, z, bias = P.mamba1_inputs(L=5, d=6, n=4, seed=32, layout="bdl")
+    strided = (x.transpose(1, 2), dt.transpose(1, 2), A.t().contiguous().t(), B.transpose(1, 2),
+               C.transpose(1, 2), D, z.transpose(1, 2), bias)
+    assert not strided[0].is_contiguous() and not strided[2].is_contiguous()
+    check(P.mamba1("final"), strided, variant)                                     # strides at run time
+
+
+def test_mamba1_fp64_computes_in_fp64(interp):
+    rep, kern = check(P.mamba1("final"), P.mamba1_inputs(L=5, dtype=torch.float64, seed=33))
+    assert "compute dtype tl.float64" in kern.source
+
+
+def test_mamba1_bf16_casts(interp):
+    check(P.mamba1_cast(), P.mamba1_inputs(L=6, dtype=torch.bfloat16, seed=34))
+
+
+# -- every elementwise op -----------------------------------------------------------------------------------
+
+def _op_region() -> Region:
+    X, W, H = Load(0, ("i0", "t", "i1")), Load(1, ("i1",)), State()
+    c = Const
+    Pos = Op("add", (Op("abs", (X,)), c(0.5)))
+
+    def o(name, *args, **attrs):
+        return Op(name, tuple(args), tuple(sorted(attrs.items())))
+    small = o("mul", X, c(1e-3))
+    exprs = [
+        o("add", X, H), o("sub", X, W), o("mul", X, H), o("div", X, Pos),
+        o("pow", Pos, X), o("pow", X, c(2.0)), o("pow", X, c(3.0)), o("pow", Pos, c(0.5)),
+        o("pow", Pos, c(-0.5)), o("pow", Pos, c(-1.0)), o("pow", Pos, c(-2.0)), o("pow", X, c(5.0)),
+        o("pow", Pos, c(1.7)), o("pow", c(2.0), X), o("pow", X, c(0.0)), o("pow", X, c(1.0)),
+        o("maximum", X, H), o("minimum", X, W), o("maximum", X, c(0.1)), o("minimum", c(-0.2), H),
+        o("gt", X, W), o("lt", X, W), o("ge", X, c(0.0)), o("le", X, H), o("eq", X, X), o("ne", X, W),
+        o("where", o("gt", X, W), X, H), o("where", o("lt", X, c(0.0)), c(1.0), H),
+        o("neg", X), o("exp", X), o("exp", o("mul", X, W)), o("exp", o("mul", c(0.5), X)),
+        o("exp2", X), o("expm1", X), o("expm1", small), o("log", Pos), o("log1p", o("sub", Pos, c(0.4))),
+        o("log1p", o("mul", X, c(1e-4))), o("sqrt", Pos), o("rsqrt", Pos), o("tanh", X), o("tanh", small),
+        o("tanh", o("mul", X, c(30.0))), o("sigmoid", o("mul", X, c(10.0))),
+        o("logsigmoid", o("mul", X, c(10.0))), o("softplus", X, beta=1.0, threshold=20.0),
+        o("softplus", X, beta=2.0, threshold=3.0),
+        o("softplus", o("mul", X, c(30.0)), beta=1.0, threshold=20.0),
+        o("silu", X), o("relu", X), o("abs", X), o("reciprocal", Pos), o("sin", X), o("cos", X),
+        o("cast", o("mul", X, c(3.0)), dtype="int64"), o("cast", o("gt", X, c(0.0)), dtype="float32"),
+        o("cast", o("relu", X), dtype="bool"), o("mul", o("add", c(1.0), c(2.0)), X),
+    ]
+    names = {x.name for e in exprs for x in ir.walk(e) if isinstance(x, Op)}
+    assert set(ssmc.ops.ELEMENTWISE) <= names
+    outs = tuple(OutputSpec("steps", e, ("i0", "t", "i1"), "float32") for e in exprs)
+    outs += (OutputSpec("final", o("mul", H, o("cos", X)), ("i0", "i1"), "float32"),)
+    return Region("ops", ("i0", "i1"), ((0, 0), (0, 2)), (0, 1),
+                  (InputSpec("x", 3, "float32"), InputSpec("w", 1, "float32"), InputSpec("h0", 2, "float32")),
+                  o("sigmoid", o("add", X, W)), o("mul", o("tanh", X), c(0.3)), outs, init=2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_elementwise_op(variant, interp, monkeypatch):
+    from ssmc.targets.reference import ReferenceKernel
+    pin(monkeypatch, variant)
+    region = _op_region()
+    assert T.TritonTarget().supports(region, "chunked_scan", None, "cpu") is True
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options())
+    g = torch.Generator().manual_seed(35)
+    inputs = [torch.randn(2, 6, 5, generator=g), torch.randn(5, generator=g), torch.randn(2, 5, generator=g)]
+    got = kern.forward(inputs)
+    assert kern.fallback is None and kern.config["variant"] == variant
+    want = ReferenceKernel(region).forward([x.double() for x in inputs])
+    for o, w, spec in zip(got, want, region.outputs):
+        err = rel_err(o, w.double())
+        assert err <= 1e-5, f"{spec.expr}: rel err {err:.3g}"
+
+
+# -- refusals -------------------------------------------------------------------------------------------
+
+def test_supports_gives_reasons(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    t = T.TritonTarget()
+    r = region_of(P.mamba1("stack"), P.mamba1_inputs(seed=36))
+    assert t.supports(r, "chunked_scan", 90, "cuda") is True
+    assert t.supports(r, "step", 80, "cuda") is True
+    assert "sm_80" in t.supports(r, "chunked_scan", 75, "cuda")
+    assert "TRITON_INTERPRET" in t.supports(r, "chunked_scan", None, "cpu")
+    assert "reverse" in t.supports(dataclasses.replace(r, reverse=True), "chunked_scan", 90, "cuda")
+    odd = dataclasses.replace(r, decay=Op("erf", (r.decay,)))
+    assert "erf" in t.supports(odd, "chunked_scan", 90, "cuda")
+    two = region_of(mamba2_sum_two_axes, P.mamba2_inputs(seed=37))
+    assert "reduce over" in t.supports(two, "chunked_ssd", 90, "cuda")
+
+
+def test_declined_region_falls_back_to_torch_with_reason(interp):
+    ins = P.mamba2_inputs(L=5, seed=38)
+    out, report = ssmc_run(mamba2_sum_two_axes, ins, target="triton")
+    info = report.regions[0]
+    assert info.target == "torch" and "reduce over" in info.target_reasons["triton"], str(report)
+    assert rel_err(out, reference(mamba2_sum_two_axes, ins)[0]) <= TOL[torch.float32]
+
+
+# -- the kernel cache -----------------------------------------------------------------------------------------
+
+def test_cache_second_process_and_same_bucket(interp, monkeypatch):
+    fn = P.mamba1("final")
+    _, rep, k1 = run_triton(fn, P.mamba1_inputs(L=7, seed=39))
+    assert rep.regions[0].cache == "miss" and k1.timings                 # rendered, autotuned
+    cfg = k1.config
+    src = T.TritonTarget().source(k1)
+    assert "kernel cache miss" in src and "config for interpreter" in src and "def ssmc_" in src
+    # a new process: nothing in memory, everything from disk
+    monkeypatch.setattr(kcache, "_CACHES", {})
+    monkeypatch.setattr(T, "_MODULES", {})
+    _, rep, k2 = run_triton(fn, P.mamba1_inputs(L=7, seed=40))
+    assert rep.regions[0].cache == "hit" and not k2.timings and k2.config == cfg
+    # a new length in the same bucket (6 and 7 both round up to 8) reuses the tuned config
+    _, rep, k3 = run_triton(fn, P.mamba1_inputs(L=6, seed=41))
+    assert rep.regions[0].cache == "hit" and not k3.timings and k3.config == cfg
+    # a length in another bucket is tuned anew
+    _, rep, k4 = run_triton(fn, P.mamba1_inputs(L=12, seed=42))
+    assert k4.timings
+
+
+def test_corrupt_source_file_is_rewritten(interp, monkeypatch):
+    fn = P.gated()
+    _, rep, k1 = run_triton(fn, P.gated_inputs(L=4, seed=43))
+    k1.path.write_text("this is not python")
+    monkeypatch.setattr(kcache, "_CACHES", {})
+    monkeypatch.setattr(T, "_MODULES", {})
+    out, rep, k2 = run_triton(fn, P.gated_inputs(L=4, seed=44))
+    assert k2.path == k1.path and k2.path.read_text() == k2.source
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------------
+# Regions are captured from the naive loops at a small length (Dynamo unrolls the loop: ~15 ms
+# a step), then the kernel runs on full-size inputs; a float64 eager run of the same loop is
+# the reference. A short end-to-end run through torch.compile checks the wiring on the GPU.
+
+GPU_LENGTHS = [1, 7, 512, 2048, 4096]
+GPU_PROGRAMS = {
+    "mamba1": (lambda: P.mamba1("final"),
+               lambda L, dt: P.mamba1_inputs(b=8, L=L, d=1536, n=16, dtype=dt, seed=L)),
+    "mamba2": (lambda: P.mamba2("final"),
+               lambda L, dt: P.mamba2_inputs(b=8, L=L, H=24, P=64, N=16, dtype=dt, seed=L)),
+    "gated": (P.gated, lambda L, dt: P.gated_inputs(b=8, L=L, d=1536, dtype=dt, seed=L)),
+}
+
+
+def _tol(o) -> float:
+    return TOL[torch.bfloat16] if o.dtype == torch.bfloat16 else 2e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("L", GPU_LENGTHS)
+@pytest.mark.parametrize("name", sorted(GPU_PROGRAMS))
+def test_gpu_numerics(name, L, dtype, monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    poison_outputs(monkeypatch)
+    build, make = GPU_PROGRAMS[name]
+    fn = build()
+    region = region_of(fn, tuple(x[:2, :8].contiguous() if x.dim() >= 3 else x for x in make(8, dtype)))
+    strategy = "step" if L <= 4 else "chunked_scan"
+    kern = T.TritonTarget().compile(region, strategy, ssmc.make_options(cache_dir=str(tmp_path)))
+    assert kern.arch and kern.arch >= 80
+    args = tuple(x.cuda() for x in make(L, dtype))
+    rin = region_inputs(region, fn, args)
+    got = kern.forward(rin)
+    torch.cuda.synchronize()
+    assert kern.fallback is None, kern.fallback
+    ref = reference(fn, args)
+    for g, w in match_outputs(got, ref):
+        assert g.is_cuda and torch.isfinite(g).all()
+        err = rel_err(g, w)
+        assert err <= _tol(g), f"{name} L={L} {dtype}: rel err {err:.3g} with config {kern.config}"
+    if L in (7, 2048):                       # every candidate config, not only the tuner's pick
+        for cfg in kern.candidates(rin, kern.arch):
+            for g, w in match_outputs(kern.launch(rin, cfg), ref):
+                err = rel_err(g, w)
+                assert err <= _tol(g), f"{name} L={L} {dtype} config {cfg}: rel err {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(GPU_PROGRAMS))
+def test_gpu_end_to_end(name, dtype, monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    poison_outputs(monkeypatch)
+    build, make = GPU_PROGRAMS[name]
+    args = tuple(x.cuda() for x in make(64, dtype))
+    check(build(), args)
