@@ -68,15 +68,16 @@ def rel(a, b):
 
 # -- the naive Mamba-1 loop, in mamba-ssm's layout ----------------------------------------------
 
-def mamba1_naive(u, delta, A, B, C, D, z, delta_bias):
+def mamba1_naive(u, delta, A, B, C, D, z, delta_bias):          # (b, d, L) layout, as mamba-ssm
     b, d, L = u.shape
-    h = torch.zeros(b, d, A.shape[1], device=u.device, dtype=torch.float32)
+    f = torch.promote_types(u.dtype, torch.float32)              # fp32 math (fp64 for the oracle)
+    h = torch.zeros(b, d, A.shape[1], device=u.device, dtype=f)
     ys = []
     for t in range(L):
-        dt = F.softplus(delta[:, :, t].float() + delta_bias)
-        h = torch.exp(dt[..., None] * A) * h + (dt * u[:, :, t].float())[..., None] * B[:, None, :, t].float()
-        y = (h * C[:, None, :, t].float()).sum(-1) + D * u[:, :, t].float()
-        ys.append((y * F.silu(z[:, :, t].float())).to(u.dtype))
+        dt = F.softplus(delta[:, :, t].to(f) + delta_bias)
+        h = torch.exp(dt[..., None] * A) * h + (dt * u[:, :, t].to(f))[..., None] * B[:, None, :, t].to(f)
+        y = (h * C[:, None, :, t].to(f)).sum(-1) + D * u[:, :, t].to(f)
+        ys.append((y * F.silu(z[:, :, t].to(f))).to(u.dtype))
     return torch.stack(ys, dim=-1)
 
 
@@ -105,7 +106,24 @@ def lowered_graph(fn, small_inputs, **options):
         return out
     torch._dynamo.reset()
     torch.compile(fn, backend=backend)(*small_inputs)
-    return holder["gm"], holder["report"]
+    return Lowered(holder["gm"], fn), holder["report"]
+
+
+class Lowered:
+    """Calls a lowered graph with the arguments of the function it was captured from (Dynamo
+    orders graph inputs by first use, not by the signature)."""
+
+    def __init__(self, gm, fn):
+        import inspect
+        names = list(inspect.signature(fn).parameters)
+        order = []
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                order.append(names.index(n.target[2:-1]))   # "L_delta_" -> "delta"
+        self.gm, self.order = gm, order
+
+    def __call__(self, *args):
+        return self.gm(*[args[i] for i in self.order])
 
 
 def mamba1_floors(b, d, n, L, dtype):

@@ -1,0 +1,412 @@
+"""The benchmark CLI: ``python -m benchmarks.run`` (from the repo root).
+
+Workloads (Mamba-1 region, Mamba-2 region, decode step, whole naive Mamba block; forward and
+forward+backward), a sweep of L, each ssmc target, each pass switched off in turn by name, and
+the baselines (eager naive loop, torch associative_scan + Inductor, mamba-ssm's kernels when
+importable). Prints one table, writes JSON to benchmarks/results/, draws PNG plots.
+
+    python -m benchmarks.run                      # CPU: torch target only, small shapes
+    python -m benchmarks.run --preset h200        # the shapes of DESIGN.md, every target
+    python -m benchmarks.run --workloads mamba1 --lengths 512,2048 --targets triton,cuda
+
+Every ssmc variant is checked against a float64 reference before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import ssmc  # noqa: E402
+
+COLUMNS = ["workload", "variant", "kind", "pass", "L", "shape", "ms", "speedup_vs_eager",
+           "GB_per_s", "frac_of_byte_floor", "rel_err", "compile_cold_s", "compile_warm_s",
+           "peak_mem_bytes", "target_used"]
+PASSES = ["fuse_prologue", "fuse_epilogue", "select_strategy"]
+COPY_BW = {"cuda": 4.3e12, "cpu": 2e10}      # bytes/s ceilings used for the byte floor
+
+
+@dataclasses.dataclass
+class Preset:
+    device: str
+    lengths: list
+    targets: list
+    mamba1: dict
+    mamba2: dict
+    decode: dict
+    block: dict
+    dtype: torch.dtype
+    reps: int
+
+
+PRESETS = {
+    "cpu": Preset("cpu", [64, 256], ["torch"], dict(b=2, d=64, n=16), dict(b=2, h=4, p=8, n=16),
+                  dict(batch=8, h=4, p=8, n=16), dict(b=2, d_model=32), torch.float32, 5),
+    "h200": Preset("cuda", [512, 2048, 4096], ["torch", "triton", "cuda", "auto"],
+                   dict(b=8, d=1536, n=16), dict(b=8, h=24, p=64, n=128),
+                   dict(batch=64, h=24, p=64, n=128), dict(b=8, d_model=768), torch.bfloat16, 50),
+}
+
+
+# -- naive programs (what users write) ---------------------------------------------------------
+
+def mamba1_loop(u, delta, A, B, C, D, z, delta_bias):          # (b, d, L) layout, as mamba-ssm
+    b, d, L = u.shape
+    f = torch.promote_types(u.dtype, torch.float32)              # fp32 math (fp64 for the oracle)
+    h = torch.zeros(b, d, A.shape[1], device=u.device, dtype=f)
+    ys = []
+    for t in range(L):
+        dt = F.softplus(delta[:, :, t].to(f) + delta_bias)
+        h = torch.exp(dt[..., None] * A) * h + (dt * u[:, :, t].to(f))[..., None] * B[:, None, :, t].to(f)
+        y = (h * C[:, None, :, t].to(f)).sum(-1) + D * u[:, :, t].to(f)
+        ys.append((y * F.silu(z[:, :, t].to(f))).to(u.dtype))
+    return torch.stack(ys, dim=-1)
+
+
+def mamba1_inputs(cfg, L, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, generator=g)
+    b, d, n = cfg["b"], cfg["d"], cfg["n"]
+    return (r(b, d, L).to(dtype), (r(b, d, L) * 0.5 - 1).to(dtype), -torch.exp(r(d, n) * 0.5),
+            r(b, n, L).to(dtype), r(b, n, L).to(dtype), r(d), r(b, d, L).to(dtype), r(d) * 0.1)
+
+
+def mamba2_loop(x, dt, A, B, C, D, z):                          # x (b, L, h, p); B, C (b, L, n)
+    b, L, H, P = x.shape
+    f = torch.promote_types(x.dtype, torch.float32)
+    h = torch.zeros(b, H, P, B.shape[-1], device=x.device, dtype=f)
+    ys = []
+    for t in range(L):
+        dA = torch.exp(dt[:, t].to(f) * A)
+        h = dA[:, :, None, None] * h + (dt[:, t].to(f)[..., None] * x[:, t].to(f))[..., None] \
+            * B[:, t, None, None, :].to(f)
+        y = torch.einsum("bhpn,bn->bhp", h, C[:, t].to(f)) + D[:, None] * x[:, t].to(f)
+        ys.append((y * F.silu(z[:, t].to(f))).to(x.dtype))
+    return torch.stack(ys, 1)
+
+
+def mamba2_inputs(cfg, L, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, generator=g)
+    b, H, P, n = cfg["b"], cfg["h"], cfg["p"], cfg["n"]
+    return (r(b, L, H, P).to(dtype), F.softplus(r(b, L, H) - 2).to(dtype), -torch.exp(r(H) * 0.3),
+            r(b, L, n).to(dtype), r(b, L, n).to(dtype), r(H), r(b, L, H, P).to(dtype))
+
+
+def decode_loop(x, dt, A, B, C, D, h):                          # a few tokens, state in and out
+    f = h.dtype
+    ys = []
+    for t in range(x.shape[1]):
+        dA = torch.exp(dt[:, t].to(f) * A)
+        h = dA[:, :, None, None] * h + (dt[:, t].to(f)[..., None] * x[:, t].to(f))[..., None] \
+            * B[:, t, None, None, :].to(f)
+        ys.append(torch.einsum("bhpn,bn->bhp", h, C[:, t].to(f)) + D[:, None] * x[:, t].to(f))
+    return torch.stack(ys, 1), h
+
+
+def decode_inputs(cfg, dtype, device, seed=0, steps=1):
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, generator=g)
+    B_, H, P, n = cfg["batch"], cfg["h"], cfg["p"], cfg["n"]
+    return (r(B_, steps, H, P).to(dtype), F.softplus(r(B_, steps, H) - 2).to(dtype), -torch.exp(r(H) * 0.3),
+            r(B_, steps, n).to(dtype), r(B_, steps, n).to(dtype), r(H), r(B_, H, P, n))
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+def timer(device):
+    if device == "cuda":
+        import triton.testing
+        return lambda fn, reps: triton.testing.do_bench(fn, warmup=10, rep=max(reps, 20), return_mode="median")
+
+    def cpu(fn, reps):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2] * 1e3
+    return cpu
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def lowered(fn, small, **options):
+    """ssmc's lowered graph of fn, captured on short inputs; it runs at any L."""
+    holder = {}
+
+    def backend(gm, ex):
+        rep = ssmc.Report()
+        out = ssmc.ssmc_backend(gm, ex, options={"rest": "eager", **options}, _report=rep)
+        holder.update(gm=gm, report=rep)
+        return out
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    torch.compile(fn, backend=backend)(*small)
+    holder["compile_s"] = time.perf_counter() - t0
+    holder["gm"] = Lowered(holder["gm"], fn)
+    return holder
+
+
+class Lowered:
+    """Calls a lowered graph with the arguments of the function it was captured from (Dynamo
+    orders graph inputs by first use, not by the signature)."""
+
+    def __init__(self, gm, fn):
+        import inspect
+        names = list(inspect.signature(fn).parameters)
+        order = []
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                order.append(names.index(n.target[2:-1]))   # "L_delta_" -> "delta"
+        self.gm, self.order = gm, order
+
+    def __call__(self, *args):
+        return self.gm(*[args[i] for i in self.order])
+
+
+def nbytes(xs):
+    return sum(x.numel() * x.element_size() for x in xs if isinstance(x, torch.Tensor))
+
+
+class Runner:
+    def __init__(self, preset: Preset, args):
+        self.p, self.args = preset, args
+        self.rows = []
+        self.time = timer(preset.device)
+        self.t_start = time.time()
+
+    def log(self, msg):
+        print(f"[{time.time() - self.t_start:7.1f}s] {msg}", flush=True)
+
+    def add(self, **kw):
+        row = {c: None for c in COLUMNS}
+        row.update(kw)
+        self.rows.append(row)
+        ms = row["ms"]
+        self.log(f"{row['workload']:8s} {row['variant']:34s} L={row['L']!s:6s} "
+                 f"{(f'{ms:9.3f} ms' if ms else 'n/a'):>12s}  err {row['rel_err'] if row['rel_err'] is not None else float('nan'):.1e}")
+
+    def region_workload(self, name, loop, make, cfg, lengths, floor_bytes, baselines):
+        p = self.p
+        small = make(cfg, 8, p.dtype, p.device)
+        small64 = [x.double() if x.is_floating_point() else x for x in make(cfg, 8, torch.float64, p.device)]
+        oracle = lowered(loop, small64, target="torch")["gm"]
+        variants = [(f"ssmc[{t}]", dict(target=t), None) for t in p.targets]
+        variants += [(f"ssmc[-{ps}]", dict(target=p.targets[-1], disable_passes=[ps]), ps) for ps in PASSES]
+        compiled = {}
+        for label, opts, ps in variants:
+            h = lowered(loop, small, **opts)
+            r = h["report"].regions
+            compiled[label] = (h, ps, r[0].target if r else "eager (no region)")
+        for L in lengths:
+            ins = make(cfg, L, p.dtype, p.device, seed=L)
+            ref = oracle(*[x.double() if x.is_floating_point() else x for x in ins])[0]
+            fb = floor_bytes(ins)
+            eager_ms = None
+            if L <= self.args.eager_max_len:
+                out = loop(*ins)
+                eager_ms = self.time(lambda: loop(*ins), 1 if p.device == "cuda" else 2)
+                self.add(workload=name, variant="eager loop", kind="baseline", L=L, ms=eager_ms,
+                         rel_err=rel(out, ref), GB_per_s=fb / eager_ms / 1e6)
+            for label, (h, ps, used) in compiled.items():
+                gm = h["gm"]
+                out = gm(*ins)[0]
+                err = rel(out, ref)
+                ok = err < (3e-2 if p.dtype != torch.float32 else 1e-4)
+                ms = self.time(lambda: gm(*ins), p.reps) if ok else None
+                if p.device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                    gm(*ins)
+                    peak = torch.cuda.max_memory_allocated()
+                else:
+                    peak = None
+                self.add(workload=name, variant=label, kind="ssmc", **{"pass": ps}, L=L, ms=ms, rel_err=err,
+                         speedup_vs_eager=(eager_ms / ms) if (eager_ms and ms) else None,
+                         GB_per_s=(fb / ms / 1e6) if ms else None,
+                         frac_of_byte_floor=(fb / COPY_BW[p.device] * 1e3 / ms) if ms else None,
+                         compile_cold_s=h["compile_s"], peak_mem_bytes=peak, target_used=used,
+                         shape=str(tuple(ins[0].shape)))
+            for bl_name, bl in baselines:
+                try:
+                    f = bl(ins)
+                    out = f()
+                    out = out[0] if isinstance(out, (tuple, list)) else out
+                    ms = self.time(f, p.reps)
+                    self.add(workload=name, variant=bl_name, kind="baseline", L=L, ms=ms, rel_err=rel(out, ref),
+                             speedup_vs_eager=(eager_ms / ms) if eager_ms else None, GB_per_s=fb / ms / 1e6)
+                except Exception as e:
+                    self.log(f"baseline {bl_name} unavailable: {type(e).__name__}: {str(e)[:200]}")
+
+    def run_mamba1(self):
+        from benchmarks import baselines as B
+        bls = []
+        if self.p.device == "cuda":
+            assoc = torch.compile(B.assoc_scan_mamba1)
+            bls.append(("associative_scan+inductor", lambda ins: (lambda: assoc(*ins))))
+            try:
+                ext = B.build_selective_scan_fwd()
+                bls.append(("mamba-ssm selective_scan (CUDA)",
+                            lambda ins: (lambda: ext.fwd(*ins[:7], ins[7], True)[2])))
+            except Exception as e:
+                self.log(f"mamba-ssm CUDA not available: {e}")
+        self.region_workload("mamba1", mamba1_loop, mamba1_inputs, self.p.mamba1, self.p.lengths,
+                             lambda ins: nbytes([ins[0], ins[1], ins[3], ins[4], ins[6]]) + nbytes([ins[0]]), bls)
+
+    def run_mamba2(self):
+        bls = []
+        if self.p.device == "cuda":
+            try:
+                from benchmarks import baselines as B
+                combined, _ = B.import_mamba_triton()
+                bls.append(("mamba-ssm chunk_scan_combined (Triton)",
+                            lambda ins: (lambda: combined(ins[0], ins[1], ins[2], ins[3][:, :, None], ins[4][:, :, None],
+                                                          chunk_size=256, D=ins[5], z=ins[6]))))
+            except Exception as e:
+                self.log(f"mamba-ssm Triton not available: {e}")
+        self.region_workload("mamba2", mamba2_loop, mamba2_inputs, self.p.mamba2, self.p.lengths,
+                             lambda ins: nbytes([ins[0], ins[1], ins[3], ins[4], ins[6]]) + nbytes([ins[0]]), bls)
+
+    def run_decode(self):
+        p = self.p
+        ins = decode_inputs(p.decode, p.dtype, p.device)
+        ref64 = decode_loop(*[x.double() for x in ins])
+        for t in p.targets:
+            torch._dynamo.reset()
+            f = torch.compile(decode_loop, backend="ssmc", options={"target": t})
+            y, h = f(*ins)
+            r = ssmc.backend.LAST_REPORT.regions
+            ms = self.time(lambda: f(*ins), p.reps)
+            self.add(workload="decode", variant=f"ssmc[{t}]", kind="ssmc", L=1, ms=ms,
+                     rel_err=max(rel(y, ref64[0]), rel(h, ref64[1])), target_used=r[0].target if r else None,
+                     GB_per_s=2 * nbytes([ins[6]]) / ms / 1e6, shape=str(tuple(ins[6].shape)))
+        ms = self.time(lambda: decode_loop(*ins), p.reps)
+        self.add(workload="decode", variant="eager loop", kind="baseline", L=1, ms=ms,
+                 rel_err=rel(decode_loop(*ins)[1], ref64[1]), GB_per_s=2 * nbytes([ins[6]]) / ms / 1e6)
+
+    def run_block(self):
+        from examples.naive_mamba import NaiveMamba
+        p, cfg = self.p, self.p.block
+        L = max(p.lengths) if p.device == "cpu" else 2048
+        torch.manual_seed(0)
+        model = NaiveMamba(cfg["d_model"]).to(p.device)
+        u = torch.randn(cfg["b"], L, cfg["d_model"], device=p.device)
+        for mode in ("fwd", "fwd+bwd"):
+            torch._dynamo.reset()
+            fast = torch.compile(model, backend="ssmc")
+            t0 = time.perf_counter()
+            run = (lambda f: (lambda: f(u))) if mode == "fwd" else (lambda f: (lambda: f(u).square().mean().backward()))
+            with torch.no_grad() if mode == "fwd" else torch.enable_grad():
+                y = fast(u)
+                cold = time.perf_counter() - t0
+                ref = model(u)
+                err = rel(y, ref)
+                t_e = self.time(run(model), 1)
+                t_s = self.time(run(fast), p.reps)
+            self.add(workload="block", variant=f"ssmc naive block {mode}", kind="ssmc", L=L, ms=t_s,
+                     speedup_vs_eager=t_e / t_s, rel_err=err, compile_cold_s=cold,
+                     shape=str(tuple(u.shape)))
+            self.add(workload="block", variant=f"eager naive block {mode}", kind="baseline", L=L, ms=t_e)
+
+
+def plots(rows, out_dir: Path, stem: str):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots (pip install -e '.[bench]')")
+        return []
+    made = []
+    for wl in sorted({r["workload"] for r in rows if r["workload"] in ("mamba1", "mamba2")}):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for v in sorted({r["variant"] for r in rows if r["workload"] == wl and not r["pass"]}):
+            pts = sorted((r["L"], r["ms"]) for r in rows if r["workload"] == wl and r["variant"] == v and r["ms"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=v)
+        ax.set(xscale="log", yscale="log", xlabel="L", ylabel="ms", title=f"{wl}: time vs L")
+        ax.legend(fontsize=7)
+        f = out_dir / f"{stem}_{wl}_time_vs_L.png"
+        fig.tight_layout(); fig.savefig(f, dpi=110); plt.close(fig); made.append(f)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        sub = [r for r in rows if r["workload"] == wl and r["frac_of_byte_floor"]]
+        Lmax = max((r["L"] for r in sub), default=None)
+        sub = [r for r in sub if r["L"] == Lmax]
+        ax.barh([r["variant"] for r in sub], [r["frac_of_byte_floor"] for r in sub])
+        ax.set(xlabel="fraction of the byte floor (1 = copy speed)", title=f"{wl} L={Lmax}: roofline fraction")
+        f = out_dir / f"{stem}_{wl}_roofline.png"
+        fig.tight_layout(); fig.savefig(f, dpi=110); plt.close(fig); made.append(f)
+        full = {r["L"]: r["ms"] for r in rows if r["workload"] == wl and r["variant"].startswith("ssmc[")
+                and not r["pass"] and r["ms"]}
+        offs = [r for r in rows if r["workload"] == wl and r["pass"] and r["ms"] and r["L"] == Lmax]
+        if offs and Lmax in full:
+            fig, ax = plt.subplots(figsize=(6, 3))
+            ax.barh([r["pass"] for r in offs], [r["ms"] / full[Lmax] for r in offs])
+            ax.set(xlabel="time with the pass off / time with all passes", title=f"{wl} L={Lmax}: what each pass buys")
+            f = out_dir / f"{stem}_{wl}_passes.png"
+            fig.tight_layout(); fig.savefig(f, dpi=110); plt.close(fig); made.append(f)
+    return made
+
+
+def table(rows) -> str:
+    cols = ["workload", "variant", "L", "ms", "speedup_vs_eager", "GB_per_s", "frac_of_byte_floor", "rel_err",
+            "compile_cold_s"]
+    fmt = lambda v: "" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
+    data = [[fmt(r[c]) for c in cols] for r in rows]
+    w = [max(len(c), *(len(d[i]) for d in data)) if data else len(c) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(cols))]
+    lines += ["  ".join(d[i].ljust(w[i]) for i in range(len(cols))) for d in data]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="h200" if torch.cuda.is_available() else "cpu", choices=sorted(PRESETS))
+    ap.add_argument("--workloads", default="mamba1,mamba2,decode,block")
+    ap.add_argument("--lengths", default=None)
+    ap.add_argument("--targets", default=None)
+    ap.add_argument("--eager-max-len", type=int, default=4096)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args(argv)
+    preset = PRESETS[args.preset]
+    if args.lengths:
+        preset.lengths = [int(x) for x in args.lengths.split(",")]
+    if args.targets:
+        preset.targets = args.targets.split(",")
+    runner = Runner(preset, args)
+    for w in args.workloads.split(","):
+        runner.log(f"workload {w}")
+        getattr(runner, f"run_{w}")()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"bench_{args.preset}"
+    env = {"device": torch.cuda.get_device_name() if preset.device == "cuda" else "cpu", "torch": torch.__version__,
+           "ssmc": ssmc.__version__, "preset": args.preset,
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=ROOT).stdout.strip(), "columns": COLUMNS}
+    (out_dir / f"{stem}.json").write_text(json.dumps({"env": env, "rows": runner.rows}, indent=1, default=str) + "\n")
+    made = plots(runner.rows, out_dir, stem)
+    print(table(runner.rows))
+    print(f"wrote {out_dir / (stem + '.json')}" + "".join(f", {m}" for m in made))
+
+
+if __name__ == "__main__":
+    main()
