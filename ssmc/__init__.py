@@ -5,6 +5,15 @@
 """
 __version__ = "0.1.0"
 
+import os as _os
+
+# ssmc.passes, ssmc.runtime and ssmc.templates live in the top-level folders passes/, runtime/
+# and templates/ (pyproject maps them at install time). In a source checkout, or an editable
+# install made by a setuptools without that mapping, find them next to this package.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "passes", "pipeline.py")) and _root not in __path__:
+    __path__.append(_root)
+
 import logging as _logging
 
 _logging.getLogger("ssmc").addHandler(_logging.NullHandler())
