@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ssmc_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-pip install --no-deps --no-build-isolation -e . -q 2>&1 | tail -2
+python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARNING | tail -2
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 STEPS=${SSMC_GPU_STEPS:-tests,bench}
 if [[ $STEPS == *tests* ]]; then

@@ -111,6 +111,8 @@ def programs(draw, linear=None):
             f"        y = {ro}",
             "        return h, y + 0.0",
             f"    h, ys = scan(step, {zeros}, ({', '.join(names)},), dim=1)",
+            "    if ys.shape[1] != u0.shape[1]:",
+            "        ys = ys.movedim(0, 1)",
             "    return ys, h"])
     else:
         head = {"stack": "ys = []", "cat": "ys = []", "unbind": "ys = []", "final": "ys = []",

@@ -157,6 +157,8 @@ def mamba1_scan():
             return h, (h * C_t.unsqueeze(1)).sum(-1)
         h0 = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=x.dtype, device=x.device)
         hT, ys = scan(combine, h0, (x, delta, B, C), dim=1)
+        if ys.shape[1] != x.shape[1]:       # torch < 2.13 stacks the outputs along dim 0
+            ys = ys.movedim(0, 1)
         return ys + D * x, hT
     return fn
 
