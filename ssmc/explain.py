@@ -123,8 +123,12 @@ class Dumper:
 
 
 def explain(fn, *example_inputs, **options) -> Report:
-    """Compile `fn` (a function or module) with ssmc on `example_inputs` and report what happened."""
+    """Compile `fn` (a function or module) with ssmc on `example_inputs` and report what happened.
+
+    Resets Dynamo first (torch._dynamo.reset()) so that the report always reflects a fresh
+    capture; other compiled functions recompile on their next call."""
     from .backend import ssmc_backend
+    torch._dynamo.reset()
     report = Report()
 
     def backend(gm, ex):

@@ -163,6 +163,19 @@ def mamba1_scan():
     return fn
 
 
+def mamba1_scan_as_loop():
+    """What mamba1_scan computes, as a plain loop: an oracle independent of torch's scan."""
+    def fn(x, dt, A, B, C, D, z, bias):
+        delta = F.softplus(dt + bias)
+        h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=x.dtype, device=x.device)
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.exp(delta[:, t].unsqueeze(-1) * A) * h + (delta[:, t] * x[:, t]).unsqueeze(-1) * B[:, t].unsqueeze(1)
+            ys.append((h * C[:, t].unsqueeze(1)).sum(-1))
+        return torch.stack(ys, 1) + D * x, h
+    return fn
+
+
 # -- Mamba-2: decay shared per head, state (b, h, p, n) ------------------------------------------
 
 def mamba2_inputs(b=2, L=8, H=2, P=4, N=3, dtype=torch.float32, seed=0, with_h0=False):
