@@ -55,11 +55,11 @@ class Op:
         return dict(self.attrs).get(key, default)
 
     def __str__(self):
-        inner = ", ".join(str(a) for a in self.args)
-        extra = "".join(f", {k}={v!r}" for k, v in self.attrs)
         sym = _INFIX.get(self.name)
         if sym and len(self.args) == 2 and not self.attrs:
             return f"({self.args[0]} {sym} {self.args[1]})"
+        inner = ", ".join(str(a) for a in self.args)
+        extra = "".join(f", {k}={v!r}" for k, v in self.attrs)
         return f"{self.name}({inner}{extra})"
 
 

@@ -147,3 +147,25 @@ def test_pass_timings_reported():
     assert all(p.ms >= 0 for p in rep.passes)
     name, ms, changed = rep.passes[0]
     assert name == "reroll" and changed
+
+
+def test_reduce_over_an_axis_the_value_does_not_vary_along():
+    def fn(x, c):
+        h = torch.zeros(x.shape[0], 3, 4)
+        ys = []
+        for t in range(x.shape[1]):
+            h = 0.5 * h + x[:, t, :, None]
+            ys.append((h * 0.0 + c[:, t, :, None]).sum(-1))     # sums a value constant over n
+        return torch.stack(ys, 1)
+    ins = (torch.randn(2, 5, 3), torch.randn(2, 5, 3))
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1
+    assert rel_err(out, reference(fn, ins)[0]) < TOL[torch.float32]
+
+
+def test_deep_expressions_print_quickly():
+    from ssmc.ir import Const, Load, Op
+    e = Load(0, ("i0",))
+    for _ in range(60):
+        e = Op("add", (e, e))
+    assert len(str(e)) > 60

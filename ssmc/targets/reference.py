@@ -95,6 +95,7 @@ class Evaluator:
 
     def __init__(self, region: Region, inputs, t0: int, t1: int, cdt):
         self.r, self.inputs, self.t0, self.t1, self.cdt = region, inputs, t0, t1, cdt
+        self.sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(region.axes, region.axis_size)}
         self.names = ["t", *region.axes]
         self.memo = {}
         self.state = None
@@ -126,7 +127,10 @@ class Evaluator:
             v = self.state
         elif isinstance(e, Reduce):
             dims = [self.names.index(a) for a in e.axes]
-            v = self.eval(e.arg).sum(dim=dims, keepdim=True)
+            v = self.eval(e.arg)
+            # a value constant along a reduced axis still sums over all of that axis
+            full = [self.sizes[self.names[d]] if d in dims else s for d, s in enumerate(v.shape)]
+            v = v.expand(full).sum(dim=dims, keepdim=True)
         elif isinstance(e, Op):
             args = [self.eval(a) for a in e.args]
             v = _op(e, args, self.cdt)

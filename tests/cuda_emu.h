@@ -1,0 +1,138 @@
+// A CPU emulator for ssmc's generated CUDA C, used by tests/test_cuda_codegen.py to check the
+// kernels' numerics without a GPU. Compiled with g++ -std=c++20 -DSSMC_EMULATE -include this.
+//
+// Blocks run one after another; the threads of a block are OS threads, __syncthreads is a
+// barrier of the block, __shfl_up_sync a barrier-synchronised exchange within a warp of 32
+// (the kernels call it with all lanes active). __shared__ is `static` (one block at a time).
+// bf16/fp16 are bit-exact software types with round-to-nearest-even conversions; the SFU exp2
+// is exp2f. What it cannot show: timing, memory-model subtleties, register/resource limits.
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+
+struct ssmc_dim3 { unsigned x = 0, y = 0, z = 0; };
+inline thread_local ssmc_dim3 threadIdx, blockIdx;
+inline ssmc_dim3 blockDim, gridDim;
+
+namespace ssmc_emu {
+inline std::barrier<>* block_barrier = nullptr;
+inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+inline std::vector<unsigned char> dyn_smem;
+inline std::vector<double> shfl_buf;   // one slot per thread of the block (values fit a double)
+
+inline void launch(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& body) {
+  blockDim.x = block;
+  gridDim.x = grid;
+  dyn_smem.assign(smem + 16, 0xcd);
+  shfl_buf.assign(block, 0.0);
+  for (unsigned b = 0; b < grid; ++b) {
+    std::barrier<> bar(block);
+    block_barrier = &bar;
+    warp_barriers.clear();
+    for (unsigned w = 0; w < (block + 31) / 32; ++w)
+      warp_barriers.emplace_back(new std::barrier<>(std::min(32u, block - 32 * w)));
+    std::vector<std::thread> threads;
+    threads.reserve(block);
+    for (unsigned t = 0; t < block; ++t)
+      threads.emplace_back([&, t, b] {
+        threadIdx.x = t;
+        blockIdx.x = b;
+        body();
+      });
+    for (auto& th : threads) th.join();
+  }
+}
+}  // namespace ssmc_emu
+
+inline void __syncthreads() { ssmc_emu::block_barrier->arrive_and_wait(); }
+
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, int delta) {
+  const unsigned t = threadIdx.x, lane = t & 31;
+  auto& bar = *ssmc_emu::warp_barriers[t / 32];
+  ssmc_emu::shfl_buf[t] = static_cast<double>(v);
+  bar.arrive_and_wait();
+  const T out = lane >= unsigned(delta) ? static_cast<T>(ssmc_emu::shfl_buf[t - delta]) : v;
+  bar.arrive_and_wait();
+  return out;
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  const unsigned t = threadIdx.x;
+  auto& bar = *ssmc_emu::warp_barriers[t / 32];
+  ssmc_emu::shfl_buf[t] = static_cast<double>(v);
+  bar.arrive_and_wait();
+  const T out = static_cast<T>(ssmc_emu::shfl_buf[(t & ~31u) + unsigned(src)]);
+  bar.arrive_and_wait();
+  return out;
+}
+
+inline void __syncwarp(unsigned = 0xffffffffu) { ssmc_emu::warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
+
+#define SSMC_DYNAMIC_SMEM(T, name) \
+  T* name = reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(ssmc_emu::dyn_smem.data()) + 15) & ~std::uintptr_t(15))
+
+inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
+inline float __int_as_float(int i) { float x; std::memcpy(&x, &i, 4); return x; }
+inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+using std::exp2; using std::expm1; using std::log1p; using std::trunc;
+
+// -- 16-bit float types ---------------------------------------------------------------------
+struct __nv_bfloat16 { std::uint16_t bits; };
+struct __half { std::uint16_t bits; };
+
+inline float __bfloat162float(__nv_bfloat16 h) { return __int_as_float(int(std::uint32_t(h.bits) << 16)); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  std::uint32_t u = std::uint32_t(__float_as_int(f));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {std::uint16_t((u >> 16) | 0x40)};   // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {std::uint16_t(u >> 16)};
+}
+inline float __half2float(__half h) {
+  const std::uint32_t s = (h.bits & 0x8000u) << 16, e = (h.bits >> 10) & 0x1fu, m = h.bits & 0x3ffu;
+  std::uint32_t u;
+  if (e == 0) {
+    if (m == 0) u = s;
+    else {   // subnormal
+      float f = std::ldexp(float(m), -24);
+      return s ? -f : f;
+    }
+  } else if (e == 31) u = s | 0x7f800000u | (m << 13);
+  else u = s | ((e + 112u) << 23) | (m << 13);
+  return __int_as_float(int(u));
+}
+inline __half __float2half_rn(float f) {
+  const std::uint32_t u = std::uint32_t(__float_as_int(f));
+  const std::uint16_t s = std::uint16_t((u >> 16) & 0x8000u);
+  const float a = std::fabs(f);
+  if (std::isnan(f)) return {std::uint16_t(s | 0x7e00u)};
+  if (a >= 65520.0f) return {std::uint16_t(s | 0x7c00u)};
+  if (a < 6.103515625e-05f) {   // subnormal half: multiples of 2^-24, round to nearest even
+    const float q = std::nearbyint(a * 16777216.0f);
+    return {std::uint16_t(s | std::uint16_t(q))};
+  }
+  int ex;
+  const float fr = std::frexp(a, &ex);            // a = fr * 2^ex, fr in [0.5, 1)
+  float mant = std::nearbyint((fr * 2.0f - 1.0f) * 1024.0f);
+  int e = ex - 1 + 15;
+  if (mant >= 1024.0f) { mant = 0.0f; ++e; }
+  if (e >= 31) return {std::uint16_t(s | 0x7c00u)};
+  return {std::uint16_t(s | (e << 10) | int(mant))};
+}
