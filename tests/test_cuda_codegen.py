@@ -2,16 +2,19 @@
 
 Without a GPU (CI):
 - structure: what the plan hoists where (softplus once per step, exp2 with log2(e) folded into
-  A once per state element), the reasons supports() gives;
+  A once per state element), the reasons supports() and plan() give;
 - every kernel renders and compiles through NVRTC for sm_80 and sm_90, for the Mamba-1, Mamba-2
-  and gated regions, with fp32, bf16 and fp16 inputs (skipped without CuPy/NVRTC/headers);
+  and gated regions, with fp32, bf16 and fp16 inputs, and a region using every op of
+  ssmc.ops.ELEMENTWISE (skipped without CuPy/NVRTC/headers: pip install -e ".[cuda]");
 - numerics of the generated source itself, compiled with g++ against tests/cuda_emu.h (a CPU
   emulation of blocks, warps, shuffles and shared memory), against the float64 torch
-  reference: both layouts, several chunks, L not a multiple of any block, L = 1, non-contiguous
-  and misaligned inputs, bf16, initial and final state (skipped without g++).
+  reference: both layouts, every scan path (one or several warps per row, one or several rows
+  per block), several chunks, L not a multiple of any block, L = 1, non-contiguous and
+  misaligned inputs, bf16/fp16/fp64, every op, every kernel of the sm_90 table (skipped
+  without g++).
 With a GPU (``pytest -m gpu``): numerics on the device at L in {1, 7, 513, 2048}, fp32 and bf16,
-non-contiguous inputs, poisoned outputs, several GPUs, and a failed NVRTC compile falling back
-with the log in the report.
+non-contiguous inputs, poisoned outputs, every kernel of the GPU's table, a second GPU, end to
+end through torch.compile, and a failed NVRTC compile falling back with the log in the report.
 """
 from __future__ import annotations
 
@@ -217,17 +220,29 @@ def test_nvrtc_compiles(regions, name, arch, dtype):
                                       *(f"-I{d}" for d in cuda.include_dirs()), *flags])
         except mod.NVRTCError:
             pytest.fail(mod.getProgramLog(prog))
-        cubin, ptx = mod.getCUBIN(prog), mod.getPTX(prog)
+        cubin, ptx, log = mod.getCUBIN(prog), mod.getPTX(prog), mod.getProgramLog(prog)
     finally:
         mod.destroyProgram(prog)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    assert len(cubin) > 1000
+    assert len(cubin) > 1000 and "warning" not in log, log
     for k in picks:
         assert k.encode() in cubin
     assert "shfl.sync.up" in ptx and "bar.sync" in ptx
     if name != "gated":                                  # gated's decay is a sigmoid, no exp2 of its own
         assert "ex2.approx.ftz.f32" in ptx
     assert re.search(r"ld\.global\.nc\.v[24]\.", ptx)     # a run of 4 items: one 16- or 8-byte load
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_nvrtc_compiles_every_op(regions, dtype):
+    """Every op of ssmc.ops.ELEMENTWISE prints as device code NVRTC accepts, in fp32 and fp64
+    math, without warnings."""
+    _toolchain()
+    rend = cuda.render(with_dtype(every_op_region(regions["gated"]), dtype), 80)
+    k = rend.configs[0]["kernel"]
+    binary, fmt, _, log = cuda.nvrtc_compile(rend.source, 80, "every_op.cu", ("-DSSMC_ONE_KERNEL", f"-DSSMC_KERNEL_{k}"))
+    assert fmt == "cubin" and k.encode() in binary
+    assert "warning" not in log, log
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -270,12 +285,13 @@ def test_target_compile_without_gpu_renders_only(regions, tmp_path):
 
 # -- numerics of the generated source, emulated on the CPU ------------------------------------------
 
-SMALL = {   # small blocks so that short sequences span several chunks; both smem layouts, poly exp2
-    "pair": {"time_major": [{"max_len": 8, "threads": 32, "items": 2}, {"max_len": None, "threads": 64, "items": 4}],
-             "row_major": [{"max_len": None, "warps": 2, "items": 4}],
+SMALL = {   # small blocks so that short sequences span several chunks; every scan path, both smem layouts
+    "pair": {"time_major": [{"max_len": 8, "threads": 32, "rows": 3, "items": 2},    # a warp per row
+                            {"threads": 64, "rows": 2, "items": 4}],                   # 2 warps per row
+             "row_major": [{"warps": 2, "items": 4}],
              "exp2_poly_every": 2, "totals": "pair", "min_blocks": {}},
-    "split": {"time_major": [{"max_len": None, "threads": 64, "items": 8}],
-              "row_major": [{"max_len": None, "warps": 3, "items": 2}],
+    "split": {"time_major": [{"threads": 32, "rows": 4, "items": 8}],
+              "row_major": [{"warps": 3, "items": 2}],
               "exp2_poly_every": 0, "totals": "split", "min_blocks": {}},
 }
 
@@ -288,6 +304,8 @@ def emu_dir(tmp_path_factory):
     """A work dir with the emulator header precompiled (each kernel build then takes ~1 s)."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found: the CUDA emulator needs it")
+    if not (HERE / "cuda_emu.h").is_file():
+        pytest.fail("tests/cuda_emu.h is missing (the CUDA emulator header)")
     d = tmp_path_factory.mktemp("cuda_emu")
     shutil.copy(HERE / "cuda_emu.h", d / "cuda_emu.h")
     subprocess.run([*GXX, "-x", "c++-header", str(d / "cuda_emu.h"), "-o", str(d / "cuda_emu.h.gch")],
@@ -346,8 +364,9 @@ def test_emulated_mamba1(regions, emu_dir, L, layout):
 
 @pytest.mark.parametrize("name", ["mamba1_bdl", "mamba2", "gated", "s4d", "scan"])
 def test_emulated_regions(regions, emu_dir, name):
-    for layout in ("time_major", "row_major"):
-        _emu_case(regions, emu_dir, name, 137, torch.float32, layout, seed=1)
+    for L in (5, 137):      # 5: one warp per row, 3 rows a block (spare rows); 137: 2 warps per row
+        for layout in ("time_major", "row_major"):
+            _emu_case(regions, emu_dir, name, L, torch.float32, layout, seed=1)
 
 
 @pytest.mark.parametrize("how", ["strided", "misaligned", "transposed"])
@@ -359,9 +378,51 @@ def test_emulated_non_contiguous(regions, emu_dir, how):
 
 @pytest.mark.parametrize("name,dtype,layout", [("mamba1_bdl", torch.bfloat16, "time_major"),
                                                ("mamba1", torch.bfloat16, "row_major"),
-                                               ("mamba1_bdl", torch.float16, "time_major")])
-def test_emulated_half_inputs(regions, emu_dir, name, dtype, layout):
+                                               ("mamba1_bdl", torch.float16, "time_major"),
+                                               ("mamba1", torch.float64, "time_major")])   # fp64: double math
+def test_emulated_dtypes(regions, emu_dir, name, dtype, layout):
     _emu_case(regions, emu_dir, name, 200, dtype, layout, variant="split", seed=3)
+
+
+def every_op_region(gated: ir.Region) -> ir.Region:
+    """The gated region with a drive that uses every op of ssmc.ops.ELEMENTWISE, on per-step
+    values (item arrays) and on per-row values (scalars), in safe domains."""
+    from ssmc.ir import Const, Load, Op
+    from ssmc.ops import ELEMENTWISE
+    x, z, w = Load(2, ("i0", "t", "i1")), Load(3, ("i0", "t", "i1")), Load(1, ("i1",))
+    ax = Op("add", (Op("abs", (x,)), Const(1.0)))                       # >= 1
+    terms = [
+        Op("sub", (Op("div", (x, ax)), Op("neg", (z,)))),
+        Op("pow", (ax, Const(1.5))), Op("pow", (x, Const(2.0))), Op("pow", (ax, Const(0.5))), Op("pow", (ax, Const(-1.0))),
+        Op("pow", (ax, Op("sigmoid", (z,)))),
+        Op("maximum", (x, z)), Op("minimum", (x, w)),
+        Op("where", (Op("gt", (x, z)), Op("lt", (x, Const(0.5))), Op("ge", (z, w)))),
+        Op("add", (Op("le", (x, Const(0.0))), Op("eq", (Op("gt", (x, Const(0.0))), Const(1.0))))),
+        Op("ne", (Op("ge", (z, Const(0.0))), Const(0.0))),
+        Op("exp", (Op("mul", (Op("neg", (ax,)), w)),)), Op("exp2", (Op("neg", (ax,)),)), Op("exp", (w,)),
+        Op("expm1", (Op("mul", (x, Const(0.1))),)), Op("log", (ax,)), Op("log1p", (Op("abs", (z,)),)),
+        Op("sqrt", (ax,)), Op("rsqrt", (ax,)), Op("tanh", (z,)), Op("logsigmoid", (x,)),
+        Op("softplus", (x,), (("beta", 2.0), ("threshold", 1.0))), Op("silu", (z,)), Op("relu", (x,)),
+        Op("reciprocal", (ax,)), Op("sin", (x,)), Op("cos", (w,)),
+        Op("cast", (Op("gt", (x, Const(0.0))),), (("dtype", "bool"),)),
+        Op("mul", (Op("cast", (Op("mul", (x, Const(3.0))),), (("dtype", "int64"),)), Const(0.25))),
+    ]
+    used = {e.name for t in terms for e in ir.walk(t) if isinstance(e, Op)}
+    assert used >= set(ELEMENTWISE), set(ELEMENTWISE) - used
+    terms = [terms[0]] + [Op("mul", (t, Const(0.05))) for t in terms[1:]]
+    while len(terms) > 1:                       # a balanced sum (ir's printer is exponential in depth)
+        terms = [Op("add", tuple(terms[j:j + 2])) if j + 1 < len(terms) else terms[j] for j in range(0, len(terms), 2)]
+    return dataclasses.replace(gated, drive=terms[0])
+
+
+def test_emulated_every_op(regions, emu_dir):
+    r = every_op_region(regions["gated"])
+    for layout in ("time_major", "row_major"):
+        kernel = cuda.CudaKernel(r, plan(r), get_cache(str(emu_dir / "cache")), variants=SMALL["pair"])
+        kernel.poison, kernel.force_layout = True, layout
+        xs = region_inputs("gated", r, 70, seed=6)
+        outs = emulate(kernel, xs, emu_dir)
+        check_close(outs, reference_run(r, [x.double() for x in xs]), torch.float32, f"every op, {layout}")
 
 
 def test_layout_follows_strides(regions, emu_dir):
@@ -372,15 +433,20 @@ def test_layout_follows_strides(regions, emu_dir):
         assert k.last_launch["layout"] == want, name
 
 
-def test_emulated_production_variant(regions, emu_dir):
-    """The sm_90 table itself (128 threads x 16 items, poly exp2), across two chunks."""
+def test_emulated_production_variants(regions, emu_dir):
+    """The sm_90 table itself: every kernel instance, forced in turn, over several chunks; and
+    the one chosen for these shapes (few rows, L > 1024: 128 threads x 16 items)."""
     r = regions["mamba1_bdl"]
     kernel = cuda.CudaKernel(r, plan(r), get_cache(str(emu_dir / "cache")))
     kernel.poison = True
     xs = region_inputs("mamba1_bdl", r, 2100, torch.float32, seed=5)
+    ref = reference_run(r, [x.double() for x in xs])
     outs = emulate(kernel, xs, emu_dir, arch=90)
     assert kernel.last_launch["kernel"].endswith("tm128x16")
-    check_close(outs, reference_run(r, [x.double() for x in xs]), torch.float32, "sm_90 table")
+    check_close(outs, ref, torch.float32, "sm_90 table")
+    for c in kernel.rendered(90).configs:
+        kernel.force_kernel = c["kernel"]
+        check_close(emulate(kernel, xs, emu_dir, arch=90), ref, torch.float32, c["kernel"])
 
 
 # -- on the GPU -----------------------------------------------------------------------------------
@@ -388,8 +454,13 @@ def test_emulated_production_variant(regions, emu_dir):
 GPU_L = [1, 7, 513, 2048]
 
 
-def _gpu_kernel(r, tmp_path):
-    kernel = cuda.CudaTarget().compile(r, "chunked_scan", make_options(cache_dir=str(tmp_path)))
+@pytest.fixture(scope="module")
+def gpu_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cuda_gpu_cache")     # kernels built once for the module's tests
+
+
+def _gpu_kernel(r, cache_dir):
+    kernel = cuda.CudaTarget().compile(r, "chunked_scan", make_options(cache_dir=str(cache_dir)))
     kernel.poison = True
     return kernel
 
@@ -398,9 +469,9 @@ def _gpu_kernel(r, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("L", GPU_L)
 @pytest.mark.parametrize("name", ["mamba1", "mamba1_bdl", "mamba2", "gated"])
-def test_gpu_numerics(regions, tmp_path, name, L, dtype):
+def test_gpu_numerics(regions, gpu_cache, name, L, dtype):
     r = regions[name] if dtype == torch.float32 else with_dtype(regions[name], ir.dtype_name(dtype))
-    kernel = _gpu_kernel(r, tmp_path)
+    kernel = _gpu_kernel(r, gpu_cache)
     for how in (None, "strided", "transposed", "misaligned"):
         xs = [scramble(x.cuda(), how) for x in region_inputs(name, r, L, dtype, seed=L)]
         outs = kernel.forward(xs)
@@ -410,28 +481,30 @@ def test_gpu_numerics(regions, tmp_path, name, L, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["time_major", "row_major"])
-def test_gpu_both_layouts_large(regions, tmp_path, layout):
-    """b8 d64 n16 at L 2048 and 4100 with each layout forced, bf16 in, fp32 state."""
+def test_gpu_every_variant_large(regions, gpu_cache):
+    """Every kernel instance of this GPU's table, forced in turn, at b8 d64 n16, L 2048 and
+    4100, bf16 in, fp32 state, outputs poisoned."""
     r = with_dtype(regions["mamba1"], "bfloat16")
-    kernel = _gpu_kernel(r, tmp_path)
-    kernel.force_layout = layout
+    kernel = _gpu_kernel(r, gpu_cache)
+    arch = cuda._capability(torch.cuda.current_device())
     for L in (2048, 4100):
         x, dt, A, B, C, D, z, bias = P.mamba1_inputs(8, L, 64, 16, dtype=torch.bfloat16, seed=L)
         named = {"l_x_": x, "l_dt_": dt, "l_a_": A, "l_b_": B, "l_c_": C, "l_d_": D, "l_z_": z, "l_bias_": bias,
-                 "h": torch.zeros(8, 64, 16)}
+                 "h": torch.randn(8, 64, 16)}
         xs = [named[s.name.split(" (")[0]].cuda() for s in r.inputs]
-        outs = kernel.forward(xs)
         ref = reference_run(r, [x.double().cpu() for x in xs])
-        check_close([o.cpu() for o in outs], ref, torch.bfloat16, f"L={L} {layout}")
+        for c in kernel.rendered(arch).configs:
+            kernel.force_kernel = c["kernel"]
+            outs = kernel.forward(xs)
+            check_close([o.cpu() for o in outs], ref, torch.bfloat16, f"L={L} {kernel.last_launch}")
 
 
 @pytest.mark.gpu
-def test_gpu_second_device(regions, tmp_path):
+def test_gpu_second_device(regions, gpu_cache):
     if torch.cuda.device_count() < 2:
         pytest.skip("one GPU")
     r = regions["mamba1"]
-    kernel = _gpu_kernel(r, tmp_path)
+    kernel = _gpu_kernel(r, gpu_cache)
     xs = [x.to("cuda:1") for x in region_inputs("mamba1", r, 513)]
     with torch.cuda.device(0):
         outs = kernel.forward(xs)

@@ -26,7 +26,7 @@ import ssmc
 import ssmc.ops
 from conftest import TOL, as_tuple, reference, rel_err, ssmc_run
 from ssmc import ir
-from ssmc.ir import Const, InputSpec, Load, Op, OutputSpec, Region, State
+from ssmc.ir import Const, InputSpec, Load, Op, OutputSpec, Reduce, Region, State
 from ssmc.runtime import cache as kcache
 from ssmc.runtime.op import lookup
 
@@ -168,7 +168,8 @@ def region_inputs(region: Region, fn, args) -> list:
     dev = args[0].device
     out = []
     for i, spec in enumerate(region.inputs):
-        name = spec.name[2:-1] if spec.name.startswith("l_") and spec.name.endswith("_") else None
+        base = spec.name.split(" ")[0]               # "l_dt_ (time along dim 1)" -> "l_dt_"
+        name = base[2:-1] if base.startswith("l_") and base.endswith("_") else None
         if name in params:
             out.append(params[name])
         elif i == region.init:
@@ -230,6 +231,20 @@ def test_compiles_for_sm80_sm90_without_gpu(name, cc, monkeypatch, tmp_path):
         ptx = ck.asm["ptx"]
         assert f".target sm_{cc}" in ptx and ck.asm.get("cubin")
         assert "ex2.approx" in ptx                        # exps are exp2 on the SFU
+
+
+def test_every_op_compiles_for_sm90(monkeypatch, tmp_path):
+    """Every printed op form (the op-coverage region below) is valid Triton for the GPU."""
+    from triton.backends.compiler import GPUTarget
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    region = _op_region()
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options(cache_dir=str(tmp_path)))
+    cfg = next(c for c in T.load_configs()["sm_90"] if c["variant"] == "scan")
+    fn, sig, cx = kern.signature(cfg, 1)
+    ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": cfg["num_warps"]})
+    assert ".target sm_90" in ck.asm["ptx"]
 
 
 # -- the plan and the rendered source -------------------------------------------------------------------
@@ -386,6 +401,7 @@ def _op_region() -> Region:
                   o("sigmoid", o("add", X, W)), o("mul", o("tanh", X), c(0.3)), outs, init=2)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")    # numpy: log(0) in unselected branches
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_elementwise_op(variant, interp, monkeypatch):
     from ssmc.targets.reference import ReferenceKernel
@@ -401,6 +417,25 @@ def test_every_elementwise_op(variant, interp, monkeypatch):
     for o, w, spec in zip(got, want, region.outputs):
         err = rel_err(o, w.double())
         assert err <= 1e-5, f"{spec.expr}: rel err {err:.3g}"
+
+
+def test_sum_of_a_value_constant_along_the_register_axis(interp):
+    """sum over n of x[b, t] (constant along n) is n * x, as in the reference."""
+    from ssmc.targets.reference import ReferenceKernel
+    X, Cn = Load(0, ("i0", "t")), Load(1, ("i0", "t", "i1"))
+    red = Reduce(Op("mul", (State(), Cn)), ("i1",))
+    const = Reduce(X, ("i1",))
+    out = OutputSpec("steps", Op("add", (red, const)), ("i0", "t"), "float32")
+    region = Region("rc", ("i0", "i1"), ((1, 0), (1, 2)), (0, 1),
+                    (InputSpec("x", 2, "float32"), InputSpec("c", 3, "float32"), InputSpec("h0", 2, "float32")),
+                    Const(0.9), Op("mul", (X, Cn)), (out,), init=2)
+    assert T.make_plan(region).reg == "i1"
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options())
+    g = torch.Generator().manual_seed(45)
+    inputs = [torch.randn(3, 7, generator=g), torch.randn(3, 7, 5, generator=g), torch.randn(3, 5, generator=g)]
+    got = kern.forward(inputs)
+    want = ReferenceKernel(region).forward([x.double() for x in inputs])
+    assert kern.fallback is None and rel_err(got[0], want[0]) <= 1e-5
 
 
 # -- refusals -------------------------------------------------------------------------------------------
@@ -452,6 +487,7 @@ def test_cache_second_process_and_same_bucket(interp, monkeypatch):
 
 def test_corrupt_source_file_is_rewritten(interp, monkeypatch):
     fn = P.gated()
+    monkeypatch.setattr(T, "_MODULES", {})          # imported from this test's cache dir
     _, rep, k1 = run_triton(fn, P.gated_inputs(L=4, seed=43))
     k1.path.write_text("this is not python")
     monkeypatch.setattr(kcache, "_CACHES", {})

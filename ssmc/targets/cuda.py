@@ -5,9 +5,12 @@ Kernel: ``templates/cuda/selective_scan_fwd.cu.j2`` (the chunked selective scan;
 for the thread, warp and block roles), with the region's expressions printed into it by
 ``ssmc/targets/cuda_printer.py``; per-arch variants (block sizes, items per thread, the exp2
 split between SFU and FMA polynomial, the shared-memory layout) in
-``templates/cuda/variants.j2``. One module per arch holds every variant; each call picks the
-layout from the inputs' strides (lanes along time when time is contiguous, lanes along rows
-otherwise) and the block size from the sequence length.
+``templates/cuda/variants.j2``. One rendered source per arch holds every variant; each kernel
+instance is its own NVRTC build of it (``-DSSMC_ONE_KERNEL -DSSMC_KERNEL_<name>``, ~1 s),
+made on first launch; ``compile()`` builds the long-sequence one for the current GPU, so a
+failure shows at compile time. Each call picks the layout from the inputs' strides (lanes along
+time when time is contiguous, lanes along rows otherwise) and the instance from the sequence
+length and the number of rows; ``kernel.last_launch`` says which ran.
 
 Toolchain, found at run time:
 - NVRTC: CuPy's low-level ``cupy_backends.cuda.libs.nvrtc`` (needs no GPU, so CPU CI compiles
@@ -34,9 +37,11 @@ import functools
 import importlib.resources
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -99,8 +104,19 @@ def include_dirs() -> tuple[str, ...]:
     for d in found:
         if ((d / "cuda_fp16.h").is_file() or (d / "nv" / "target").is_file()) and d.resolve() not in seen:
             seen.add(d.resolve())
-            out.append(str(d))
-    return tuple(out)
+            out.append(d)
+    # headers of NVRTC's own CUDA major first (torch's wheels may bring CUDA 12 headers along)
+    major = (nvrtc_version() or "0").split(".")[0]
+    out.sort(key=lambda d: _cuda_major(d) not in (major, None))
+    return tuple(str(d) for d in out)
+
+
+def _cuda_major(d: Path) -> str | None:
+    try:
+        m = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", (d / "cuda_runtime_api.h").read_text(errors="ignore"))
+    except OSError:
+        return None
+    return str(int(m.group(1)) // 1000) if m else None
 
 
 def toolchain_problem() -> str | None:
@@ -187,17 +203,20 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
     mins = {int(k): int(v) for k, v in dict(variant.get("min_blocks", {})).items()}
     out = []
     for c in variant["time_major"]:
-        t, it = int(c["threads"]), int(c["items"])
-        if t % 32 or not 32 <= t <= 1024 or it < 1:
-            raise ValueError(f"time_major variant {c}: threads must be a multiple of 32 in [32, 1024]")
-        out.append(dict(layout="time_major", kernel=f"{prefix}_tm{t}x{it}", block=t, lanes_or_threads=t,
-                        items=it, poly=poly, pair=pair, min_blocks=mins.get(t, 1), max_len=c["max_len"]))
+        t, rows, it = int(c["threads"]), int(c.get("rows", 1)), int(c["items"])
+        if t % 32 or not 32 <= t * rows <= 1024 or it < 1 or rows < 1:
+            raise ValueError(f"time_major variant {c}: threads a multiple of 32, threads * rows <= 1024")
+        out.append(dict(layout="time_major", kernel=f"{prefix}_tm{t}x{it}" + (f"r{rows}" if rows > 1 else ""),
+                        block=t * rows, rows_per_block=rows, template_args=f"{t}, {rows}", items=it, poly=poly,
+                        pair=pair, min_blocks=mins.get(t * rows, 1), max_len=c.get("max_len"),
+                        min_rows=int(c.get("min_rows") or 0)))
     for c in variant.get("row_major", []):
         w, it = int(c["warps"]), int(c["items"])
         if not 1 <= w <= 32 or it < 1:
             raise ValueError(f"row_major variant {c}: warps must be in [1, 32]")
-        out.append(dict(layout="row_major", kernel=f"{prefix}_rm{w}x{it}", block=32 * w, lanes_or_threads=w,
-                        items=it, poly=poly, pair=pair, min_blocks=mins.get(32 * w, 1), max_len=c["max_len"]))
+        out.append(dict(layout="row_major", kernel=f"{prefix}_rm{w}x{it}", block=32 * w, rows_per_block=32,
+                        template_args=f"{w}", items=it, poly=poly, pair=pair, min_blocks=mins.get(32 * w, 1),
+                        max_len=c.get("max_len"), min_rows=int(c.get("min_rows") or 0)))
     return out
 
 
@@ -223,6 +242,7 @@ def render(region: ir.Region, arch: int, variant: dict | None = None, p: ScanPla
         params=[x.decl for x in p.params], args=[x.name for x in p.params],
         outer=[region.axes.index(a) for a in p.outer], inner=[region.axes.index(a) for a in p.inner],
         configs=configs)
+    src = re.sub(r"\n(?:[ \t]*\n)+(?=[ \t]+\S)", "\n", src)   # blank lines left by empty sections
     return Rendered(arch, vname, src, tuple(configs))
 
 
@@ -268,6 +288,7 @@ def build(rendered: Rendered, kernel: str, cache, extra_flags=()) -> Built:
             return Built(rendered, kernel, data, fmt, str(cache.path_of(key, "kernel.cu")), "hit")
     src_path = _write_text(cache.path_of(key, "kernel.cu"), rendered.source)
     name = f"{kernel}.cu"
+    t0 = time.perf_counter()
     try:
         binary, fmt, opts, _ = nvrtc_compile(rendered.source, rendered.arch, name, flags)
     except _CompileFailed as e:
@@ -276,6 +297,8 @@ def build(rendered: Rendered, kernel: str, cache, extra_flags=()) -> Built:
                                f"sm_{rendered.arch}\n  source: {src_path}\n  options: {' '.join(e.opts)}\n"
                                f"  log:\n{text}") from None
     cache.put(key, f"kernel.{fmt}", binary)
+    log.info("ssmc: NVRTC compiled %s for sm_%d in %.2f s (%s)", kernel, rendered.arch,
+             time.perf_counter() - t0, src_path)
     return Built(rendered, kernel, binary, fmt, str(src_path), "miss")
 
 
@@ -285,7 +308,8 @@ class CudaKernel:
     until the adjoint is generated too.
 
     ``poison``: allocate outputs filled with NaN (tests: an element the kernel never writes
-    shows). ``force_layout``: "time_major" | "row_major" instead of choosing by strides.
+    shows). ``force_layout``: "time_major" | "row_major" instead of choosing by strides;
+    ``force_kernel``: one kernel instance by name (tests, tuning: see ``rendered(arch).configs``).
     ``variants``: a variant dict to use instead of the per-arch table (tests, tuning).
     """
 
@@ -295,6 +319,7 @@ class CudaKernel:
         self.variants, self.extra_flags = variants, tuple(extra_flags)
         self.poison = False
         self.force_layout: str | None = None
+        self.force_kernel: str | None = None
         self.cache_status = ""
         self.last_launch: dict | None = None
         self._reference = ReferenceKernel(region)
@@ -362,13 +387,15 @@ class CudaKernel:
         if L >= 2**31 - 2**20 or N >= 2**31:
             raise ValueError(f"sequence length {L} / state size {N} beyond the kernel's int32 indexing")
         rend = self.rendered(arch)
-        layout = self._layout(inputs, outputs, sizes, N)
-        cfg = _pick(rend.configs, layout, L)
-        esize = 8 if p.compute == "double" else 4
-        if layout == "time_major":
-            grid, smem = rows, 2 * N * esize
+        if self.force_kernel:
+            cfg = next(c for c in rend.configs if c["kernel"] == self.force_kernel)
+            layout = cfg["layout"]
         else:
-            grid, smem = -(-rows // 32), 2 * N * 32 * esize
+            layout = self._layout(inputs, outputs, sizes, N)
+            cfg = _pick(rend.configs, layout, L, rows)
+        esize = 8 if p.compute == "double" else 4
+        per_block = cfg["rows_per_block"]
+        grid, smem = -(-rows // per_block), 2 * N * per_block * esize   # the carry: [rows of the block][2][N]
         if grid >= 2**31:
             raise ValueError(f"{rows} rows exceed the grid limit")
         args = self._args(inputs, outputs, sizes, L, rows, N)
@@ -476,10 +503,11 @@ def _loads(p: ScanPlan):
     return out
 
 
-def _pick(configs, layout: str, L: int) -> dict:
+def _pick(configs, layout: str, L: int, rows: int) -> dict:
+    """The first variant of the layout whose max_len (None: any) and min_rows admit the call."""
     cands = [c for c in configs if c["layout"] == layout]
     for c in cands:
-        if c["max_len"] is None or L <= int(c["max_len"]):
+        if (c["max_len"] is None or L <= int(c["max_len"])) and rows >= c["min_rows"]:
             return c
     return cands[-1]
 

@@ -441,9 +441,43 @@ class Emitter:
         return f"const ssmc_t {name} = ssmc_cvt(in{k}[{self.offset(e.index, f's{k}', None)}]);"
 
 
-def _short(e) -> str:
-    s = str(e)
-    return s if len(s) <= 80 else s[:77] + "..."
+def _short(e, limit: int = 80) -> str:
+    """The expression as ir prints it, cut at `limit` characters; stops early, so deep
+    expressions cost no more than the cut (ir's own __str__ is exponential in depth)."""
+    out: list[str] = []
+    room = [limit + 1]
+
+    def put(t: str):
+        if room[0] > 0:
+            out.append(t[:room[0]])
+            room[0] -= len(t)
+
+    def go(x):
+        if room[0] <= 0:
+            return
+        if isinstance(x, Op):
+            sym = ir._INFIX.get(x.name)
+            if sym and len(x.args) == 2 and not x.attrs:
+                put("(")
+                go(x.args[0])
+                put(f" {sym} ")
+                go(x.args[1])
+                put(")")
+                return
+            put(f"{x.name}(")
+            for j, a in enumerate(x.args):
+                put(", " if j else "")
+                go(a)
+            put("".join(f", {k}={v!r}" for k, v in x.attrs) + ")")
+        elif isinstance(x, Reduce):
+            put(f"{x.op}(")
+            go(x.arg)
+            put(f", over={list(x.axes)})")
+        else:
+            put(str(x))
+    go(e)
+    text = "".join(out)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def emit(p: ScanPlan) -> Code:

@@ -114,8 +114,6 @@ def make_plan(r: Region) -> Plan | str:
                     return f"reduction over {list(x.axes)}: not all state axes"
                 if any(isinstance(y, Reduce) for y in ir.walk(x.arg)):
                     return "a reduction nested in a reduction"
-                if not set(x.axes) <= ir.axes_of(x.arg, r.axes):
-                    return f"reduction over {list(x.axes)} of a value constant along it"
                 reduced |= set(x.axes)
     if len(reduced) > 1:
         return (f"outputs reduce over {sorted(reduced)}; the kernel holds one state axis in "
@@ -360,7 +358,8 @@ class TritonKernel:
         self.chosen: dict = {}
         self.config: dict | None = None
         self.fallback: str | None = None
-        self.timings: dict = {}
+        self.timings: dict = {}            # bucket -> {config json: ms} of the last search
+        self.failed_configs: dict = {}     # bucket -> ["config: error"] of configs that failed
         self._ref = None
         self._lock = threading.Lock()
         self._sources: dict[str, tuple[str, str, str]] = {}      # cdt -> (source, key, status)
@@ -408,7 +407,7 @@ class TritonKernel:
 
     def candidates(self, inputs, arch) -> list[dict]:
         """The configs of this arch that fit these shapes: BLOCK_D clamped to the channel
-        count, CHUNK to the length, tiles too big for the registers dropped (the smallest
+        count, CHUNK to the length's bucket, tiles too big for the registers dropped (the smallest
         one is kept when all are), duplicates removed."""
         table = load_configs()
         sizes, L = self.sizes(inputs)
@@ -420,7 +419,7 @@ class TritonKernel:
             c = dict(c)
             c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
             scan = c["variant"] == "scan"
-            c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L) if scan else L))
+            c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L)))     # the same across a bucket
             sig = tuple(sorted(c.items()))
             if sig in seen:
                 continue
@@ -497,8 +496,8 @@ class TritonKernel:
                                       **self.constexprs(inputs, config), **extra)
         return outs
 
-    def _why_not(self, inputs) -> str | None:
-        sizes, L = self.sizes(inputs)
+    def _why_not(self, inputs, sizes: dict, L: int) -> str | None:
+        """Why this call runs the torch reference instead (None: the kernel runs)."""
         dev = inputs[0].device
         if L == 0:
             return "zero steps"
@@ -508,18 +507,15 @@ class TritonKernel:
             return f"device {dev.type}"
         if self.plan.reg and _pow2(sizes[self.plan.reg]) > MAX_BLOCK_N:
             return f"register axis of {sizes[self.plan.reg]} > {MAX_BLOCK_N} elements"
-        for x in (*inputs, *self.outputs_meta(inputs)):
-            if x.numel() > _INT32_MAX:
-                return "a tensor of more than 2**31 elements (32-bit offsets)"
         for x in inputs:
             if x.dtype not in _TL_PTR:
                 return f"input dtype {x.dtype}"
+            if x.numel() > _INT32_MAX:
+                return "an input of more than 2**31 elements (32-bit offsets)"
+        for o in self.region.outputs:
+            if math.prod(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index) > _INT32_MAX:
+                return "an output of more than 2**31 elements (32-bit offsets)"
         return None
-
-    def outputs_meta(self, inputs):
-        sizes, L = self.sizes(inputs)
-        return [torch.empty([L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index], device="meta")
-                for o in self.region.outputs]
 
     def _reference(self):
         if self._ref is None:
@@ -528,19 +524,21 @@ class TritonKernel:
         return self._ref
 
     def forward(self, inputs):
-        why = self._why_not(inputs)
+        sizes, L = self.sizes(inputs)
+        why = self._why_not(inputs, sizes, L)
         if why is not None:
             self.fallback = why
             return self._reference().forward(inputs)
-        arch = None
-        if inputs[0].device.type == "cuda":
-            major, minor = torch.cuda.get_device_capability(inputs[0].device)
-            arch = major * 10 + minor
+        arch = _arch(inputs[0].device) if inputs[0].device.type == "cuda" else None
         config = self._config(inputs, arch)
         if config is None:
             return self._reference().forward(inputs)
         self.config = config
-        return self.launch(inputs, config)
+        try:
+            return self.launch(inputs, config)
+        except Exception as e:   # ssmc.runtime.op falls back to the reference and reports this
+            raise RuntimeError(f"Triton kernel {self.path} with config {config} failed: "
+                               f"{type(e).__name__}: {e}") from e
 
     def _config(self, inputs, arch) -> dict | None:
         bucket = (arch_key(arch), self.bucket(inputs))
@@ -576,26 +574,27 @@ class TritonKernel:
         cuda = inputs[0].device.type == "cuda"
         for c in cands:
             try:
-                outs = self.launch(inputs, c)                  # compiles
-                if cuda:
-                    torch.cuda.synchronize()
-                    reps = 10
-                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t0.record()
-                    for _ in range(reps):
-                        self.launch(inputs, c, outs)
-                    t1.record()
-                    torch.cuda.synchronize()
-                    ms = t0.elapsed_time(t1) / reps
-                else:
+                if not cuda:                                   # the interpreter: nothing to compile
                     s = time.perf_counter()
+                    self.launch(inputs, c)
+                    times[json.dumps(c, sort_keys=True)] = (time.perf_counter() - s) * 1e3
+                    continue
+                outs = self.launch(inputs, c)                  # compiles
+                torch.cuda.synchronize()
+                reps = 10
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(reps):
                     self.launch(inputs, c, outs)
-                    ms = (time.perf_counter() - s) * 1e3
-                times[json.dumps(c, sort_keys=True)] = ms
+                t1.record()
+                torch.cuda.synchronize()
+                times[json.dumps(c, sort_keys=True)] = t0.elapsed_time(t1) / reps
             except Exception as e:
                 errors.append(f"{c}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 log.debug("ssmc triton: config %s failed", c, exc_info=True)
         self.timings[bucket] = times
+        if errors:
+            self.failed_configs[bucket] = errors
         if not times:
             self.fallback = (f"every Triton config failed (kernel source {self.path}); "
                              f"the torch reference ran instead: " + "; ".join(errors))
@@ -607,6 +606,16 @@ class TritonKernel:
         """Delegates to the torch reference (the forward re-run under autograd); generated
         backward kernels are a later issue."""
         return self._reference().backward(inputs, grads, needs)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+def _arch(device: torch.device) -> int:
+    return _device_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 _TL_PTR = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -643,8 +652,7 @@ class TritonTarget:
             raise ValueError(f"triton target cannot compile region {region.name}: {plan}")
         arch = None
         if not interpreting() and torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            arch = major * 10 + minor
+            arch = _arch(torch.device("cuda"))
         return TritonKernel(region, strategy, plan, options, arch)
 
     def source(self, kernel: TritonKernel) -> str:
@@ -658,6 +666,8 @@ class TritonTarget:
             cands = load_configs()[arch_key(kernel.arch)]
             head.append(f"# config: autotuned on the first call over {len(cands)} {arch_key(kernel.arch)} "
                         f"configs ({CONFIGS})")
+        for (arch, bucket), errors in kernel.failed_configs.items():
+            head.extend(f"# config failed for {arch}: {e}" for e in errors)
         if kernel.fallback:
             head.append(f"# fallback: {kernel.fallback}")
         return "\n".join(head) + "\n" + kernel.source

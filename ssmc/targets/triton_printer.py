@@ -105,6 +105,7 @@ class TritonPrinter:
         self.prefix = prefix
         self.prelude: list[str] = []
         self._pre_memo: dict = {}
+        self._pre_frame: Frame | None = None
         self._n = 0
         self.frame: Frame | None = None
         self.lines: list[str] | None = None
@@ -112,6 +113,7 @@ class TritonPrinter:
 
     # -- blocks --------------------------------------------------------------------------------
     def set_prelude_frame(self, frame: Frame):
+        """How axes read before the time loop (where hoisted values are printed)."""
         self._pre_frame = frame
 
     def block(self, frame: Frame) -> list[str]:
@@ -187,6 +189,8 @@ class TritonPrinter:
         if isinstance(e, Reduce):
             k, mask = self.frame.reg_dim, self.frame.reg_mask
             x = self.expr(e.arg)
+            if not set(e.axes) <= self.axes(e.arg):   # constant along the axis: size * value
+                return f"({x} * SIZE_N)"
             inner = f"tl.where({mask}, {x}, 0.0)" if mask else x
             return f"tl.expand_dims(_sum({inner}, {k}), {k})"
         if isinstance(e, Op):
