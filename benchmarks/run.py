@@ -264,7 +264,8 @@ class Runner:
             try:
                 ext = B.build_selective_scan_fwd()
                 bls.append(("mamba-ssm selective_scan (CUDA)",
-                            lambda ins: (lambda: ext.fwd(*ins[:7], ins[7], True)[2])))
+                            lambda ins: (lambda: ext.fwd(ins[0], ins[1], ins[2], ins[3].unsqueeze(1), ins[4].unsqueeze(1),
+                                                         ins[5], ins[6], ins[7], True)[2])))
             except Exception as e:
                 self.log(f"mamba-ssm CUDA not available: {e}")
         self.region_workload("mamba1", mamba1_loop, mamba1_inputs, self.p.mamba1, self.p.lengths,
@@ -401,7 +402,7 @@ def main(argv=None):
     env = {"device": torch.cuda.get_device_name() if preset.device == "cuda" else "cpu", "torch": torch.__version__,
            "ssmc": ssmc.__version__, "preset": args.preset,
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip(), "columns": COLUMNS}
+                                    cwd=ROOT).stdout.strip() or os.environ.get("SSMC_COMMIT", ""), "columns": COLUMNS}
     (out_dir / f"{stem}.json").write_text(json.dumps({"env": env, "rows": runner.rows}, indent=1, default=str) + "\n")
     made = plots(runner.rows, out_dir, stem)
     print(table(runner.rows))
