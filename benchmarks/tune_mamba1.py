@@ -25,8 +25,16 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--lengths", default="4096")
     ap.add_argument("--only", default="cuda,triton")
-    ap.add_argument("--layout", default="bdl", help="bdl (mamba-ssm layout) or bld")
+    ap.add_argument("--profile-once", default="", help="target: run its default pick once (under ncu)")
     args = ap.parse_args()
+    if args.profile_once:
+        b, d, n = 8, 1536, 16
+        gm, _ = lowered_graph(mamba1_naive, mamba1_inputs(b, d, n, 16, torch.bfloat16, 0), target=args.profile_once)
+        ins = mamba1_inputs(b, d, n, int(args.lengths), torch.bfloat16, 1)
+        for _ in range(3):
+            gm(*ins)
+        torch.cuda.synchronize()
+        return
     res = {"env": env_info()}
     b, d, n = 8, 1536, 16
     small = mamba1_inputs(b, d, n, 16, torch.bfloat16, 0)
