@@ -42,6 +42,7 @@ class Candidate:
     strategy_reason: str = ""
     target: str | None = None
     target_reasons: dict = dataclasses.field(default_factory=dict)
+    alternatives: list = dataclasses.field(default_factory=list)   # other targets to time against
     notes: list = dataclasses.field(default_factory=list)
 
     @property

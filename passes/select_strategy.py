@@ -36,24 +36,39 @@ def choose_strategy(cand, ctx) -> tuple[str, str]:
     return "chunked_scan", "decay differs per state element"
 
 
-def choose_target(region, strategy, ctx) -> tuple[str, dict]:
+def _supports(t, region, strategy, ctx):
+    try:
+        ok = t.supports(region, strategy, ctx.arch, ctx.device_type)
+    except Exception as e:  # a target's check failing is its refusal
+        ok = f"supports() raised {type(e).__name__}: {e}"
+    return True if ok is True else (str(ok) if ok else "declined")
+
+
+def choose_target(region, strategy, ctx) -> tuple[str, dict, list]:
+    """(target, refusal reasons, the other GPU targets that also support the region). On
+    "auto" with several generated targets, the kernel runs them once on the first inputs and
+    keeps the fastest (ssmc.runtime.autotune)."""
     reasons = {}
     requested = ctx.options.target
     order = [requested] if requested != "auto" else (
         ["cuda", "triton", "torch"] if ctx.device_type == "cuda" else ["torch"])
+    ok_names = []
     for name in order:
         t = ctx.targets.get(name)
         if t is None:
             reasons[name] = "no such target is installed" if requested != "auto" else "not installed"
             continue
-        try:
-            ok = t.supports(region, strategy, ctx.arch, ctx.device_type)
-        except Exception as e:  # a target's check failing is its refusal
-            ok = f"supports() raised {type(e).__name__}: {e}"
+        ok = _supports(t, region, strategy, ctx)
         if ok is True:
-            return name, reasons
-        reasons[name] = str(ok) if ok else "declined"
-    return "torch", reasons
+            ok_names.append(name)
+            if requested != "auto" or name == "torch":
+                break
+        else:
+            reasons[name] = ok
+    if not ok_names:
+        return "torch", reasons, []
+    gpu = [n for n in ok_names if n != "torch"]
+    return ok_names[0], reasons, gpu[1:] if requested == "auto" else []
 
 
 class SelectStrategy(Pass):
@@ -64,5 +79,5 @@ class SelectStrategy(Pass):
     def run(self, ctx) -> bool:
         for cand in ctx.live():
             cand.strategy, cand.strategy_reason = choose_strategy(cand, ctx)
-            cand.target, cand.target_reasons = choose_target(cand.plan.region, cand.strategy, ctx)
+            cand.target, cand.target_reasons, cand.alternatives = choose_target(cand.plan.region, cand.strategy, ctx)
         return bool(ctx.live())

@@ -106,8 +106,10 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
             raise RuntimeError(f"lowering {cand.name} failed: {e}") from e
         if dumper and entry.source:
             dumper.write(f"kernel_{entry.key}.{'cu' if entry.target == 'cuda' else 'py'}", entry.source)
+        names = entry.target.removeprefix("auto(").rstrip(")").split("|")
+        plugin = ", ".join(dict.fromkeys(pkg.get(n, "?") for n in names))
         lowered.append(RegionInfo(cand.name, entry.strategy, cand.strategy_reason or "default", entry.target,
-                                  dict(cand.target_reasons), pkg.get(entry.target, "?"), str(entry.region),
+                                  dict(cand.target_reasons), plugin, str(entry.region),
                                   cand.loop.python(), entry.source, entry.key, list(cand.notes),
                                   getattr(entry.kernel, "cache_status", ""), entry.region))
     greport.regions.extend(reversed(lowered))
@@ -140,7 +142,25 @@ def _compile_region(cand, ctx, opts):
                               f"{type(e).__name__}: {e}")
             log.warning("ssmc: target %s failed to compile %s: %s", name, region.name, e)
     key = f"{region.name}-{region.key()}-{target}-{strategy}"
-    return Compiled(key, region, strategy, target, kernel, t.source(kernel))
+    source = t.source(kernel)
+    rivals = {}
+    for name in getattr(cand, "alternatives", []):
+        if name == target:
+            continue
+        try:
+            rivals[name] = ctx.targets[name].compile(region, strategy, opts)
+        except Exception as e:
+            cand.notes.append(f"target {name} failed to compile: {type(e).__name__}: {e}")
+    if rivals:
+        from ssmc.runtime.autotune import MeasuredChoice
+        kernels = {target: kernel, **rivals}
+        versions = {n: getattr(ctx.targets[n], "version", "") for n in kernels}
+        kernel = MeasuredChoice(region, kernels, versions, opts.cache_dir)
+        sources = [f"# --- {n} ---\n{ctx.targets[n].source(k) or ''}" for n, k in kernels.items()]
+        source = "\n".join(sources)
+        target = "auto(" + "|".join(kernels) + ")"
+        key = f"{region.name}-{region.key()}-{target}-{strategy}"
+    return Compiled(key, region, strategy, target, kernel, source)
 
 
 def _validate(work: fx.GraphModule):

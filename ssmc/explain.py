@@ -136,4 +136,23 @@ def explain(fn, *example_inputs, **options) -> Report:
     backend.__name__ = "ssmc_explain"
     compiled = torch.compile(fn, backend=backend)
     compiled(*example_inputs)
+    refresh(report)
+    return report
+
+
+def refresh(report: Report) -> Report:
+    """Fill in what is only known after a run: which target a measured choice picked."""
+    from ssmc.runtime.op import lookup
+    for r in report.regions:
+        try:
+            entry = lookup(r.key)
+        except RuntimeError:
+            continue
+        describe = getattr(entry.kernel, "describe", None)
+        if describe is not None:
+            msg = describe()
+            if msg not in r.notes:
+                r.notes.append(msg)
+        if entry.failure and entry.failure not in r.notes:
+            r.notes.append(entry.failure)
     return report

@@ -1,0 +1,106 @@
+"""Choosing between targets by measured time.
+
+On ``target="auto"`` with several generated targets supporting a region (cuda and triton on a
+GPU), `MeasuredChoice` runs each once on the first real inputs of a shape bucket, times them
+with CUDA events, and keeps the fastest. The decision is stored in the kernel cache, keyed by
+the region, the arch, the shape bucket and the targets' versions, so a second process decides
+nothing. `describe()` says which won and by how much, for ssmc.explain.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import torch
+
+from .cache import cache_key, get_cache
+
+log = logging.getLogger("ssmc")
+
+
+def shape_bucket(inputs) -> tuple:
+    """Input shapes with every size rounded up to a power of two, and the dtypes."""
+    def up(n):
+        return 1 << max(0, math.ceil(math.log2(max(1, n))))
+    return tuple((tuple(up(s) for s in x.shape), str(x.dtype).replace("torch.", "")) for x in inputs)
+
+
+def _time(fn, reps: int) -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+    import time
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+class MeasuredChoice:
+    """A kernel that is the fastest of several, decided per shape bucket on first use."""
+
+    def __init__(self, region, kernels: dict, versions: dict, cache_dir: str, reps: int = 10):
+        self.region, self.kernels, self.versions = region, dict(kernels), versions
+        self.cache = get_cache(cache_dir)
+        self.reps = reps
+        self.decided: dict = {}          # bucket -> target name
+        self.timings: dict = {}          # bucket -> {target: ms}
+        self.errors: dict = {}
+
+    def _key(self, bucket, arch) -> str:
+        return cache_key("choice", self.region.key(), arch, bucket, sorted(self.versions.items()))
+
+    def choose(self, inputs) -> str:
+        bucket = shape_bucket(inputs)
+        if bucket in self.decided:
+            return self.decided[bucket]
+        dev = inputs[0].device
+        arch = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else "cpu"
+        key = self._key(bucket, arch)
+        raw = self.cache.get(key, "choice.json")
+        if raw is not None:
+            rec = json.loads(raw)
+            if rec.get("target") in self.kernels:
+                self.decided[bucket], self.timings[bucket] = rec["target"], rec.get("timings", {})
+                return rec["target"]
+        times = {}
+        for name, k in self.kernels.items():
+            try:
+                k.forward(list(inputs))                       # compiles / autotunes
+                times[name] = _time(lambda: k.forward(list(inputs)), self.reps)
+            except Exception as e:
+                self.errors[name] = f"{type(e).__name__}: {e}"
+                log.warning("ssmc: target %s failed while being timed: %s", name, e)
+        if not times:
+            raise RuntimeError(f"every target failed: {self.errors}")
+        best = min(times, key=times.get)
+        self.decided[bucket], self.timings[bucket] = best, times
+        self.cache.put(key, "choice.json", json.dumps({"target": best, "timings": times}).encode())
+        log.info("ssmc: region %s: %s", self.region.name, self.describe())
+        return best
+
+    def forward(self, inputs):
+        return self.kernels[self.choose(inputs)].forward(inputs)
+
+    def backward(self, inputs, grads, needs):
+        return self.kernels[self.choose(inputs)].backward(inputs, grads, needs)
+
+    def describe(self) -> str:
+        parts = []
+        for bucket, times in self.timings.items():
+            best = self.decided[bucket]
+            others = ", ".join(f"{n} {ms:.3f} ms ({ms / times[best]:.2f}x)" for n, ms in sorted(times.items())
+                               if n != best)
+            parts.append(f"measured: {best} {times[best]:.3f} ms" + (f" beats {others}" if others else ""))
+        for n, e in self.errors.items():
+            parts.append(f"{n} failed when timed: {e}")
+        return "; ".join(parts) or f"measured choice among {', '.join(self.kernels)} on the first call"
