@@ -54,6 +54,10 @@ class ReferenceKernel:
             return run(self.region, inputs, self.chunk)
 
     def backward(self, inputs, grads, needs):
+        return adjoint_run(self.region, inputs, grads, needs, self.chunk)
+
+    def backward_autograd(self, inputs, grads, needs):
+        """The same gradients by re-running the forward under autograd (a cross-check)."""
         xs = [x.detach().requires_grad_(bool(n)) for x, n in zip(inputs, needs)]
         with autograd_inside_op(), torch.enable_grad():
             outs = run(self.region, xs, self.chunk)
@@ -115,6 +119,25 @@ class Evaluator:
         present = [names[i] for i in order]
         v = _unsqueeze_to(v, present, self.names)
         return v.to(self.cdt) if v.is_floating_point() else v
+
+    def view_of(self, x: torch.Tensor, ld: Load) -> torch.Tensor:
+        """The same view `load` takes, of another tensor laid out like input ld.input."""
+        v = x
+        for d, ix in sorted(((d, ix) for d, ix in enumerate(ld.index) if isinstance(ix, int)), reverse=True):
+            v = v.select(d, ix)
+        names = [ix for ix in ld.index if not isinstance(ix, int)]
+        if "t" in names:
+            v = v.narrow(names.index("t"), self.t0, self.t1 - self.t0)
+        order = sorted(range(len(names)), key=lambda i: self.names.index(names[i]))
+        return _unsqueeze_to(v.permute(order), [names[i] for i in order], self.names)
+
+    def accumulate(self, grad: torch.Tensor, ld: Load, value: torch.Tensor):
+        """grad[ld's elements] += value, summed over the axes the load does not vary along."""
+        view = self.view_of(grad, ld)
+        dims = [d for d, (vs, xs) in enumerate(zip(view.shape, value.shape)) if vs == 1 and xs != 1]
+        if dims:
+            value = value.sum(dim=dims, keepdim=True)
+        view.add_(value.expand(view.shape).to(view.dtype))
 
     def eval(self, e) -> torch.Tensor:
         if e in self.memo:
@@ -242,3 +265,65 @@ def run(region: Region, inputs, chunk: int = 64):
             v = ev.eval(o.expr)
             outs.append(_to_output(v, names, o.index, {**sizes, "t": 1}).to(ir.to_dtype(o.dtype)))
     return outs
+
+
+def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 64):
+    """Gradients of every input from the region's adjoint (ssmc.autodiff): a forward pass keeps
+    the state at each chunk start, then chunks run in reverse: the forward states of the chunk
+    are recomputed, the adjoint state lam runs the recurrence backwards in time, and the
+    gradients of the decay, drive and output expressions are accumulated into the inputs."""
+    from ssmc.autodiff import GRAD_A, GRAD_B, region_adjoint
+    r = region
+    adj = region_adjoint(r)
+    cdt = compute_dtype(r, inputs)
+    dev = inputs[0].device
+    sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
+    L = inputs[r.length[0]].shape[r.length[1]]
+    state_shape = tuple(sizes[a] for a in r.axes)
+    gin = []
+    for o, g in zip(r.outputs, grads):
+        shp = [L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index]
+        gin.append(g if g.numel() else torch.zeros(shp, dtype=ir.to_dtype(o.dtype), device=dev))
+    allin = list(inputs) + gin
+    acc = [torch.zeros(x.shape, dtype=cdt, device=dev) if n else None for x, n in zip(inputs, needs)]
+
+    def put(ev, pairs, seeds=None):
+        for ld, e in pairs:
+            if ld.input < len(acc) and acc[ld.input] is not None:
+                ev.accumulate(acc[ld.input], ld, ev.eval(e))
+
+    with torch.no_grad():
+        h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
+        starts = []
+        for t0 in range(0, L, chunk):
+            starts.append(h)
+            ev = Evaluator(r, allin, t0, min(L, t0 + chunk), cdt)
+            h = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)[-1]
+        lam_next = torch.zeros(state_shape, dtype=cdt, device=dev)    # a_{t1} * lam_{t1}
+        if adj.state_final is not None or adj.loads_final:
+            ev = Evaluator(r, allin, max(L - 1, 0), max(L, 1) if L else 0, cdt)
+            ev.state = h.unsqueeze(0)
+            if adj.state_final is not None:
+                lam_next = lam_next + ev.eval(adj.state_final).expand(1, *state_shape)[0]
+            put(ev, adj.loads_final)
+        for c in reversed(range(len(starts))):
+            t0, t1 = c * chunk, min(L, (c + 1) * chunk)
+            ev = Evaluator(r, allin, t0, t1, cdt)
+            a = ev.eval(r.decay).to(cdt).expand(t1 - t0, *([-1] * len(state_shape)))
+            H = chunk_scan(a, ev.eval(r.drive).to(cdt), starts[c])
+            ev.state = H
+            direct = ev.eval(adj.state_steps).expand(t1 - t0, *state_shape) if adj.state_steps is not None \
+                else torch.zeros((t1 - t0, *state_shape), dtype=cdt, device=dev)
+            put(ev, adj.loads_steps)
+            # lam_t = direct_t + a_{t+1} lam_{t+1}, reversed in time as a forward scan
+            alpha = torch.cat([torch.ones_like(a[:1]), a.flip(0)[:-1]])
+            lam = chunk_scan(alpha, direct.flip(0), lam_next).flip(0)
+            H_prev = torch.cat([starts[c].unsqueeze(0), H[:-1]])
+            ev.memo[GRAD_A] = lam * H_prev
+            ev.memo[GRAD_B] = lam
+            put(ev, adj.loads_decay)
+            put(ev, adj.loads_drive)
+            lam_next = a[0] * lam[0]                                 # dL/dh before this chunk
+        if r.init is not None and acc[r.init] is not None:
+            acc[r.init] += lam_next.expand(state_shape).to(cdt)
+    return [g.to(x.dtype) if g is not None else None for g, x in zip(acc, inputs)]

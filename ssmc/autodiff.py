@@ -1,0 +1,175 @@
+"""Reverse-mode differentiation of region expressions, on the IR itself.
+
+`backprop(root, seed)` returns, for every leaf of an expression (each `Load` and `State`), the
+expression of d(seed-weighted root)/d(leaf) evaluated at the same iteration point. Broadcasting
+needs no rule of its own: every expression is evaluated at the full iteration point, so the
+adjoint of a `Reduce` is its seed unchanged (constant along the reduced axes), and a leaf's
+adjoint is summed over the axes the leaf does not vary along by whoever accumulates it into an
+input's gradient. The backward of a region (`region_adjoint`) is built from these: the adjoint
+of the state runs the same linear recurrence in reverse time,
+    lam_t = dy_t/dh_t + a_{t+1} lam_{t+1},  da_t = lam_t h_{t-1},  db_t = lam_t,
+and the gradients of the inputs follow through the decay, drive and output expressions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .ir import Const, Expr, Load, Op, Reduce, Region, State, walk
+
+ONE, ZERO = Const(1.0), Const(0.0)
+
+
+def add(x, y):
+    if x is None:
+        return y
+    if y is None:
+        return x
+    return Op("add", (x, y))
+
+
+def mul(x, y):
+    if x is None or y is None:
+        return None
+    if x == ONE:
+        return y
+    if y == ONE:
+        return x
+    return Op("mul", (x, y))
+
+
+def _where(c, x, y):
+    return Op("where", (c, x, y))
+
+
+def derivative(e: Op, j: int):
+    """d e / d e.args[j] as an expression of e's arguments and e itself; None for zero."""
+    a = e.args
+    x = a[j]
+    n = e.name
+    if n == "add":
+        return ONE
+    if n == "sub":
+        return ONE if j == 0 else Const(-1.0)
+    if n == "mul":
+        return a[1 - j]
+    if n == "div":
+        return Op("reciprocal", (a[1],)) if j == 0 else Op("neg", (Op("div", (e, a[1])),))
+    if n == "neg":
+        return Const(-1.0)
+    if n == "exp":
+        return e
+    if n == "exp2":
+        return Op("mul", (e, Const(math.log(2.0))))
+    if n == "expm1":
+        return Op("add", (e, ONE))
+    if n == "log":
+        return Op("reciprocal", (x,))
+    if n == "log1p":
+        return Op("reciprocal", (Op("add", (x, ONE)),))
+    if n == "sqrt":
+        return Op("div", (Const(0.5), e))
+    if n == "rsqrt":
+        return Op("mul", (Const(-0.5), Op("mul", (e, Op("mul", (e, e))))))
+    if n == "tanh":
+        return Op("sub", (ONE, Op("mul", (e, e))))
+    if n == "sigmoid":
+        return Op("mul", (e, Op("sub", (ONE, e))))
+    if n == "logsigmoid":
+        return Op("sigmoid", (Op("neg", (x,)),))
+    if n == "softplus":
+        beta, th = e.attr("beta", 1.0), e.attr("threshold", 20.0)
+        bx = Op("mul", (x, Const(beta)))
+        return _where(Op("gt", (bx, Const(th))), ONE, Op("sigmoid", (bx,)))
+    if n == "silu":
+        s = Op("sigmoid", (x,))
+        return Op("mul", (s, Op("add", (ONE, Op("mul", (x, Op("sub", (ONE, s))))))))
+    if n == "relu":
+        return _where(Op("gt", (x, ZERO)), ONE, ZERO)
+    if n == "abs":
+        return _where(Op("gt", (x, ZERO)), ONE, _where(Op("lt", (x, ZERO)), Const(-1.0), ZERO))
+    if n == "reciprocal":
+        return Op("neg", (Op("mul", (e, e)),))
+    if n == "sin":
+        return Op("cos", (x,))
+    if n == "cos":
+        return Op("neg", (Op("sin", (x,)),))
+    if n == "pow":
+        if j == 0:
+            return Op("mul", (a[1], Op("pow", (a[0], Op("sub", (a[1], ONE))))))
+        return Op("mul", (e, Op("log", (a[0],))))
+    if n in ("maximum", "minimum"):          # ties split the gradient, as torch does
+        y = a[1 - j]
+        win = Op("gt", (x, y)) if n == "maximum" else Op("lt", (x, y))
+        return _where(win, ONE, _where(Op("eq", (x, y)), Const(0.5), ZERO))
+    if n == "where":
+        if j == 0:
+            return None
+        return _where(a[0], ONE, ZERO) if j == 1 else _where(a[0], ZERO, ONE)
+    if n == "cast":
+        return ONE if e.attr("dtype") in ("float32", "float64", "float16", "bfloat16") else None
+    if n in ("gt", "lt", "ge", "le", "eq", "ne"):
+        return None
+    raise NotImplementedError(f"no derivative for op {n}")
+
+
+def backprop(root: Expr, seed: Expr) -> dict:
+    """{leaf: adjoint expression} for every Load and State leaf reachable from root."""
+    adj = {root: seed}
+    for node in reversed(walk(root)):
+        g = adj.get(node)
+        if g is None:
+            continue
+        if isinstance(node, Op):
+            for j, arg in enumerate(node.args):
+                if isinstance(arg, Const):
+                    continue
+                d = derivative(node, j)
+                if d is not None:
+                    adj[arg] = add(adj.get(arg), mul(g, d))
+        elif isinstance(node, Reduce):
+            adj[node.arg] = add(adj.get(node.arg), g)
+    return {n: g for n, g in adj.items() if isinstance(n, (Load, State)) and g is not None}
+
+
+# sentinel leaves the backward seeds with values it already has
+GRAD_A = Load(-1, ("t",))        # dL/da_t
+GRAD_B = Load(-2, ("t",))        # dL/db_t
+
+
+def grad_output(region: Region, k: int) -> Load:
+    """The gradient of output k, read like the output is written."""
+    return Load(len(region.inputs) + k, region.outputs[k].index)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adjoint:
+    """The backward of a region, as expressions:
+    state_steps: dL/dh_t from the per-step outputs (in terms of State = h_t and the output grads)
+    state_final: dL/dh_{L-1} from the final outputs
+    loads_steps / loads_final: (Load, adjoint) pairs for inputs read by the outputs
+    loads_decay / loads_drive: (Load, adjoint in terms of GRAD_A / GRAD_B) for a_t and b_t."""
+    state_steps: Expr | None
+    state_final: Expr | None
+    loads_steps: tuple
+    loads_final: tuple
+    loads_decay: tuple
+    loads_drive: tuple
+
+
+def region_adjoint(region: Region) -> Adjoint:
+    steps, final = None, None
+    ls, lf = [], []
+    for k, o in enumerate(region.outputs):
+        g = backprop(o.expr, grad_output(region, k))
+        for leaf, e in g.items():
+            if isinstance(leaf, State):
+                if o.kind == "steps":
+                    steps = add(steps, e)
+                else:
+                    final = add(final, e)
+            else:
+                (ls if o.kind == "steps" else lf).append((leaf, e))
+    da = [(l, e) for l, e in backprop(region.decay, GRAD_A).items() if isinstance(l, Load)]
+    db = [(l, e) for l, e in backprop(region.drive, GRAD_B).items() if isinstance(l, Load)]
+    return Adjoint(steps, final, tuple(ls), tuple(lf), tuple(da), tuple(db))
