@@ -90,7 +90,10 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     if not live:
         return 0
     pkg = {p.name: f"{p.package} {p.version}" for p in loaded if p.group == "ssmc.targets"}
+    from ssmc.runtime.cache import get_cache
     from ssmc.runtime.op import Compiled, register
+    cache = get_cache(opts.cache_dir)
+    seen_events = len(cache.events)
     lowered = []
     for cand in reversed(live):
         try:
@@ -113,6 +116,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
                                   cand.loop.python(), entry.source, entry.key, list(cand.notes),
                                   getattr(entry.kernel, "cache_status", ""), entry.region))
     greport.regions.extend(reversed(lowered))
+    greport.log.extend(cache.events[seen_events:])      # corrupt entries rebuilt, unwritable cache dir
     if opts.validate:
         _validate(gm)
     if dumper:
