@@ -15,6 +15,7 @@ state axes (the readout sum_n h*C); `index` places it in the output tensor.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Union
 
 import torch
@@ -45,32 +46,92 @@ class State:
         return "h[i]"
 
 
-@dataclasses.dataclass(frozen=True)
-class Op:
+class _Node:
+    """Expressions are DAGs (a subexpression used twice is one object). Nodes are hash-consed:
+    building an expression equal to an existing one returns that object, so equality and
+    hashing cost O(1) per node; printing names shared subexpressions. Nothing is exponential
+    in the depth of a DAG."""
+
+    _pool: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+    def __new__(cls, *args, **kwargs):
+        fields = list(cls.__dataclass_fields__.values())
+        vals = list(args) + [kwargs[f.name] if f.name in kwargs else f.default for f in fields[len(args):]]
+        key = (cls, *vals)
+        try:
+            node = _Node._pool.get(key)
+        except TypeError:               # an unhashable field: no sharing
+            return super().__new__(cls)
+        if node is None:
+            node = super().__new__(cls)
+            _Node._pool[key] = node
+        return node
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((type(self).__name__,) + tuple(
+            getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    def __hash__(self):
+        return self._hash
+
+    def __str__(self):
+        lets, text = format_expr(self)
+        return "; ".join([*(f"{n} = {v}" for n, v in lets), text])
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class Op(_Node):
     name: str
     args: tuple
     attrs: tuple = ()   # sorted (key, value) pairs, e.g. (("dtype", "bfloat16"),)
+    __hash__ = _Node.__hash__
+    __str__ = __repr__ = _Node.__str__
 
     def attr(self, key, default=None):
         return dict(self.attrs).get(key, default)
 
-    def __str__(self):
-        sym = _INFIX.get(self.name)
-        if sym and len(self.args) == 2 and not self.attrs:
-            return f"({self.args[0]} {sym} {self.args[1]})"
-        inner = ", ".join(str(a) for a in self.args)
-        extra = "".join(f", {k}={v!r}" for k, v in self.attrs)
-        return f"{self.name}({inner}{extra})"
 
-
-@dataclasses.dataclass(frozen=True)
-class Reduce:
+@dataclasses.dataclass(frozen=True, eq=True)
+class Reduce(_Node):
     arg: "Expr"
     axes: tuple[str, ...]
     op: str = "sum"
+    __hash__ = _Node.__hash__
+    __str__ = __repr__ = _Node.__str__
 
-    def __str__(self):
-        return f"{self.op}({self.arg}, over={list(self.axes)})"
+
+def format_expr(e, names: dict | None = None) -> tuple[list, str]:
+    """(let bindings, text): readable Python for an expression DAG. Subexpressions used more
+    than once (and not trivially small) are printed once as ``v0 = ...`` and named after."""
+    names = {} if names is None else names
+    order = walk(e)
+    uses: dict = {}
+    for n in order:
+        for c in children(n):
+            uses[c] = uses.get(c, 0) + 1
+    text: dict = {}
+    lets = []
+    for n in order:
+        if isinstance(n, Op):
+            sym = _INFIX.get(n.name)
+            args = [text[a] for a in n.args]
+            if sym and len(args) == 2 and not n.attrs:
+                t = f"({args[0]} {sym} {args[1]})"
+            else:
+                extra = "".join(f", {k}={v!r}" for k, v in n.attrs)
+                t = f"{n.name}({', '.join(args)}{extra})"
+        elif isinstance(n, Reduce):
+            t = f"{n.op}({text[n.arg]}, over={list(n.axes)})"
+        else:
+            t = str(n)
+        if n in names:
+            t = names[n]
+        elif uses.get(n, 0) > 1 and isinstance(n, (Op, Reduce)) and len(t) > 24:
+            names[n] = f"v{len(names)}"
+            lets.append((names[n], t))
+            t = names[n]
+        text[n] = t
+    return lets, text[e]
 
 
 Expr = Union[Load, Const, State, Op, Reduce]
@@ -173,7 +234,9 @@ class Region:
 
     def key(self) -> str:
         import hashlib
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+        scalars = (self.name, self.axes, self.axis_size, self.length, self.inputs, self.init,
+                   self.state_dtype, self.reverse, tuple((o.kind, o.index, o.dtype) for o in self.outputs))
+        return hashlib.sha256((repr(scalars) + "\n" + str(self)).encode()).hexdigest()[:16]
 
     def __str__(self):
         lines = [f"# region {self.name}: h_t = a_t * h_(t-1) + b_t over axes {list(self.axes)}"
@@ -184,10 +247,18 @@ class Region:
         lines.append(f"# sizes: {sizes}, t in range(in{self.length[0]}.shape[{self.length[1]}])")
         lines.append(f"h[i] = {'in%d[i]' % self.init if self.init is not None else 0}   "
                      f"# initial state, {self.state_dtype}")
-        lines.append(f"a = {self.decay}   # decay: {self.decay_kind}")
-        lines.append(f"b = {self.drive}")
+        names: dict = {}
+
+        def show(e):
+            lets, text = format_expr(e, names)
+            lines.extend(f"{n} = {v}" for n, v in lets)
+            return text
+        lines.append(f"a = {show(self.decay)}   # decay: {self.decay_kind}")
+        lines.append(f"b = {show(self.drive)}")
         lines.append("h[i] = a * h[i] + b")
-        lines.extend(str(o) for o in self.outputs)
+        for o in self.outputs:
+            text = show(o.expr)
+            lines.append(f"out[{', '.join(map(str, o.index))}] = {text}   # {o.kind}, {o.dtype}")
         return "\n".join(lines)
 
 
