@@ -3,7 +3,14 @@
 Workloads (Mamba-1 region, Mamba-2 region, decode step, whole naive Mamba block; forward and
 forward+backward), a sweep of L, each ssmc target, each pass switched off in turn by name, and
 the baselines (eager naive loop, torch associative_scan + Inductor, mamba-ssm's kernels when
-importable). Prints one table, writes JSON to benchmarks/results/, draws PNG plots.
+importable: selective_scan (CUDA), mamba_chunk_scan_combined and selective_state_update
+(Triton)). Prints one table, writes JSON to benchmarks/results/, draws PNG plots.
+
+mamba2: the region at the preset's shape over its lengths, plus the long shape (h200: b4 L16384);
+TFLOP/s counts the chunked SSD's work at mamba-ssm's chunk 256 (`ssd_flops`). decode: one token
+per sequence at each batch size, state (fp32) in and out; the region is captured at 2 tokens
+(strategy "step") and its lowered graph runs 1 (Dynamo's capture of a 1-step loop has no loop to
+re-roll); bytes/s counts the state read and written once.
 
     python -m benchmarks.run                      # CPU: torch target only, small shapes
     python -m benchmarks.run --preset h200        # the shapes of DESIGN.md, every target
@@ -33,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import ssmc  # noqa: E402
 
 COLUMNS = ["workload", "variant", "kind", "pass", "L", "shape", "ms", "speedup_vs_eager",
-           "GB_per_s", "frac_of_byte_floor", "rel_err", "compile_cold_s", "compile_warm_s",
+           "GB_per_s", "frac_of_byte_floor", "TFLOP_per_s", "rel_err", "compile_cold_s", "compile_warm_s",
            "peak_mem_bytes", "target_used"]
 PASSES = ["fuse_prologue", "fuse_epilogue", "select_strategy"]
 COPY_BW = {"cuda": 4.3e12, "cpu": 2e10}      # bytes/s ceilings used for the byte floor
@@ -46,18 +53,19 @@ class Preset:
     targets: list
     mamba1: dict
     mamba2: dict
-    decode: dict
+    mamba2_long: dict | None      # one more mamba2 shape, with its length "L"
+    decode: dict                  # "batches": decode batch sizes
     block: dict
     dtype: torch.dtype
     reps: int
 
 
 PRESETS = {
-    "cpu": Preset("cpu", [64, 256], ["torch"], dict(b=2, d=64, n=16), dict(b=2, h=4, p=8, n=16),
-                  dict(batch=8, h=4, p=8, n=16), dict(b=2, d_model=32), torch.float32, 5),
+    "cpu": Preset("cpu", [64, 256], ["torch"], dict(b=2, d=64, n=16), dict(b=2, h=4, p=8, n=16), None,
+                  dict(batches=[8], h=4, p=8, n=16), dict(b=2, d_model=32), torch.float32, 5),
     "h200": Preset("cuda", [512, 2048, 4096], ["torch", "triton", "cuda", "auto"],
-                   dict(b=8, d=1536, n=16), dict(b=8, h=24, p=64, n=128),
-                   dict(batch=64, h=24, p=64, n=128), dict(b=8, d_model=768), torch.bfloat16, 50),
+                   dict(b=8, d=1536, n=16), dict(b=8, h=24, p=64, n=128), dict(b=4, h=24, p=64, n=128, L=16384),
+                   dict(batches=[64, 256], h=24, p=64, n=128), dict(b=8, d_model=768), torch.bfloat16, 50),
 }
 
 
@@ -115,6 +123,15 @@ def decode_loop(x, dt, A, B, C, D, h):                          # a few tokens, 
             * B[:, t, None, None, :].to(f)
         ys.append(torch.einsum("bhpn,bn->bhp", h, C[:, t].to(f)) + D[:, None] * x[:, t].to(f))
     return torch.stack(ys, 1), h
+
+
+def ssd_flops(ins, chunk=256):
+    """Work of the chunked SSD on mamba2 inputs, counted as mamba-ssm's algorithm at its chunk:
+    per token and head, C B^T and its product with x over the causal half of a chunk
+    (chunk * (n + p)), the chunk state and its readout (4 * p * n), two flops per multiply-add."""
+    b, L, H, P = ins[0].shape
+    n = ins[3].shape[-1]
+    return 2 * b * L * H * (chunk * (n + P) / 2 + 2 * P * n)
 
 
 def decode_inputs(cfg, dtype, device, seed=0, steps=1):
@@ -204,7 +221,7 @@ class Runner:
         self.log(f"{row['workload']:8s} {row['variant']:34s} L={row['L']!s:6s} "
                  f"{(f'{ms:9.3f} ms' if ms else 'n/a'):>12s}  err {row['rel_err'] if row['rel_err'] is not None else float('nan'):.1e}")
 
-    def region_workload(self, name, loop, make, cfg, lengths, floor_bytes, baselines):
+    def region_workload(self, name, loop, make, cfg, lengths, floor_bytes, baselines, flops=None):
         p = self.p
         small = make(cfg, 8, p.dtype, p.device)
         small64 = [x.double() if x.is_floating_point() else x for x in make(cfg, 8, torch.float64, p.device)]
@@ -241,6 +258,7 @@ class Runner:
                 self.add(workload=name, variant=label, kind="ssmc", **{"pass": ps}, L=L, ms=ms, rel_err=err,
                          speedup_vs_eager=(eager_ms / ms) if (eager_ms and ms) else None,
                          GB_per_s=(fb / ms / 1e6) if ms else None,
+                         TFLOP_per_s=(flops(ins) / ms / 1e9) if (ms and flops) else None,
                          frac_of_byte_floor=(fb / COPY_BW[p.device] * 1e3 / ms) if ms else None,
                          compile_cold_s=h["compile_s"], peak_mem_bytes=peak, target_used=used,
                          shape=str(tuple(ins[0].shape)))
@@ -251,7 +269,9 @@ class Runner:
                     out = out[0] if isinstance(out, (tuple, list)) else out
                     ms = self.time(f, p.reps)
                     self.add(workload=name, variant=bl_name, kind="baseline", L=L, ms=ms, rel_err=rel(out, ref),
-                             speedup_vs_eager=(eager_ms / ms) if eager_ms else None, GB_per_s=fb / ms / 1e6)
+                             speedup_vs_eager=(eager_ms / ms) if eager_ms else None, GB_per_s=fb / ms / 1e6,
+                             frac_of_byte_floor=fb / COPY_BW[p.device] * 1e3 / ms,
+                             TFLOP_per_s=flops(ins) / ms / 1e9 if flops else None, shape=str(tuple(ins[0].shape)))
                 except Exception as e:
                     self.log(f"baseline {bl_name} unavailable: {type(e).__name__}: {str(e)[:200]}")
 
@@ -282,25 +302,54 @@ class Runner:
                                                           chunk_size=256, D=ins[5], z=ins[6]))))
             except Exception as e:
                 self.log(f"mamba-ssm Triton not available: {e}")
-        self.region_workload("mamba2", mamba2_loop, mamba2_inputs, self.p.mamba2, self.p.lengths,
-                             lambda ins: nbytes([ins[0], ins[1], ins[3], ins[4], ins[6]]) + nbytes([ins[0]]), bls)
+        byts = lambda ins: nbytes([ins[0], ins[1], ins[3], ins[4], ins[6]]) + nbytes([ins[0]])
+        self.region_workload("mamba2", mamba2_loop, mamba2_inputs, self.p.mamba2, self.p.lengths, byts, bls,
+                             flops=ssd_flops)
+        if self.p.mamba2_long:
+            cfg = dict(self.p.mamba2_long)
+            L = cfg.pop("L")
+            self.region_workload("mamba2", mamba2_loop, mamba2_inputs, cfg, [L], byts, bls, flops=ssd_flops)
 
     def run_decode(self):
-        p = self.p
-        ins = decode_inputs(p.decode, p.dtype, p.device)
-        ref64 = decode_loop(*[x.double() for x in ins])
+        p, cfg = self.p, self.p.decode
+        small = decode_inputs({**cfg, "batch": 2}, p.dtype, p.device, steps=2)     # strategy "step"
+        compiled = {}
         for t in p.targets:
-            torch._dynamo.reset()
-            f = torch.compile(decode_loop, backend="ssmc", options={"target": t})
-            y, h = f(*ins)
-            r = ssmc.backend.LAST_REPORT.regions
-            ms = self.time(lambda: f(*ins), p.reps)
-            self.add(workload="decode", variant=f"ssmc[{t}]", kind="ssmc", L=1, ms=ms,
-                     rel_err=max(rel(y, ref64[0]), rel(h, ref64[1])), target_used=r[0].target if r else None,
-                     GB_per_s=2 * nbytes([ins[6]]) / ms / 1e6, shape=str(tuple(ins[6].shape)))
-        ms = self.time(lambda: decode_loop(*ins), p.reps)
-        self.add(workload="decode", variant="eager loop", kind="baseline", L=1, ms=ms,
-                 rel_err=rel(decode_loop(*ins)[1], ref64[1]), GB_per_s=2 * nbytes([ins[6]]) / ms / 1e6)
+            h = lowered(decode_loop, small, target=t)
+            r = h["report"].regions
+            compiled[t] = (h, f"{r[0].target} ({r[0].strategy})" if r else "eager (no region)")
+        ssu = None
+        if p.device == "cuda":
+            try:
+                from benchmarks import baselines as B
+                ssu = B.import_mamba_triton()[1]
+            except Exception as e:
+                self.log(f"mamba-ssm Triton not available: {e}")
+        for batch in cfg["batches"]:
+            ins = decode_inputs({**cfg, "batch": batch}, p.dtype, p.device, seed=batch)   # one token
+            ref64 = decode_loop(*[x.double() for x in ins])
+            sb = 2 * nbytes([ins[6]])                    # the state, read once and written once
+            row = dict(workload="decode", L=1, shape=str(tuple(ins[6].shape)))
+            speed = lambda ms: dict(ms=ms, GB_per_s=sb / ms / 1e6, frac_of_byte_floor=sb / COPY_BW[p.device] * 1e3 / ms)
+            for t, (h, used) in compiled.items():
+                gm = h["gm"]
+                y, hN = gm(*ins)
+                ms = self.time(lambda: gm(*ins), p.reps)
+                self.add(**row, variant=f"ssmc[{t}]", kind="ssmc", rel_err=max(rel(y, ref64[0]), rel(hN, ref64[1])),
+                         target_used=used, compile_cold_s=h["compile_s"], **speed(ms))
+            ms = self.time(lambda: decode_loop(*ins), p.reps)
+            self.add(**row, variant="eager loop", kind="baseline", rel_err=rel(decode_loop(*ins)[1], ref64[1]),
+                     **speed(ms))
+            if ssu is not None:
+                try:
+                    f, state = selective_state_update_call(ssu, ins)
+                    y = f()                                  # one step from the fresh state: checked
+                    err = max(rel(y, ref64[0][:, 0]), rel(state, ref64[1]))
+                    ms = self.time(f, p.reps)                # (timing steps the state on: harmless)
+                    self.add(**row, variant="mamba-ssm selective_state_update (Triton)", kind="baseline",
+                             rel_err=err, **speed(ms))
+                except Exception as e:
+                    self.log(f"baseline selective_state_update unavailable: {type(e).__name__}: {str(e)[:200]}")
 
     def run_block(self):
         from examples.naive_mamba import NaiveMamba
@@ -325,6 +374,21 @@ class Runner:
                      speedup_vs_eager=t_e / t_s, rel_err=err, compile_cold_s=cold,
                      shape=str(tuple(u.shape)))
             self.add(workload="block", variant=f"eager naive block {mode}", kind="baseline", L=L, ms=t_e)
+
+
+def selective_state_update_call(ssu, ins):
+    """mamba-ssm's decode step on decode_loop's one-token inputs, in its Mamba-2 conventions
+    (as mamba_ssm.modules.mamba2 calls it): per-head dt, A, D and dt_bias expanded over the head
+    dim with stride 0 (its tie_hdim path: one decay per head), B and C with a group dim of 1;
+    dt is already positive (no softplus, zero bias). It updates a copy of the state in place."""
+    x, dt, A, Bm, Cm, D, h = ins
+    H, P, n = h.shape[1:]
+    state = h.clone()
+    args = (state, x[:, 0], dt[:, 0, :, None].expand(-1, -1, P), A[:, None, None].expand(-1, P, n),
+            Bm[:, 0, None, :], Cm[:, 0, None, :])
+    kw = dict(D=D[:, None].expand(-1, P), z=None,
+              dt_bias=torch.zeros(H, device=x.device, dtype=torch.float32)[:, None].expand(-1, P), dt_softplus=False)
+    return (lambda: ssu(*args, **kw)), state
 
 
 def plots(rows, out_dir: Path, stem: str):
@@ -367,8 +431,8 @@ def plots(rows, out_dir: Path, stem: str):
 
 
 def table(rows) -> str:
-    cols = ["workload", "variant", "L", "ms", "speedup_vs_eager", "GB_per_s", "frac_of_byte_floor", "rel_err",
-            "compile_cold_s"]
+    cols = ["workload", "variant", "L", "ms", "speedup_vs_eager", "GB_per_s", "frac_of_byte_floor", "TFLOP_per_s",
+            "rel_err", "compile_cold_s", "target_used"]
     fmt = lambda v: "" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
     data = [[fmt(r[c]) for c in cols] for r in rows]
     w = [max(len(c), *(len(d[i]) for d in data)) if data else len(c) for i, c in enumerate(cols)]

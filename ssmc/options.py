@@ -26,6 +26,7 @@ class Options:
     cache_dir: str = ""
     chunk: int = 64               # time-chunk of the torch reference executor
     validate: bool = True         # shape-check the rewritten graph with fake tensors
+    deterministic: bool = False   # backward kernels: no atomics (partial sums + a torch sum)
 
     def with_(self, **kw) -> "Options":
         return dataclasses.replace(self, **kw)

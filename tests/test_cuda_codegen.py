@@ -70,10 +70,11 @@ def with_dtype(r: ir.Region, dtype: str) -> ir.Region:
     return dataclasses.replace(r, inputs=ins, outputs=outs)
 
 
-def region_inputs(name: str, r: ir.Region, L: int, dtype=torch.float32, seed=0) -> list[torch.Tensor]:
-    """Random inputs for a captured region, in its input order, at sequence length L."""
+def region_inputs(name: str, r: ir.Region, L: int, dtype=torch.float32, seed=0, n: int = 4) -> list[torch.Tensor]:
+    """Random inputs for a captured region, in its input order, at sequence length L (Mamba-1
+    forms and s4d: state size n)."""
     g = torch.Generator().manual_seed(seed)
-    b, d, n = 2, 3, 4
+    b, d = 2, 3
     if name in ("mamba1", "mamba1_bdl", "scan"):
         x, dt, A, B, C, D, z, bias = P.mamba1_inputs(b, L, d, n, seed=seed, layout="bdl" if name == "mamba1_bdl" else "bld")
         named = {"l_x_": x, "l_dt_": dt, "l_a_": A, "l_b_": B, "l_c_": C, "l_d_": D, "l_z_": z, "l_bias_": bias,
@@ -184,7 +185,7 @@ def test_every_region_renders(regions, arch):
     _, v80 = cuda.variant_for(86)
     _, v90 = cuda.variant_for(120)
     assert cuda.variant_for(86)[0] == "sm_80" and cuda.variant_for(120)[0] == "sm_90"
-    assert v90["exp2_poly_every"] != v80["exp2_poly_every"]
+    assert v90 != v80                                        # per-arch tables, not one table
 
 
 # -- NVRTC: every kernel compiles for sm_80 and sm_90, without a GPU ---------------------------------
@@ -293,6 +294,15 @@ SMALL = {   # small blocks so that short sequences span several chunks; every sc
     "split": {"time_major": [{"threads": 32, "rows": 4, "items": 8}],
               "row_major": [{"warps": 3, "items": 2}],
               "exp2_poly_every": 0, "totals": "split", "min_blocks": {}},
+    # several state elements in flight (group; with N = 3 or 5 the group shrinks to a divisor),
+    # the time-major algorithm declared for (b, L, d) data (strided whole chunks), the exp2
+    # polynomial on every other item
+    "group": {"time_major": [{"max_len": 8, "threads": 32, "rows": 3, "items": 2, "group": 2},
+                             {"max_len": 100, "threads": 64, "rows": 2, "items": 4, "group": 4},
+                             {"threads": 32, "rows": 2, "items": 2, "group": 3, "poly": 2}],
+              "row_major": [{"max_len": 100, "warps": 2, "items": 4, "group": 2},
+                            {"kernel": "time_major", "threads": 32, "rows": 2, "items": 4, "group": 2}],
+              "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}},
 }
 
 
@@ -313,14 +323,16 @@ def emu_dir(tmp_path_factory):
     return d
 
 
-def _emulator(source: str, workdir: Path) -> ctypes.CDLL:
-    key = hashlib.sha256((source + (HERE / "cuda_emu.h").read_text()).encode()).hexdigest()[:16]
+def _emulator(source: str, workdir: Path, ns: int = 0) -> ctypes.CDLL:
+    """The rendered source built for the CPU (``ns`` > 0: with the state size fixed at ns, as the
+    GPU build of that instance)."""
+    key = hashlib.sha256((source + (HERE / "cuda_emu.h").read_text() + f"ns={ns}").encode()).hexdigest()[:16]
     lib = workdir / f"{key}.so"
     if not lib.exists():
         src = workdir / f"{key}.cpp"
         src.write_text(source)
         cmd = [*GXX, "-shared", "-include", str(workdir / "cuda_emu.h"), "-Wno-unknown-pragmas",
-               "-x", "c++", str(src), "-o", str(lib)]
+               *([f"-DSSMC_NS={ns}"] if ns else []), "-x", "c++", str(src), "-o", str(lib)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-4000:]
     return ctypes.CDLL(str(lib))
@@ -328,10 +340,10 @@ def _emulator(source: str, workdir: Path) -> ctypes.CDLL:
 
 def emulate(kernel: cuda.CudaKernel, inputs, workdir: Path, arch: int = 90):
     """kernel.run with the launch done by the CPU emulator instead of a GPU."""
-    lib = _emulator(kernel.rendered(arch).source, workdir)
     types = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32}
 
-    def launch(cfg, grid, block, smem, args):
+    def launch(cfg, grid, block, smem, args, ns=0):
+        lib = _emulator(kernel.rendered(arch).source, workdir, ns)
         f = getattr(lib, cfg["kernel"] + "_emulate")
         f.argtypes = [ctypes.c_uint] * 3 + [types[k] for k, _ in args]
         f.restype = None
@@ -339,14 +351,16 @@ def emulate(kernel: cuda.CudaKernel, inputs, workdir: Path, arch: int = 90):
     return kernel.run(inputs, arch, launch)
 
 
-def _emu_case(regions, emu_dir, name, L, dtype, layout, variant="pair", how=None, seed=0):
-    r = regions[name]
+def _emu_case(regions, emu_dir, name, L, dtype, layout, variant="pair", how=None, seed=0, n=4, static_n=True,
+              region=None):
+    r = region or regions[name]
     if dtype != torch.float32:
         r = with_dtype(r, ir.dtype_name(dtype))
     kernel = cuda.CudaKernel(r, plan(r), get_cache(str(emu_dir / "cache")), variants=SMALL[variant])
     kernel.poison = True
     kernel.force_layout = layout
-    xs = region_inputs(name, r, L, dtype, seed)
+    kernel.static_n = static_n
+    xs = region_inputs(name, r, L, dtype, seed, n=n)
     if how:
         xs = [scramble(x, how) for x in xs]
     outs = emulate(kernel, xs, emu_dir)
@@ -381,7 +395,8 @@ def test_emulated_non_contiguous(regions, emu_dir, how):
                                                ("mamba1_bdl", torch.float16, "time_major"),
                                                ("mamba1", torch.float64, "time_major")])   # fp64: double math
 def test_emulated_dtypes(regions, emu_dir, name, dtype, layout):
-    _emu_case(regions, emu_dir, name, 200, dtype, layout, variant="split", seed=3)
+    # 520: two whole chunks of 256 (16-byte loads of 8 bf16/fp16 items where time is contiguous) and a tail
+    _emu_case(regions, emu_dir, name, 520, dtype, layout, variant="split", seed=3)
 
 
 def every_op_region(gated: ir.Region) -> ir.Region:
@@ -442,11 +457,77 @@ def test_emulated_production_variants(regions, emu_dir):
     xs = region_inputs("mamba1_bdl", r, 2100, torch.float32, seed=5)
     ref = reference_run(r, [x.double() for x in xs])
     outs = emulate(kernel, xs, emu_dir, arch=90)
-    assert kernel.last_launch["kernel"].endswith("tm128x16")
+    assert kernel.last_launch["kernel"] == cuda._pick(kernel.rendered(90).configs, "time_major", 2100, 6)["kernel"]
+    assert kernel.last_launch["ns"] == 4 and kernel.last_launch["group"] > 1
     check_close(outs, ref, torch.float32, "sm_90 table")
     for c in kernel.rendered(90).configs:
         kernel.force_kernel = c["kernel"]
         check_close(emulate(kernel, xs, emu_dir, arch=90), ref, torch.float32, c["kernel"])
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+@pytest.mark.parametrize("static_n", [True, False])
+def test_emulated_groups(regions, emu_dir, n, static_n):
+    """Several state elements in flight (groups of 2, 3, 4, shrunk to a divisor of N), with N
+    fixed at compile time or read at run time, N not a power of two; lanes along time on (b, d, L)
+    data (L = 1, one partial chunk, whole chunks with 16-byte loads plus a tail) and on (b, L, d)
+    data (the time-major algorithm with strided whole chunks, and the row-major one)."""
+    for L in (1, 7, 64, 203, 204):      # 204: whole chunks of 64 take the vector path (203: not aligned)
+        _emu_case(regions, emu_dir, "mamba1_bdl", L, torch.float32, "time_major", "group", seed=L, n=n,
+                  static_n=static_n)
+    for L in (1, 50, 203):
+        k = _emu_case(regions, emu_dir, "mamba1", L, torch.float32, "row_major", "group", seed=L, n=n,
+                      static_n=static_n)
+        assert k.last_launch["algorithm"] == ("row_major" if L <= 100 else "time_major")
+        assert k.last_launch["ns"] == (n if static_n else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_emulated_groups_dtypes(regions, emu_dir, dtype):
+    """The vector path of 16-bit inputs (a run of 4 items: 8-byte loads; L a multiple of 4 so
+    that every run is aligned) and fp64 math, with groups; mamba2 and gated (a decay shared by
+    the state elements: one product per chunk), s4d (the decay an input: a product per element)."""
+    _emu_case(regions, emu_dir, "mamba1_bdl", 200, dtype, "time_major", "group", seed=11)
+    _emu_case(regions, emu_dir, "mamba1", 203, dtype, "row_major", "group", seed=12)
+    for name in ("mamba2", "gated", "s4d"):
+        _emu_case(regions, emu_dir, name, 160, dtype, "time_major", "group", seed=13)
+
+
+def test_emulated_state_output_per_step(regions, emu_dir):
+    """A per-step output indexed by the state axis (h itself, besides the readout): written in
+    the replay, where each state element of a group needs its own index."""
+    r = regions["mamba1_bdl"]
+    ax = r.axes
+    out_h = ir.OutputSpec("steps", ir.State(), (ax[0], ax[1], ax[2], "t"), "float32")
+    r2 = dataclasses.replace(r, outputs=(*r.outputs, out_h))
+    p = plan(r2)
+    assert [o.where for o in p.outputs][-1] == "inner"
+    for layout, L in (("time_major", 130), ("row_major", 77), ("row_major", 130)):
+        _emu_case(regions, emu_dir, "mamba1_bdl", L, torch.float32, layout, "group", seed=L, region=r2)
+
+
+def test_decay_kinds(regions):
+    """How each region's product of decays is formed: exp2(x_t * y_n) factorised (Mamba-1: one
+    exp2 per state element and thread instead of a product over the items), shared over the state
+    (Mamba-2, gated), a product per element (s4d: the decay is an input)."""
+    kinds = {name: emit(plan(regions[name])).decay_kind for name in ("mamba1", "mamba1_bdl", "mamba2", "gated", "s4d")}
+    assert kinds == {"mamba1": "factor", "mamba1_bdl": "factor", "mamba2": "time", "gated": "time", "s4d": "chain"}
+
+
+def test_sm90_table_has_no_spills(regions):
+    """ptxas -v for the sm_90 kernels the table picks on its own (each layout, short and long
+    sequences) at N = 16 and bf16: no spills (a register cap that spills is a slowdown no CPU
+    test would see)."""
+    _toolchain()
+    r = with_dtype(regions["mamba1_bdl"], "bfloat16")
+    rend = cuda.render(r, 90)
+    picks = {cuda._pick(rend.configs, lay, L, 12288)["kernel"] for lay in ("time_major", "row_major")
+             for L in (100, 200, 1000, 4096)}
+    for k in sorted(picks):
+        _, _, _, log = cuda.nvrtc_compile(rend.source, 90, f"{k}.cu", ("-DSSMC_ONE_KERNEL", f"-DSSMC_KERNEL_{k}",
+                                                                      "-DSSMC_NS=16", "--ptxas-options=-v"))
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert spills and all(a == "0" and b == "0" for a, b in spills), (k, log[-600:])
 
 
 # -- on the GPU -----------------------------------------------------------------------------------

@@ -341,7 +341,7 @@ def test_edge_shapes(variant, interp, monkeypatch):
     check(P.mamba1_scan(), P.mamba1_inputs(L=1, seed=30), variant)                 # one step
     fn = P.mamba1("final")                                    # and a kernel of 9 steps run for 1
     region = region_of(fn, P.mamba1_inputs(L=9, seed=30))
-    kern = T.TritonTarget().compile(region, "step", ssmc.make_options())
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options())
     args = P.mamba1_inputs(L=1, seed=30)
     for g, w in match_outputs(kern.forward(region_inputs(region, fn, args)), reference(fn, args)):
         assert rel_err(g, w) <= TOL[torch.float32]

@@ -52,12 +52,13 @@ from ssmc.targets.cuda_printer import CTYPES, ITEMSIZE, ScanPlan, Unsupported, e
 
 log = logging.getLogger("ssmc")
 
-KERNEL_VERSION = "1"
+KERNEL_VERSION = "2"
 TEMPLATE = "cuda/selective_scan_fwd.cu.j2"
 VARIANTS = "cuda/variants.j2"
 STRATEGIES = ("chunked_scan", "chunked_ssd", "step")   # one kernel, numerically right for all
 MIN_ARCH = 80
 SMEM_DEFAULT = 48 * 1024        # dynamic shared memory without opting in
+NS_MAX = 64                     # state sizes up to this get an instance with N fixed at compile time
 
 
 class CudaCompileError(RuntimeError):
@@ -197,26 +198,58 @@ def variant_for(arch: int) -> tuple[str, dict]:
 
 
 def configs_of(variant: dict, prefix: str) -> list[dict]:
-    """Every kernel instance of a variant: layout, block size, items, knobs, kernel name."""
-    poly = int(variant.get("exp2_poly_every", 0) or 0)
+    """Every kernel instance of a variant: algorithm, block size, items, knobs, kernel name.
+
+    The variant's lists are per data layout: "time_major" entries are tried for inputs that are
+    contiguous in time, "row_major" entries for (b, L, d) inputs. An entry runs the algorithm
+    named by its "kernel" key (default: the list's own name): "time_major" (lanes along time,
+    ``threads`` x ``rows``) or "row_major" (lanes along rows, ``warps`` along time). Optional
+    knobs per entry: ``group`` (state elements in flight, default 1), ``poly`` (overrides the
+    variant's exp2_poly_every), ``min_blocks`` (overrides the variant's table), ``strided``
+    (whole chunks read runs as strided scalars, for inputs not contiguous in time; default: true
+    for the row_major algorithm, false for time_major, whose whole chunks read 16-byte vectors
+    when every run is contiguous and aligned, and fall back to the masked path otherwise). One kernel
+    instance can serve both lists (the same name); ``layouts`` lists the data layouts it is
+    declared for, in the order of the table."""
+    poly0 = int(variant.get("exp2_poly_every", 0) or 0)
     pair = variant.get("totals", "split") == "pair"
     mins = {int(k): int(v) for k, v in dict(variant.get("min_blocks", {})).items()}
-    out = []
-    for c in variant["time_major"]:
-        t, rows, it = int(c["threads"]), int(c.get("rows", 1)), int(c["items"])
-        if t % 32 or not 32 <= t * rows <= 1024 or it < 1 or rows < 1:
-            raise ValueError(f"time_major variant {c}: threads a multiple of 32, threads * rows <= 1024")
-        out.append(dict(layout="time_major", kernel=f"{prefix}_tm{t}x{it}" + (f"r{rows}" if rows > 1 else ""),
-                        block=t * rows, rows_per_block=rows, template_args=f"{t}, {rows}", items=it, poly=poly,
-                        pair=pair, min_blocks=mins.get(t * rows, 1), max_len=c.get("max_len"),
-                        min_rows=int(c.get("min_rows") or 0)))
-    for c in variant.get("row_major", []):
-        w, it = int(c["warps"]), int(c["items"])
-        if not 1 <= w <= 32 or it < 1:
-            raise ValueError(f"row_major variant {c}: warps must be in [1, 32]")
-        out.append(dict(layout="row_major", kernel=f"{prefix}_rm{w}x{it}", block=32 * w, rows_per_block=32,
-                        template_args=f"{w}", items=it, poly=poly, pair=pair, min_blocks=mins.get(32 * w, 1),
-                        max_len=c.get("max_len"), min_rows=int(c.get("min_rows") or 0)))
+    out: list[dict] = []
+    for data_layout in ("time_major", "row_major"):
+        for pos, c in enumerate(variant.get(data_layout, [])):
+            algo = c.get("kernel", data_layout)
+            it, grp = int(c["items"]), int(c.get("group", 1))
+            poly = int(c.get("poly", poly0))
+            if algo == "time_major":
+                t, rows = int(c["threads"]), int(c.get("rows", 1))
+                if t % 32 or not 32 <= t * rows <= 1024 or it < 1 or rows < 1:
+                    raise ValueError(f"time_major variant {c}: threads a multiple of 32, threads * rows <= 1024")
+                name = f"{prefix}_tm{t}x{it}" + (f"r{rows}" if rows > 1 else "")
+                block, per_block, targs = t * rows, rows, f"{t}, {rows}"
+            elif algo == "row_major":
+                w = int(c["warps"])
+                if not 1 <= w <= 32 or it < 1:
+                    raise ValueError(f"row_major variant {c}: warps must be in [1, 32]")
+                name, block, per_block, targs = f"{prefix}_rm{w}x{it}", 32 * w, 32, f"{w}"
+            else:
+                raise ValueError(f"variant {c}: unknown kernel {algo!r}")
+            if grp < 1:
+                raise ValueError(f"variant {c}: group must be >= 1")
+            vec = not c.get("strided", algo == "row_major")
+            name += (f"g{grp}" if grp > 1 else "") + ("" if vec == (algo != "row_major") else "s" if not vec else "v")
+            name += f"p{poly}" if poly != poly0 else ""
+            mb = int(c.get("min_blocks", mins.get(block, 1)))
+            name += f"m{mb}" if "min_blocks" in c else ""
+            cfg = dict(layout=algo, kernel=name, block=block, rows_per_block=per_block, template_args=targs,
+                       items=it, poly=poly, pair=pair, min_blocks=mb, group=grp, vec=vec, max_len=c.get("max_len"),
+                       min_rows=int(c.get("min_rows") or 0), layouts=(data_layout,))
+            same = next((o for o in out if o["kernel"] == name), None)
+            if same is None:
+                out.append(cfg)
+            else:
+                same["layouts"] = tuple(dict.fromkeys((*same["layouts"], data_layout)))
+            # where this entry stands in the list of its data layout, and when it applies
+            (same or cfg).setdefault("rules", {})[data_layout] = (pos, c.get("max_len"), int(c.get("min_rows") or 0))
     return out
 
 
@@ -273,13 +306,15 @@ def _write_text(path: Path, text: str) -> Path:
     return path
 
 
-def build(rendered: Rendered, kernel: str, cache, extra_flags=()) -> Built:
-    """NVRTC-compile one kernel of a rendered source (``-DSSMC_ONE_KERNEL``) through the cache."""
+def build(rendered: Rendered, kernel: str, cache, extra_flags=(), ns: int = 0) -> Built:
+    """NVRTC-compile one kernel of a rendered source (``-DSSMC_ONE_KERNEL``) through the cache;
+    ``ns`` > 0: the instance for state size N = ns fixed at compile time (``-DSSMC_NS``)."""
     from ssmc import __version__
     from ssmc.runtime.cache import cache_key
     if kernel not in {c["kernel"] for c in rendered.configs}:
         raise KeyError(f"no kernel {kernel!r} in the rendered source")
-    flags = ("-DSSMC_ONE_KERNEL", f"-DSSMC_KERNEL_{kernel}", *extra_flags)
+    flags = ("-DSSMC_ONE_KERNEL", f"-DSSMC_KERNEL_{kernel}", *((f"-DSSMC_NS={int(ns)}",) if ns else ()),
+             *extra_flags)
     key = cache_key("ssmc-cuda", KERNEL_VERSION, rendered.source, rendered.arch, nvrtc_version(), __version__,
                     "-std=c++17 -lineinfo", " ".join(flags), " ".join(include_dirs()))
     for fmt in ("cubin", "ptx"):
@@ -328,6 +363,8 @@ class CudaKernel:
         self._functions: dict = {}
         self._smem_limit: dict = {}
         self._streams: dict = {}
+        self._plans: dict = {}
+        self.static_n = True      # N <= NS_MAX: an instance with N fixed at compile time (False: one for any N)
         self._lock = threading.Lock()
 
     # -- rendering and compiling, per arch ------------------------------------------------------
@@ -336,18 +373,18 @@ class CudaKernel:
             self._rendered[arch] = render(self.region, arch, self.variants, self.plan)
         return self._rendered[arch]
 
-    def built(self, arch: int, kernel: str | None = None) -> Built:
+    def built(self, arch: int, kernel: str | None = None, ns: int = 0) -> Built:
         """The binary of one kernel instance for sm_<arch> (default: the last time-major one,
-        used for long sequences)."""
+        used for long sequences); ``ns`` > 0: with the state size fixed at ns."""
         rend = self.rendered(arch)
         if kernel is None:
             kernel = [c["kernel"] for c in rend.configs if c["layout"] == "time_major"][-1]
         with self._lock:
-            if (arch, kernel) not in self._built:
-                b = build(rend, kernel, self.cache, self.extra_flags)
-                self._built[(arch, kernel)] = b
+            if (arch, kernel, ns) not in self._built:
+                b = build(rend, kernel, self.cache, self.extra_flags, ns)
+                self._built[(arch, kernel, ns)] = b
                 self.cache_status = self.cache_status or b.cache
-            return self._built[(arch, kernel)]
+            return self._built[(arch, kernel, ns)]
 
     @property
     def source(self) -> str | None:
@@ -369,8 +406,33 @@ class CudaKernel:
 
     def run(self, inputs, arch: int, launch):
         """Allocate the outputs, choose the kernel instance and its launch shape, marshal the
-        arguments, and call ``launch(config, grid, block, smem_bytes, args)``; ``args`` is a
-        list of (kind, value) with kind "ptr" | "i64" | "i32", in the kernel's parameter order."""
+        arguments, and call ``launch(config, grid, block, smem_bytes, args, ns)``; ``args`` is a
+        list of (kind, value) with kind "ptr" | "i64" | "i32", in the kernel's parameter order;
+        ``ns``: the state size the instance is compiled for (0: read at run time).
+
+        Everything but the data pointers and the outputs is a function of the inputs' shapes,
+        strides and dtypes (and the force_* knobs): it is computed once per such key and kept
+        (``_plans``), so a repeated call costs a dict look-up and the pointer reads."""
+        key = (arch, self.force_kernel, self.force_layout, self.static_n,
+               tuple((x.dtype, tuple(x.shape), x.stride()) for x in inputs))
+        pl = self._plans.get(key)
+        if pl is None:
+            pl = self._plan_launch(inputs, arch)
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = pl
+        if pl.get("empty"):
+            return self._reference.forward(inputs)
+        outputs = self._outputs_from(pl["out_shapes"], inputs[0].device)
+        if pl["rows"] == 0:
+            return outputs
+        args = [(k, inputs[v].data_ptr() if src == "in" else outputs[v].data_ptr() if src == "out" else v)
+                for k, src, v in pl["args"]]
+        self.last_launch = pl["info"]
+        launch(pl["cfg"], pl["grid"], pl["cfg"]["block"], pl["smem"], args, pl["ns"])
+        return outputs
+
+    def _plan_launch(self, inputs, arch: int) -> dict:
         r, p = self.region, self.plan
         for i, (x, s) in enumerate(zip(inputs, r.inputs)):
             if ir.dtype_name(x.dtype) != s.dtype:
@@ -378,39 +440,47 @@ class CudaKernel:
         sizes = {a: int(inputs[i].shape[d]) for a, (i, d) in zip(r.axes, r.axis_size)}
         L = int(inputs[r.length[0]].shape[r.length[1]])
         if L == 0:
-            return self._reference.forward(inputs)
+            return {"empty": True}
         rows = _prod(sizes[a] for a in p.outer)
         N = _prod(sizes[a] for a in p.inner)
-        outputs = self._outputs(inputs, sizes, L)
+        out_shapes = self._out_shapes(sizes, L)
+        pl = {"rows": rows, "out_shapes": out_shapes}
         if rows == 0:
-            return outputs
+            return pl
         if L >= 2**31 - 2**20 or N >= 2**31:
             raise ValueError(f"sequence length {L} / state size {N} beyond the kernel's int32 indexing")
         rend = self.rendered(arch)
+        probe = self._outputs_from(out_shapes, inputs[0].device, meta=True)
         if self.force_kernel:
             cfg = next(c for c in rend.configs if c["kernel"] == self.force_kernel)
-            layout = cfg["layout"]
+            layout = self.force_layout or cfg["layouts"][0]
         else:
-            layout = self._layout(inputs, outputs, sizes, N)
+            layout = self._layout(inputs, probe, sizes, N)
             cfg = _pick(rend.configs, layout, L, rows)
         esize = 8 if p.compute == "double" else 4
+        if not self.force_kernel and cfg["layout"] == "row_major" and 2 * N * 32 * esize > SMEM_DEFAULT:
+            cfg = _pick(rend.configs, "time_major", L, rows)   # the row-major carry [2][N][32] would not fit
         per_block = cfg["rows_per_block"]
         grid, smem = -(-rows // per_block), 2 * N * per_block * esize   # the carry: [rows of the block][2][N]
         if grid >= 2**31:
             raise ValueError(f"{rows} rows exceed the grid limit")
-        args = self._args(inputs, outputs, sizes, L, rows, N)
-        self.last_launch = dict(kernel=cfg["kernel"], layout=layout, grid=grid, block=cfg["block"],
-                                smem=smem, items=cfg["items"], arch=arch, variant=rend.variant)
-        launch(cfg, grid, cfg["block"], smem, args)
-        return outputs
+        ns = N if (self.static_n and N <= NS_MAX) else 0
+        pl.update(cfg=cfg, grid=grid, smem=smem, ns=ns, args=self._arg_plan(inputs, probe, sizes, L, rows, N),
+                  info=dict(kernel=cfg["kernel"], layout=layout, algorithm=cfg["layout"], grid=grid,
+                            block=cfg["block"], smem=smem, items=cfg["items"], group=cfg["group"], ns=ns,
+                            arch=arch, variant=rend.variant))
+        return pl
 
-    def _outputs(self, inputs, sizes, L):
-        dev = inputs[0].device
+    def _out_shapes(self, sizes, L) -> list:
+        return [(tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index), ir.to_dtype(o.dtype))
+                for o in self.region.outputs]
+
+    def _outputs_from(self, shapes, dev, meta: bool = False):
         outs = []
-        for o in self.region.outputs:
-            shape = tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index)
-            dt = ir.to_dtype(o.dtype)
-            if self.poison:
+        for shape, dt in shapes:
+            if meta:
+                outs.append(torch.empty(shape, dtype=dt, device="meta"))
+            elif self.poison:
                 outs.append(torch.full(shape, float("nan") if dt.is_floating_point else 1, dtype=dt, device=dev))
             else:
                 outs.append(torch.empty(shape, dtype=dt, device=dev))
@@ -422,8 +492,7 @@ class CudaKernel:
         if self.force_layout:
             return self.force_layout
         p = self.plan
-        esize = 8 if p.compute == "double" else 4
-        if not p.outer or 2 * N * 32 * esize > SMEM_DEFAULT:
+        if not p.outer:
             return "time_major"
         last = p.outer[-1]
         along_t = along_row = 0
@@ -441,48 +510,51 @@ class CudaKernel:
                 along_row += w
         return "row_major" if along_row > along_t else "time_major"
 
-    def _args(self, inputs, outputs, sizes, L, rows, N) -> list:
+    def _arg_plan(self, inputs, outputs, sizes, L, rows, N) -> list:
+        """(kind, source, value) per kernel parameter: source "in"/"out" (value: which tensor,
+        whose data pointer is read per call) or "const" (value: the number)."""
         out = []
         for prm in self.plan.params:
             s = prm.source
             if s[0] == "in":
-                v = inputs[s[1]].data_ptr()
-            elif s[0] == "out":
-                v = outputs[s[1]].data_ptr()
-            elif s[0] in ("in_stride", "out_stride"):
+                out.append((prm.kind, "in", s[1]))
+                continue
+            if s[0] == "out":
+                out.append((prm.kind, "out", s[1]))
+                continue
+            if s[0] in ("in_stride", "out_stride"):
                 x = (inputs if s[0] == "in_stride" else outputs)[s[1]]
                 v = 0 if x.shape[s[2]] == 1 else x.stride(s[2])
             elif s[0] == "size":
                 v = sizes[s[1]]
             else:
                 v = {"L": L, "rows": rows, "N": N}[s[0]]
-            out.append((prm.kind, int(v)))
+            out.append((prm.kind, "const", int(v)))
         return out
 
-    def _launch_cuda(self, idx: int, arch: int, cfg, grid, block, smem, args):
-        import numpy as np
+    def _launch_cuda(self, idx: int, arch: int, cfg, grid, block, smem, args, ns=0):
         import cupy
-        conv = {"ptr": np.uint64, "i64": np.int64, "i32": np.int32}
+        conv = _ARG_TYPES()
         values = tuple(conv[k](v) for k, v in args)
         stream_ptr = torch.cuda.current_stream(idx).cuda_stream
         with cupy.cuda.Device(idx):
-            fn = self._function(idx, arch, cfg["kernel"], smem)
+            fn = self._function(idx, arch, cfg["kernel"], smem, ns)
             stream = self._stream(idx, stream_ptr)
             fn((grid, 1, 1), (block, 1, 1), values, shared_mem=smem, stream=stream)
 
-    def _function(self, idx: int, arch: int, name: str, smem: int):
-        fn = self._functions.get((idx, name))
+    def _function(self, idx: int, arch: int, name: str, smem: int, ns: int = 0):
+        fn = self._functions.get((idx, name, ns))
         if fn is None:
             import cupy
             mod = cupy.cuda.function.Module()
-            mod.load(self.built(arch, name).binary)
+            mod.load(self.built(arch, name, ns).binary)
             fn = mod.get_function(name)          # keeps its module alive
-            self._functions[(idx, name)] = fn
-            self._smem_limit[(idx, name)] = SMEM_DEFAULT
-        if smem > self._smem_limit[(idx, name)]:
+            self._functions[(idx, name, ns)] = fn
+            self._smem_limit[(idx, name, ns)] = SMEM_DEFAULT
+        if smem > self._smem_limit[(idx, name, ns)]:
             from cupy.cuda import driver
             driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-            self._smem_limit[(idx, name)] = smem
+            self._smem_limit[(idx, name, ns)] = smem
         return fn
 
     def _stream(self, idx: int, ptr: int):
@@ -504,12 +576,21 @@ def _loads(p: ScanPlan):
 
 
 def _pick(configs, layout: str, L: int, rows: int) -> dict:
-    """The first variant of the layout whose max_len (None: any) and min_rows admit the call."""
-    cands = [c for c in configs if c["layout"] == layout]
-    for c in cands:
-        if (c["max_len"] is None or L <= int(c["max_len"])) and rows >= c["min_rows"]:
+    """The first entry of the data layout's list whose max_len (None: any) and min_rows admit
+    the call; the list's last entry otherwise."""
+    cands = sorted((c["rules"][layout] + (c,) for c in configs if layout in c["rules"]), key=lambda x: x[0])
+    if not cands:
+        raise ValueError(f"the variant table declares no kernel for {layout} inputs")
+    for _, max_len, min_rows, c in cands:
+        if (max_len is None or L <= int(max_len)) and rows >= min_rows:
             return c
-    return cands[-1]
+    return cands[-1][-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _ARG_TYPES():
+    import numpy as np
+    return {"ptr": np.uint64, "i64": np.int64, "i32": np.int32}
 
 
 def _prod(xs) -> int:

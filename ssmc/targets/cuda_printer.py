@@ -324,7 +324,17 @@ class Code:
     epi: list = dataclasses.field(default_factory=list)      # per chunk, after the state loop
     final: list = dataclasses.field(default_factory=list)    # per state element, after the time loop
     init_stmts: list = dataclasses.field(default_factory=list)   # per state element, before the time loop
+    gdecl: list = dataclasses.field(default_factory=list)    # per group: the [GE] / [GE][ITEMS] arrays of the
+                                                             # state and st sections (one slot per state element
+                                                             # in flight)
     decay: str = ""
+    decay_kind: str = "chain"   # how a thread's product of decays is formed: "chain" (a product of its items'
+                                # decays, per state element), "time" (the decay does not vary along the state
+                                # axes: one product per chunk, shared), "factor" (decay = exp2(x_t * y_n): the
+                                # product is exp2(y_n * sum of x over the items), one exp2 per state element)
+    fact_x: str = ""            # "factor": x_t (a time-level item array reference, with [i])
+    fact_y: str = ""            # "factor": y_n (a state-level reference)
+    vec_ok: str = "true"        # every time run contiguous and aligned (whole chunks then load vectors: MODE 2)
     drive: str = ""
     init: str = ""
     accs: list = dataclasses.field(default_factory=list)     # accumulator names, one per sum
@@ -341,7 +351,9 @@ class Emitter:
 
     def __init__(self, p: ScanPlan):
         self.p, self.code, self.memo, self.count = p, Code(), {}, 0
-        self.arrays: set[str] = set()
+        self.arrays: set[str] = set()      # item arrays [ITEMS]
+        self.garrays: set[str] = set()     # per state element in flight and item [GE][ITEMS]
+        self.gscalars: set[str] = set()    # per state element in flight [GE]
         self.acc = {red: f"acc{j}" for j, red in enumerate(p.reduces)}
         self.code.accs = list(self.acc.values())
         self.init_lines: list = []
@@ -369,7 +381,7 @@ class Emitter:
             return const(e.value)
         if isinstance(e, State):
             if phase == "nloop":
-                return "h"
+                return "h[g]"
             if phase == "final":
                 return "hfin"
             raise Unsupported("the state is read where it is not defined")
@@ -377,6 +389,13 @@ class Emitter:
             if phase != "epi":
                 raise Unsupported("a sum over state axes is read before it is complete")
             return f"{self.acc[e]}[i]"
+        if phase == "epi" and isinstance(e, Load) and self.level(e) == TIME:
+            # a per-step input read again after the state loop instead of held in registers through it
+            name = self.memo.get(("epi", e))
+            if name is None:
+                name = self._emit(e, "epi", phase)
+                self.memo[("epi", e)] = name
+            return self._use(name, item)
         for sec in _VISIBLE[phase]:
             name = self.memo.get((sec, e))
             if name is not None:
@@ -387,6 +406,11 @@ class Emitter:
         return self._use(name, item)
 
     def _use(self, name: str, item: bool) -> str:
+        if name in self.garrays:
+            assert item, f"array {name} used outside an item loop"
+            return f"{name}[g][i]"
+        if name in self.gscalars:
+            return f"{name}[g]"
         if name in self.arrays:
             assert item, f"array {name} used outside an item loop"
             return f"{name}[i]"
@@ -396,19 +420,28 @@ class Emitter:
         name = f"v{self.count}"
         self.count += 1
         array = sec in _ARRAY_SECTIONS
+        grouped = sec in (STATE, ST)           # one slot per state element in flight: name[g]...
         out = self._section(sec)
         item = array or sec == "replay"
         comment = f"  // {_short(e)}"
+        if grouped:
+            self.code.gdecl.append(f"ssmc_t {name}[GE][ITEMS];" if array else f"ssmc_t {name}[GE];")
         if isinstance(e, Load):
-            out.append(self._load(e, name, array, phase) + comment)
+            out.append(self._load(e, name, array, phase, grouped) + comment)
         else:
             args = [self.ref(a, phase, item) for a in e.args]
             rhs = op_expr(e, args, item)
-            if array:
+            if grouped and array:
+                out.append(f"SSMC_ITEMS(i) {name}[g][i] = {rhs};" + comment)
+            elif grouped:
+                out.append(f"{name}[g] = {rhs};" + comment)
+            elif array:
                 out.append(f"ssmc_t {name}[ITEMS]; SSMC_ITEMS(i) {name}[i] = {rhs};" + comment)
             else:
                 out.append(f"const ssmc_t {name} = {rhs};" + comment)
-        if array:
+        if grouped:
+            (self.garrays if array else self.gscalars).add(name)
+        elif array:
             self.arrays.add(name)
         return name
 
@@ -427,17 +460,21 @@ class Emitter:
                 terms.append(f"{int(ix)}LL * {strides}_{d}")
         return " + ".join(terms) or "0"
 
-    def _load(self, e: Load, name: str, array: bool, phase: str) -> str:
+    def _load(self, e: Load, name: str, array: bool, phase: str, grouped: bool = False) -> str:
         k = e.input
         if "t" in e.index:
             td = e.index.index("t")
             if array:
                 off = self.offset(e.index, f"s{k}", None)
-                return (f"ssmc_t {name}[ITEMS]; ssmc_load_run<ITEMS>(in{k} + ({off}), s{k}_{td}, "
-                        f"t_begin, L, {name});")
+                dst = f"{name}[g]" if grouped else name
+                decl = "" if grouped else f"ssmc_t {name}[ITEMS]; "
+                ptr = f"ssmc_fresh(in{k})" if phase == "epi" else f"in{k}"
+                return (f"{decl}ssmc_load_run<ITEMS, MODE>({ptr} + ({off}), s{k}_{td}, t_begin, L, {dst});")
             if phase == "final":
                 return f"const ssmc_t {name} = ssmc_cvt(in{k}[{self.offset(e.index, f's{k}', 'L - 1')}]);"
             raise Unsupported(f"load {e} of a time step outside the time loop")
+        if grouped:
+            return f"{name}[g] = ssmc_cvt(in{k}[{self.offset(e.index, f's{k}', None)}]);"
         return f"const ssmc_t {name} = ssmc_cvt(in{k}[{self.offset(e.index, f's{k}', None)}]);"
 
 
@@ -480,12 +517,32 @@ def _short(e, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _all_loads(p: ScanPlan) -> list:
+    out = ir.loads(p.decay) + ir.loads(p.drive)
+    for o in p.outputs:
+        out += ir.loads(o.expr)
+    return out
+
+
 def emit(p: ScanPlan) -> Code:
     em = Emitter(p)
     c = em.code
     # the recurrence and everything that needs h: the state loop
     c.decay = em.ref(p.decay, "nloop", True)
     c.drive = em.ref(p.drive, "nloop", True)
+    c.decay_kind = "chain"
+    lv = em.level(p.decay)
+    if lv in (BLOCK, TIME):
+        c.decay_kind = "time"
+    elif isinstance(p.decay, Op) and p.decay.name == "exp2" and isinstance(p.decay.args[0], Op) \
+            and p.decay.args[0].name == "mul" and not ir.uses_state(p.decay):
+        x, y = p.decay.args[0].args
+        if em.level(x) == STATE and em.level(y) == TIME:
+            x, y = y, x
+        if em.level(x) == TIME and em.level(y) in (STATE, BLOCK):
+            c.decay_kind = "factor"
+            c.fact_x = em.ref(x, "nloop", True)
+            c.fact_y = em.ref(y, "nloop", False)
     for red in p.reduces:
         c.replay.append(f"{em.acc[red]}[i] += {em.ref(red.arg, 'nloop', True)};")
     for o in p.outputs:
@@ -508,8 +565,20 @@ def emit(p: ScanPlan) -> Code:
             v = name + "[i]"
         td = o.spec.index.index("t")
         off = em.offset(o.spec.index, f"os{o.k}", None)
-        c.epi.append(f"ssmc_store_run<ITEMS>(out{o.k} + ({off}), os{o.k}_{td}, t_begin, row_ok ? L : 0, "
+        c.epi.append(f"ssmc_store_run<ITEMS, MODE>(out{o.k} + ({off}), os{o.k}_{td}, t_begin, row_ok ? L : 0, "
                      f"{v[:-3]});  // output {o.k}")
+    # when the whole chunk may use unchecked vector loads and stores (uniform over the grid)
+    conds = []
+    for ld in dict.fromkeys(ld for ld in _all_loads(p) if "t" in ld.index):
+        k, td = ld.input, ld.index.index("t")
+        conds.append(f"ssmc_vec_base<ITEMS>(in{k}, s{k}_{td})")
+        conds += [f"ssmc_vec_stride<ITEMS>(in{k}, s{k}_{d})" for d in range(len(ld.index)) if d != td]
+    for o in p.outputs:
+        if o.where == "row":
+            td = o.spec.index.index("t")
+            conds.append(f"ssmc_vec_base<ITEMS>(out{o.k}, os{o.k}_{td})")
+            conds += [f"ssmc_vec_stride<ITEMS>(out{o.k}, os{o.k}_{d})" for d in range(len(o.spec.index)) if d != td]
+    c.vec_ok = " && ".join(dict.fromkeys(conds)) or "true"
     # final outputs from the last state
     for o in p.outputs:
         if o.where != "final":

@@ -14,9 +14,14 @@ Python decides, the template holds the kernel (templates/triton/selective_scan_f
   stores the winner in the cache, so a second process or a new length in the same bucket
   skips the search.
 
-Backward: `TritonKernel.backward` delegates to the torch reference
-(``ReferenceKernel(region).backward``, the forward re-run under autograd); generated backward
-kernels are a later issue.
+Strategies "chunked_ssd" and "step" have dedicated kernels (ssmc/targets/triton_ssd.py:
+Mamba-2's chunked SSD on tensor cores, and the decode step); `TritonTarget.compile` picks one
+by strategy, and a region the dedicated kernel declines runs on the selective-scan kernels
+here, with the reason in the kernel source header (``ssmc.explain``).
+
+Backward: `TritonKernel.backward` runs the generated backward kernels (triton_bwd.py, derived
+from the region through ssmc.autodiff); a region or call they decline runs the torch reference,
+with the reason in ``bwd_fallback``.
 """
 from __future__ import annotations
 
@@ -345,7 +350,12 @@ class TritonKernel:
     ``cache_status``: "hit" when the rendered source was already in the kernel cache.
     ``config``: the config of the last launch; ``chosen``: bucket -> config.
     ``fallback``: set when a call had to run the torch reference instead, and why.
+    ``note``: why a dedicated kernel for the strategy declined the region (this one runs it).
+    Subclasses (triton_ssd.py) replace the template, the configs and the launch geometry.
     """
+    kind = "selective scan"
+    template = TEMPLATE
+    configs_file = CONFIGS
 
     def __init__(self, region: Region, strategy: str, plan: Plan, options, arch):
         from ssmc import __version__
@@ -362,16 +372,21 @@ class TritonKernel:
         self.failed_configs: dict = {}     # bucket -> ["config: error"] of configs that failed
         self._ref = None
         self._lock = threading.Lock()
+        self.note: str | None = None
+        self.options = options
         self._sources: dict[str, tuple[str, str, str]] = {}      # cdt -> (source, key, status)
-        cdt = "tl.float64" if any(s.dtype == "float64" for s in region.inputs) else "tl.float32"
+        cdt = self._flavor([ir.to_dtype(s.dtype) for s in region.inputs])
         self.cdt = cdt
         self.source, self.key, self.cache_status = self._source(cdt)
         self.module, self.path = import_source(self.source, self.key, self.cache)
 
     # -- source and cache ------------------------------------------------------------------------
+    def _render(self, cdt: str) -> str:
+        return render(self.region, self.plan, cdt)
+
     def _source(self, cdt: str):
         if cdt not in self._sources:
-            src = render(self.region, self.plan, cdt)
+            src = self._render(cdt)
             key = self._cache_key("triton-source", src, arch_key(self.arch), TritonTarget.name,
                                   TritonTarget.version, _TRITON_VERSION, self._version)
             got = self.cache.get(key, "kernel.py")
@@ -483,8 +498,21 @@ class TritonKernel:
         cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
         return self._fn(self._module(cdt), config["variant"]), sig, cx
 
+    def _flavor(self, dtypes) -> str:
+        """Which rendering of the source runs inputs of these dtypes (here: the compute dtype)."""
+        return "tl.float64" if torch.float64 in dtypes else "tl.float32"
+
     def _cdt(self, inputs) -> str:
-        return "tl.float64" if any(x.dtype == torch.float64 for x in inputs) else "tl.float32"
+        return self._flavor([x.dtype for x in inputs])
+
+    def table(self) -> dict:
+        """This kernel's per-arch config table (the json next to its template)."""
+        return load_configs()
+
+    def plan_text(self) -> str:
+        p = self.plan
+        return (f"register axis {p.reg}, channel axis {p.block}, "
+                f"one program per index of {list(p.scalars)}")
 
     def launch(self, inputs, config, outs=None) -> list[torch.Tensor]:
         """Run one config (tests use this to check every variant)."""
@@ -603,9 +631,10 @@ class TritonKernel:
         return json.loads(min(times, key=times.get))
 
     def backward(self, inputs, grads, needs):
-        """Delegates to the torch reference (the forward re-run under autograd); generated
-        backward kernels are a later issue."""
-        return self._reference().backward(inputs, grads, needs)
+        """The generated backward kernel (triton_bwd.py); the torch reference for what it
+        declines (``bwd_fallback`` says why)."""
+        from .triton_bwd import backward
+        return backward(self, inputs, grads, needs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -653,19 +682,33 @@ class TritonTarget:
         arch = None
         if not interpreting() and torch.cuda.is_available():
             arch = _arch(torch.device("cuda"))
-        return TritonKernel(region, strategy, plan, options, arch)
+        from .triton_ssd import DEDICATED
+        note = None
+        dedicated = DEDICATED.get(strategy)
+        if dedicated is not None:
+            got = dedicated.make_plan(region)
+            if not isinstance(got, str):
+                return dedicated(region, strategy, got, options, arch)
+            note = (f"the {dedicated.kind} kernel declined this region ({got}); "
+                    f"the {TritonKernel.kind} kernel runs it")
+            log.info("ssmc triton: region %s: %s", region.name, note)
+        kernel = TritonKernel(region, strategy, plan, options, arch)
+        kernel.note = note
+        return kernel
 
     def source(self, kernel: TritonKernel) -> str:
         head = [f"# triton target {self.version}: kernel cache {kernel.cache_status}, source file {kernel.path}",
-                f"# plan: register axis {kernel.plan.reg}, channel axis {kernel.plan.block}, "
-                f"one program per index of {list(kernel.plan.scalars)}"]
+                f"# kernel: {kernel.kind} ({kernel.template}) for strategy {kernel.strategy}",
+                f"# plan: {kernel.plan_text()}"]
+        if kernel.note:
+            head.append(f"# {kernel.note}")
         if kernel.chosen:
             for (arch, bucket), cfg in kernel.chosen.items():
                 head.append(f"# config for {arch}, bucket {bucket}: {json.dumps(cfg, sort_keys=True)}")
         else:
-            cands = load_configs()[arch_key(kernel.arch)]
+            cands = kernel.table()[arch_key(kernel.arch)]
             head.append(f"# config: autotuned on the first call over {len(cands)} {arch_key(kernel.arch)} "
-                        f"configs ({CONFIGS})")
+                        f"configs ({kernel.configs_file})")
         for (arch, bucket), errors in kernel.failed_configs.items():
             head.extend(f"# config failed for {arch}: {e}" for e in errors)
         if kernel.fallback:

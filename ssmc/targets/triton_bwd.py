@@ -1,0 +1,647 @@
+"""Generated Triton backward kernels for the chunked selective scan, derived from the region IR.
+
+The expressions come from `ssmc.autodiff.region_adjoint`; the kernel runs what
+`ssmc.targets.reference.adjoint_run` runs, with the forward's parallel decomposition
+(`triton.make_plan`: the register axis whole in registers, a block of the channel axis per
+program, one program per index of the other parallel axes) and its printer (`TritonPrinter`,
+every value at its own rank, loop invariants hoisted). templates/triton/selective_scan_bwd.py.j2
+holds the kernel; this module decides:
+
+- `make_bwd_plan` reads the adjoint: per differentiable input, the one index it is read at and
+  the adjoint terms of the per-step and final outputs, the decay and the drive. An input read
+  at two index patterns, a final output reading a per-step input, a term constant in time, an
+  op the printer lacks: a reason string, and the region's backward runs the torch reference
+  (``bwd_fallback`` on the forward kernel says why).
+- each input's gradient is either *owned* (it varies along every parallel axis: each element
+  belongs to one program, written directly) or *shared* (broadcast over a parallel axis, e.g.
+  A over batch, B and C over channels): a program writes its partial sum into its own slot
+  (``Options.deterministic``; torch sums the slots afterwards) or adds it with
+  ``tl.atomic_add``; gradients of inputs without a time axis are summed over time in registers
+  and written once per program into slots (small: slots x the input's size), deterministic in
+  both modes. Within a program, a term is summed over the axes it varies along and the input
+  does not (n with ``_sum`` over the register axis, the channel block, time), as the reference
+  does.
+- buffers: an owned gradient is written once, in its input's dtype; partial sums are kept in
+  the compute dtype (fp32, fp64 for fp64 inputs) and cast at the end; an input broadcast at run
+  time (a size-1 dim along an axis it is read along) gets a dense buffer summed down afterwards.
+  The only scratch along time is one state tile per program and chunk (the chunk-start states,
+  L / CHUNK of them), never (batch, channels, state, time).
+
+`backward(kernel, inputs, grads, needs)` is what `TritonKernel.backward` calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import json
+import logging
+import math
+import re
+import threading
+
+import torch
+
+from ssmc import ir
+from ssmc.autodiff import GRAD_A, GRAD_B, Adjoint, region_adjoint
+from ssmc.ir import InputSpec, Load, Reduce, Region
+
+from . import triton as T
+from .triton_printer import TritonPrinter, unsupported
+
+log = logging.getLogger("ssmc")
+
+TEMPLATE = "triton/selective_scan_bwd.py.j2"
+CONFIGS = "triton/selective_scan_bwd.configs.json"
+_SEEDS = {GRAD_A: "gA", GRAD_B: "gB"}
+
+
+# -- plan ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Grad:
+    """The gradient of one input: where it is read, and the adjoint terms summed into it."""
+    input: int
+    index: ir.Index
+    steps: tuple            # adjoint terms at each step
+    final: tuple            # adjoint terms of the final outputs (at the last step)
+    missing: tuple          # parallel axes the input does not vary along: shared across programs
+
+    @property
+    def timed(self) -> bool:
+        return "t" in self.index
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.missing)
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPlan:
+    fwd: T.Plan
+    adj: Adjoint
+    grads: tuple[Grad, ...]
+    init_grad: bool          # the initial state is an input and gets dL/dh_(-1)
+
+    # the forward plan's fields, so the forward kernel's launch geometry applies unchanged
+    reg = property(lambda self: self.fwd.reg)
+    block = property(lambda self: self.fwd.block)
+    scalars = property(lambda self: self.fwd.scalars)
+    inputs = property(lambda self: self.fwd.inputs)
+
+    def grad_inputs(self, r: Region) -> list[int]:
+        return [g.input for g in self.grads] + ([r.init] if self.init_grad else [])
+
+
+def _is_float(spec: InputSpec) -> bool:
+    return spec.dtype != "bool" and ir.to_dtype(spec.dtype).is_floating_point
+
+
+def _has_seed(e) -> bool:
+    return any(isinstance(x, Load) and x.input < 0 for x in ir.walk(e))
+
+
+def value_axes(e, r: Region) -> frozenset:
+    """The iteration variables an adjoint value varies along (its printed tile's axes): the
+    seeds da_t and db_t vary along every state axis and time."""
+    ax = ir.axes_of(e, r.axes)
+    return ax | frozenset(r.axes) | {"t"} if _has_seed(e) else ax
+
+
+def adjoint_caveat(r: Region) -> str | None:
+    """Where `ssmc.autodiff`'s adjoint is not the derivative: a sum over an axis its argument is
+    constant along is size * value forward, but its adjoint passes the seed unchanged (the
+    factor is lost). Such a region's backward re-runs the forward under autograd instead."""
+    for o in r.outputs:
+        for x in ir.walk(o.expr):
+            if isinstance(x, Reduce) and not set(x.axes) <= ir.axes_of(x.arg, r.axes):
+                return (f"a sum over {list(x.axes)} of a value constant along it ({x.arg}): the "
+                        "IR adjoint misses the size factor")
+    return None
+
+
+def make_bwd_plan(r: Region) -> BwdPlan | str:
+    """The backward kernel's plan for `r`, or why it cannot compute the gradients."""
+    fwd = T.make_plan(r)
+    if isinstance(fwd, str):
+        return fwd
+    why = adjoint_caveat(r)
+    if why:
+        return why
+    try:
+        adj = region_adjoint(r)
+    except NotImplementedError as e:
+        return str(e)
+    n_in = len(r.inputs)
+    exprs = [e for e in (adj.state_steps, adj.state_final) if e is not None]
+    exprs += [e for _, e in adj.loads_steps + adj.loads_final + adj.loads_decay + adj.loads_drive]
+    for e in exprs:
+        for x in ir.walk(e):
+            why = unsupported(x)
+            if why:
+                return f"adjoint: {why}"
+            if isinstance(x, Load) and x.input >= 0 and x.input >= n_in + len(r.outputs):
+                return f"adjoint reads {x}, which is neither an input nor an output's gradient"
+    steps: dict[int, list] = {}
+    final: dict[int, list] = {}
+    index: dict[int, ir.Index] = {}
+    pairs = [(ld, e, steps) for ld, e in adj.loads_steps + adj.loads_decay + adj.loads_drive]
+    pairs += [(ld, e, final) for ld, e in adj.loads_final]
+    for ld, e, into in pairs:
+        if not _is_float(r.inputs[ld.input]):
+            continue                      # no gradient (integer or bool inputs)
+        if ld.input == r.init:
+            return f"the initial state in{ld.input} is also read by the expressions"
+        named = [ix for ix in ld.index if isinstance(ix, str)]
+        if len(set(named)) != len(named):
+            return f"load {ld} indexes one axis twice"
+        if index.setdefault(ld.input, ld.index) != ld.index:
+            return (f"input {ld.input} is read at two index patterns ({index[ld.input]} and "
+                    f"{ld.index}); its gradient would need a scatter-add")
+        if into is final and "t" in ld.index:
+            return f"a final output reads {ld} at a time step"
+        if into is steps and "t" not in value_axes(e, r):
+            return f"the adjoint of {ld} is constant in time ({e})"
+        into.setdefault(ld.input, []).append(e)
+    grads = []
+    for i in sorted(index):
+        named = set(ix for ix in index[i] if isinstance(ix, str))
+        missing = tuple(a for a in fwd.scalars if a not in named)
+        if fwd.block and fwd.block not in named:
+            missing += (fwd.block,)
+        grads.append(Grad(i, index[i], tuple(steps.get(i, ())), tuple(final.get(i, ())), missing))
+    init_grad = r.init is not None and _is_float(r.inputs[r.init])
+    return BwdPlan(fwd, adj, tuple(grads), init_grad)
+
+
+# -- rendering -------------------------------------------------------------------------------------
+
+class AdjointPrinter(TritonPrinter):
+    """The forward's printer; the seeds da_t and db_t print as the kernel's tiles gA and gB."""
+
+    def _code(self, e):
+        if isinstance(e, Load) and e.input < 0:
+            return _SEEDS[e]
+        return super()._code(e)
+
+
+def with_grad_inputs(r: Region) -> Region:
+    """`r` with each output's gradient as one more input (``ssmc.autodiff.grad_output`` reads
+    output k's gradient as input len(inputs) + k, indexed like the output)."""
+    extra = tuple(InputSpec(f"grad of output {k}", len(o.index), o.dtype) for k, o in enumerate(r.outputs))
+    return dataclasses.replace(r, inputs=r.inputs + extra)
+
+
+_AXIS_DIM = {"block": (0, "md3"), "reg": (1, "mn3"), "t": (2, "mt")}
+
+
+class _Emitter:
+    """Writes the reduce-and-store code of the gradients around the printed adjoint values."""
+
+    def __init__(self, r: Region, bp: BwdPlan, p: AdjointPrinter):
+        self.r, self.bp, self.p = r, bp, p
+        self.dims = {bp.block: _AXIS_DIM["block"], bp.reg: _AXIS_DIM["reg"], "t": _AXIS_DIM["t"]}
+        self.dims.pop(None, None)
+        self._n = 0
+
+    def reduced(self, e, keep, lines: list[str], drop_t: bool = False) -> str:
+        """The value of term `e` summed over the tile axes it varies along and `keep` lacks
+        (masked lanes are zeroed first)."""
+        v = self.p.expr(e)
+        ax = value_axes(e, self.r) - ({"t"} if drop_t else set())
+        sums = [self.dims[a] for a in (self.bp.block, self.bp.reg, "t") if a and a in ax and a not in keep]
+        if not sums:
+            return v
+        x = f"tl.where({' & '.join(m for _, m in sums)}, {v}, 0.0)"
+        for k, _ in sums:
+            x = f"tl.expand_dims(_sum({x}, {k}), {k})"
+        self._n += 1
+        name = f"r{self._n}"
+        lines.append(f"{name} = {x}")
+        return name
+
+    def total(self, g: Grad, terms, lines: list[str], drop_t: bool = False) -> str | None:
+        keep = set(ix for ix in g.index if isinstance(ix, str))
+        vals = [self.reduced(e, keep, lines, drop_t) for e in terms]
+        return " + ".join(vals) if vals else None
+
+    def offsets(self, name: str, index, codes: dict) -> tuple[str, list[str]]:
+        """(offset code, masks) of gradient buffer `name` at `index` in a frame's `codes`."""
+        parts, masks = [], []
+        for d, ix in enumerate(index):
+            if isinstance(ix, int):
+                if ix:
+                    parts.append(f"{ix} * {name}_s{d}")
+                continue
+            code, mask = codes[ix]
+            parts.append(f"{code} * {name}_s{d}")
+            if mask and mask not in masks:
+                masks.append(mask)
+        return " + ".join(parts + ["zo3"]), masks
+
+    def write(self, g: Grad, value: str, codes: dict, atomic_ok: bool) -> list[str]:
+        """Lines writing `value` into input g.input's gradient (under its NEED flag)."""
+        i = g.input
+        off, masks = self.offsets(f"g{i}", g.index, codes)
+        ptr = f"g{i}_ptr + slot{i} + ({off})" if g.shared else f"g{i}_ptr + ({off})"
+        m = f", mask={' & '.join(masks)}" if masks else ""
+        if g.shared and atomic_ok:
+            return [f"if NEED_{i}:",
+                    f"    if DETERMINISTIC:",
+                    f"        tl.store({ptr}, {value}{m})",
+                    f"    else:",
+                    f"        tl.atomic_add({ptr}, {value}{m}, sem=\"relaxed\")"]
+        return [f"if NEED_{i}:", f"    tl.store({ptr}, ({value}).to(g{i}_ptr.dtype.element_ty){m})"]
+
+
+def _slot_line(i: int, missing, block) -> str:
+    """The linear index of this program among those sharing input i's elements, times the
+    slot stride (0 when every program adds into one buffer)."""
+    idx = [("pid_d", "nblk") if a == block else (f"idx_{a}", f"size_{a}") for a in missing]
+    s = idx[0][0]
+    for code, size in idx[1:]:
+        s = f"({s}) * {size} + {code}"
+    return f"slot{i} = ({s}).to(tl.int64) * g{i}_slot"
+
+
+def kernel_args(r: Region, bp: BwdPlan) -> list[str]:
+    """The runtime arguments of the backward kernel, in order (the constexprs follow)."""
+    n = len(r.inputs)
+    gi = bp.grad_inputs(r)
+    args = [f"in{i}_ptr" for i in bp.inputs] + [f"in{n + k}_ptr" for k in range(len(r.outputs))]
+    args += ["ck_ptr"] + [f"g{i}_ptr" for i in gi]
+    args += [f"in{i}_s{d}" for i in bp.inputs for d in range(r.inputs[i].ndim)]
+    args += [f"in{n + k}_s{d}" for k, o in enumerate(r.outputs) for d in range(len(o.index))]
+    args += [f"g{i}_s{d}" for i in gi for d in range(r.inputs[i].ndim)]
+    args += [f"g{g.input}_slot" for g in bp.grads if g.shared]
+    args += [f"size_{a}" for a in bp.scalars] + ["SIZE_D", "SIZE_N", "L"]
+    return args
+
+
+def _arg_lines(names: list[str]) -> list[str]:
+    """One group a line: pointers, each tensor's strides, slot strides, sizes."""
+    def group(n):
+        if n.endswith("_ptr"):
+            return "ptr"
+        if n.endswith("_slot"):
+            return "slot"
+        m = re.fullmatch(r"(in\d+|g\d+)_s\d+", n)
+        return m.group(1) if m else "sizes"
+    lines, last = [], None
+    for n in names:
+        g = group(n)
+        if g != last:
+            lines.append([])
+            last = g
+        lines[-1].append(n)
+    return [", ".join(g) + "," for g in lines]
+
+
+def render_bwd(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> str:
+    p = AdjointPrinter(with_grad_inputs(r), cdt)
+    em = _Emitter(r, bp, p)
+    pre_f, body_f, final_f = T._frames(bp.fwd, True)
+    p.set_prelude_frame(pre_f)
+    p.block(pre_f)
+    init = p.expr(Load(r.init, tuple(r.axes))) if r.init is not None else None
+    # pass 1: the forward recurrence
+    fwd_pre = p.block(body_f)
+    fwd_a, fwd_b = p.expr(r.decay), p.expr(r.drive)
+    # after the last step: the final outputs' adjoints
+    acc_init, end = [], []
+    for g in bp.grads:
+        if not g.timed:
+            shape = ", ".join(["BLOCK_D" if bp.block in g.index else "1",
+                               "BLOCK_N" if bp.reg and bp.reg in g.index else "1", "1"])
+            acc_init.append(f"acc{g.input} = tl.full(({shape}), 0.0, {cdt})")
+    final = p.block(final_f)
+    mu_final = p.expr(bp.adj.state_final) if bp.adj.state_final is not None else None
+    for g in bp.grads:
+        if g.final:
+            v = em.total(g, g.final, final, drop_t=True)
+            final += [f"if NEED_{g.input}:", f"    acc{g.input} += {v}"]
+    # pass 2: chunks in reverse time
+    pre = p.block(body_f)
+    a, b = p.expr(r.decay), p.expr(r.drive)
+    mid: list[str] = []
+    p.switch(mid, state="H")
+    direct = p.expr(bp.adj.state_steps) if bp.adj.state_steps is not None else "0.0"
+    post: list[str] = []
+    p.switch(post)
+    for g in bp.grads:
+        if not g.steps:
+            continue
+        post.append(f"# d/d in{g.input}[{', '.join(map(str, g.index))}]")
+        v = em.total(g, g.steps, post)
+        if g.timed:
+            post += em.write(g, v, body_f.codes, atomic_ok=True)
+        else:
+            post += [f"if NEED_{g.input}:", f"    acc{g.input} += {v}"]
+    # before the first step: the initial state's gradient, the sums over time
+    if bp.init_grad:
+        off, masks = em.offsets(f"g{r.init}", tuple(r.axes), pre_f.codes)
+        m = f", mask={' & '.join(masks)}" if masks else ""
+        end += [f"if NEED_{r.init}:", f"    tl.store(g{r.init}_ptr + ({off}), mu.to(g{r.init}_ptr.dtype.element_ty){m})"]
+    for g in bp.grads:
+        if not g.timed:
+            end += em.write(g, f"acc{g.input}", pre_f.codes, atomic_ok=False)
+    slots = [_slot_line(g.input, g.missing, bp.block) for g in bp.grads if g.shared]
+    needs = [f"NEED_{i}: tl.constexpr" for i in bp.grad_inputs(r)]
+    return T._env().get_template(TEMPLATE).render(
+        region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
+        plan=bp.fwd, args=_arg_lines(kernel_args(r, bp)), needs=needs, slots=slots,
+        prelude=list(p.prelude), init=init, fwd_pre=fwd_pre, fwd_a=fwd_a, fwd_b=fwd_b,
+        acc_init=acc_init, final=final, mu_final=mu_final, pre=pre, a=a, b=b, mid=mid,
+        direct=direct, post=post, end=end)
+
+
+@functools.lru_cache(maxsize=None)
+def load_configs() -> dict:
+    return json.loads((importlib.resources.files("ssmc.templates") / CONFIGS).read_text())
+
+
+# -- the kernel ----------------------------------------------------------------------------------------
+
+class _Call(list):
+    """A backward call as the forward kernel's tuning machinery sees it: the region inputs (a
+    list), with the output gradients and the needs along."""
+
+    def __init__(self, inputs, grads, needs):
+        super().__init__(inputs)
+        self.grads, self.needs = list(grads), [bool(n) for n in needs]
+
+
+@dataclasses.dataclass
+class _Buffers:
+    ck: torch.Tensor
+    grads: list                 # per kernel gradient input: (input index, buffer, slots)
+
+
+class BackwardKernel(T.TritonKernel):
+    """The backward kernel of one region (its forward kernel's `backward` calls `run`).
+
+    ``config``: the config of the last launch; ``fallback``: why the last call ran the torch
+    reference instead. Tuning and caching are the forward kernel's (per shape bucket, on disk)."""
+    kind = "selective scan backward"
+    template = TEMPLATE
+    configs_file = CONFIGS
+
+    def __init__(self, region: Region, strategy: str, plan: BwdPlan, options, arch):
+        self.deterministic = bool(getattr(options, "deterministic", False))
+        super().__init__(region, strategy, plan, options, arch)
+
+    def _render(self, cdt: str) -> str:
+        return render_bwd(self.region, self.plan, cdt)
+
+    def _fn(self, mod, variant: str = "bwd"):
+        return getattr(mod, f"{T.kernel_name(self.region)}_bwd")
+
+    def table(self) -> dict:
+        return load_configs()
+
+    def plan_text(self) -> str:
+        p = self.plan
+        shared = [f"in{g.input}" + (" (atomics)" if g.timed and not self.deterministic else "")
+                  for g in p.grads if g.shared]
+        return (f"register axis {p.reg}, channel axis {p.block}, one program per index of "
+                f"{list(p.scalars)}; gradients shared across programs: {shared or 'none'}")
+
+    # -- shapes and configs --------------------------------------------------------------------
+    def bucket(self, call) -> tuple:
+        grads = tuple("none" if g is None or not g.numel() else ir.dtype_name(g.dtype) for g in call.grads)
+        return super().bucket(call) + (grads, tuple(call.needs), self.deterministic)
+
+    def candidates(self, call, arch) -> list[dict]:
+        table = load_configs()
+        sizes, L = self.sizes(call)
+        bn = T._pow2(sizes[self.plan.reg]) if self.plan.reg else 1
+        bd_max = T._pow2(sizes[self.plan.block]) if self.plan.block else 1
+        budget = int(table.get("max_tile_per_thread", 16)) * 32
+        fits, tiles, seen = [], [], set()
+        for c in table[T.arch_key(arch)]:
+            c = dict(c)
+            c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
+            c["CHUNK"] = max(1, min(int(c["CHUNK"]), T._pow2(L)))
+            sig = tuple(sorted(c.items()))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            tile = c["BLOCK_D"] * bn * c["CHUNK"]
+            tiles.append((tile / c["num_warps"], c))
+            if tile <= budget * c["num_warps"]:
+                fits.append(c)
+        return fits or [min(tiles, key=lambda x: x[0])[1]]
+
+    def constexprs(self, call, config) -> dict:
+        sizes, _ = self.sizes(call)
+        cx = {"BLOCK_D": config["BLOCK_D"],
+              "BLOCK_N": T._pow2(sizes[self.plan.reg]) if self.plan.reg else 1,
+              "CHUNK": config["CHUNK"], "DETERMINISTIC": self.deterministic}
+        for i in self.plan.grad_inputs(self.region):
+            cx[f"NEED_{i}"] = bool(call.needs[i])
+        return cx
+
+    # -- buffers and launching -------------------------------------------------------------------
+    def _dense_shape(self, x: torch.Tensor, index, sizes: dict, L: int) -> list[int]:
+        """The gradient buffer's shape: an input of size 1 along an axis it is read along
+        (broadcast at run time) gets that axis' full size, summed down afterwards."""
+        full = {**sizes, "t": L}
+        return [full[ix] if isinstance(ix, str) and x.shape[d] == 1 else int(x.shape[d])
+                for d, ix in enumerate(index)]
+
+    def _covered(self, shape, index, sizes: dict, L: int) -> bool:
+        """Every element of a buffer of `shape` is written (else it starts at zero)."""
+        full = {**sizes, "t": L}
+        return all((shape[d] == 1) if isinstance(ix, int) else shape[d] == full[ix]
+                   for d, ix in enumerate(index))
+
+    def buffers(self, call, config) -> _Buffers:
+        r, bp = self.region, self.plan
+        sizes, L = self.sizes(call)
+        dev = call[0].device
+        cdt = torch.float64 if self._cdt(call) == "tl.float64" else torch.float32
+        bn = T._pow2(sizes[bp.reg]) if bp.reg else 1
+        nprog = self.grid(call, config)[0]
+        ck = torch.empty(triton_cdiv(L, config["CHUNK"]) * nprog * config["BLOCK_D"] * bn, dtype=cdt, device=dev)
+        nblk = triton_cdiv(sizes[bp.block], config["BLOCK_D"]) if bp.block else 1
+        out = []
+        items = [(g.input, g.index, g) for g in bp.grads]
+        if bp.init_grad:
+            items.append((r.init, tuple(r.axes), None))
+        for i, index, g in items:
+            if not call.needs[i]:
+                out.append((i, torch.zeros(1, dtype=cdt, device=dev), 1))
+                continue
+            shape = self._dense_shape(call[i], index, sizes, L)
+            slots = 1
+            if g is not None and g.shared and (self.deterministic or not g.timed):
+                slots = math.prod(sizes[a] if a != bp.block else nblk for a in g.missing)
+            atomic = g is not None and g.shared and g.timed and not self.deterministic
+            zero = atomic or not self._covered(shape, index, sizes, L)
+            make = torch.zeros if zero else torch.empty
+            # owned elements are written once, in the input's dtype; partial sums in cdt
+            direct = (g is None or not g.shared) and list(shape) == list(call[i].shape)
+            dt = call[i].dtype if direct else cdt
+            out.append((i, make([slots, *shape], dtype=dt, device=dev), slots))
+        return _Buffers(ck, out)
+
+    def launch(self, call, config, outs=None) -> list:
+        """Run one config; returns the gradient of every input (None where not needed)."""
+        r, bp = self.region, self.plan
+        bufs = outs if isinstance(outs, _Buffers) else self.buffers(call, config)
+        sizes, L = self.sizes(call)
+        dev = call[0].device
+        grads = []
+        for o, g in zip(r.outputs, call.grads):
+            if g is None or not g.numel():        # not needed: a zero read through stride 0
+                g = torch.zeros((1,) * len(o.index), dtype=ir.to_dtype(o.dtype), device=dev)
+            grads.append(g)
+        args = [call[i] for i in bp.inputs] + grads + [bufs.ck] + [b for _, b, _ in bufs.grads]
+        for i in bp.inputs:
+            x = call[i]
+            args += [0 if x.shape[d] == 1 else x.stride(d) for d in range(x.dim())]
+        for g in grads:
+            args += [0 if g.shape[d] == 1 else g.stride(d) for d in range(g.dim())]
+        for i, b, _ in bufs.grads:
+            nd = r.inputs[i].ndim
+            if b.dim() == 1:                      # not needed: never written
+                args += [0] * nd
+            else:
+                args += [0 if b.shape[d + 1] == 1 else b.stride(d + 1) for d in range(nd)]
+        slot_of = {i: (b.stride(0) if s > 1 else 0) for i, b, s in bufs.grads}
+        args += [slot_of[g.input] for g in bp.grads if g.shared]
+        args += [sizes[a] for a in bp.scalars]
+        args += [sizes[bp.block] if bp.block else 1, sizes[bp.reg] if bp.reg else 1, L]
+        fn = self._fn(self._module(self._cdt(call)))
+        extra = {} if dev.type == "cpu" else {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        fn[self.grid(call, config)](*args, **self.constexprs(call, config), **extra)
+        return self._finish(call, bufs)
+
+    def _finish(self, call, bufs: _Buffers) -> list:
+        out = [None] * len(call)
+        for i, b, slots in bufs.grads:
+            if not call.needs[i]:
+                continue
+            g = b.sum(0) if slots > 1 else b[0]
+            x = call[i]
+            dims = [d for d in range(x.dim()) if x.shape[d] == 1 and g.shape[d] != 1]
+            if dims:
+                g = g.sum(dim=dims, keepdim=True)
+            out[i] = g.to(x.dtype)
+        for i, x in enumerate(call):
+            if call.needs[i] and out[i] is None and x.is_floating_point():
+                out[i] = torch.zeros_like(x)      # read only where it has no derivative
+        return out
+
+    def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None):
+        """(jit function, signature, constexprs) for a compile-only ``triton.compile``; every
+        gradient needed."""
+        r, bp = self.region, self.plan
+        dts = [ir.to_dtype(s.dtype) for s in r.inputs]
+        for i, dt in (dtypes or {}).items():
+            dts[i] = dt
+        cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
+        acc = "fp64" if cdt == "tl.float64" else "fp32"
+        n = len(r.inputs)
+        owned = {g.input for g in bp.grads if not g.shared} | ({r.init} if bp.init_grad else set())
+        sig = {}
+        for name in kernel_args(r, bp):
+            if name.endswith("_ptr") and name.startswith("in"):
+                k = int(name[2:-4])
+                dt = dts[k] if k < n else ir.to_dtype(r.outputs[k - n].dtype)
+                sig[name] = "*" + T._TL_PTR[dt]
+            elif name.startswith("g") and name.endswith("_ptr") and int(name[1:-4]) in owned:
+                sig[name] = "*" + T._TL_PTR[dts[int(name[1:-4])]]
+            elif name.endswith("_ptr"):
+                sig[name] = "*" + acc
+            else:
+                sig[name] = "i32"
+        cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n if bp.reg else 1, "CHUNK": config["CHUNK"],
+              "DETERMINISTIC": self.deterministic}
+        cx.update({f"NEED_{i}": True for i in bp.grad_inputs(r)})
+        sig.update({k: "constexpr" for k in cx})
+        return self._fn(self._module(cdt)), sig, cx
+
+    def _why_not(self, call, sizes: dict, L: int) -> str | None:
+        why = super()._why_not(call, sizes, L)
+        if why:
+            return why
+        for g in call.grads:
+            if g is not None and g.numel() and g.dtype not in T._TL_PTR:
+                return f"output gradient dtype {g.dtype}"
+            if g is not None and g.numel() > T._INT32_MAX:
+                return "an output gradient of more than 2**31 elements (32-bit offsets)"
+        return None
+
+    def run(self, inputs, grads, needs) -> list | None:
+        """The gradients, or None when this call must run the reference (``fallback`` says why)."""
+        call = _Call(inputs, grads, needs)
+        sizes, L = self.sizes(call)
+        why = self._why_not(call, sizes, L)
+        if why is not None:
+            self.fallback = why
+            return None
+        arch = T._arch(call[0].device) if call[0].device.type == "cuda" else None
+        config = self._config(call, arch)
+        if config is None:
+            return None
+        self.config = config
+        self.fallback = None
+        return self.launch(call, config)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+# -- the hook TritonKernel.backward calls ----------------------------------------------------------
+
+_LOCK = threading.Lock()
+
+
+def backward_kernel(kernel) -> BackwardKernel | str:
+    """The backward kernel of a forward kernel (made once), or why there is none."""
+    got = getattr(kernel, "bwd", None)
+    if got is not None:
+        return got
+    with _LOCK:
+        got = getattr(kernel, "bwd", None)
+        if got is None:
+            plan = make_bwd_plan(kernel.region)
+            if isinstance(plan, str):
+                got = plan
+            else:
+                from ssmc.options import make_options
+                options = getattr(kernel, "options", None) or make_options(cache_dir=kernel.cache.root)
+                try:
+                    got = BackwardKernel(kernel.region, kernel.strategy, plan, options, kernel.arch)
+                except Exception as e:      # a render or import failure: the reference runs
+                    got = f"backward kernel failed to build: {type(e).__name__}: {e}"
+                    log.warning("ssmc: region %s: %s", kernel.region.name, got)
+            kernel.bwd = got
+    return got
+
+
+def backward(kernel, inputs, grads, needs) -> list:
+    """Gradients of every input of `kernel`'s region: the generated kernel when it computes the
+    region and these shapes, else the torch reference, with the reason in
+    ``kernel.bwd_fallback``."""
+    bk = backward_kernel(kernel)
+    if isinstance(bk, BackwardKernel):
+        try:
+            got = bk.run(inputs, grads, needs)
+        except Exception as e:
+            bk.fallback = (f"Triton backward kernel {bk.path} with config {bk.config} failed: "
+                           f"{type(e).__name__}: {e}")
+            log.warning("ssmc: region %s: %s; the torch reference runs instead", kernel.region.name, bk.fallback)
+            got = None
+        if got is not None:
+            kernel.bwd_fallback = None
+            return got
+        kernel.bwd_fallback = bk.fallback
+    else:
+        kernel.bwd_fallback = bk
+    ref = kernel._reference()
+    if adjoint_caveat(kernel.region):
+        return ref.backward_autograd(inputs, grads, needs)
+    return ref.backward(inputs, grads, needs)

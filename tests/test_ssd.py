@@ -1,0 +1,472 @@
+"""The Triton target's dedicated kernels: chunked SSD (Mamba-2 prefill) and the decode step.
+
+- plans: what the SSD kernel reads off a Mamba-2 region (rows p, columns n, log decay, the
+  drive's factors, the readout), and its refusals with reasons (the selective-scan kernel then
+  runs the region, and the kernel source says why);
+- compile-only for sm_80 and sm_90 (no GPU): Mamba-2 regions at several head/state sizes, bf16
+  and fp32 (tensor-core mma / wgmma; fp32 as 3xTF32), and the step kernel (evict-first state);
+- numerics under TRITON_INTERPRET=1 on tiny shapes (chunk 8, so several chunks and a partial
+  one run; two row blocks; masked p and n), fp32 and bf16, with and without h0, final state
+  out, outputs poisoned with NaN, against float64 eager, end to end through the backend;
+- the decode step kernel (also in place), and prefill-then-step equivalence through
+  torch.compile: prefill of L tokens (chunked SSD) then decode steps (the step kernel, also
+  run at one token) equals one pass over all tokens;
+- on a GPU (marker gpu): b8 L4096 h24 p64 n128 bf16, every candidate config, and decode at
+  batch 64 / 256, against float64 references.
+
+Precision: with bf16 inputs the matmuls take bf16 operands (16-bit x, B, C enter unrounded; the
+fp32 scales and the state are rounded to bf16) and accumulate in fp32; with fp32 inputs they run
+as 3xTF32 (input_precision="tf32x3"), fp32-accurate, so fp32 is held to the usual 1e-5.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ssmc
+from conftest import TOL, as_tuple, reference, rel_err, ssmc_run
+from ssmc import ir
+from ssmc.ir import Load, Op
+from ssmc.runtime.op import lookup
+
+triton = pytest.importorskip("triton")
+T = pytest.importorskip("ssmc.targets.triton")
+S = pytest.importorskip("ssmc.targets.triton_ssd")
+
+
+# -- programs: Mamba-2 as people write it (fp32 state, 16-bit storage, D skip, z gate) ------------
+
+def _step(h, x_t, dt_t, A, B_t, C_t, D, z_t, f):
+    dA = torch.exp(dt_t.to(f) * A)                                          # one scalar per head
+    h = dA[:, :, None, None] * h + (dt_t.to(f)[..., None] * x_t.to(f))[..., None] * B_t[:, None, None, :].to(f)
+    y = torch.einsum("bhpn,bn->bhp", h, C_t.to(f)) + D[:, None] * x_t.to(f)
+    return h, (y * F.silu(z_t.to(f))).to(x_t.dtype)
+
+
+def mamba2(x, dt, A, B, C, D, z):
+    """Zero initial state; outputs y and the final state."""
+    b, L, H, Pd = x.shape
+    f = torch.promote_types(x.dtype, torch.float32)
+    h = torch.zeros(b, H, Pd, B.shape[-1], dtype=f, device=x.device)
+    ys = []
+    for t in range(L):
+        h, y = _step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t], D, z[:, t], f)
+        ys.append(y)
+    return torch.stack(ys, 1), h
+
+
+def mamba2_h0(x, dt, A, B, C, D, z, h0):
+    """The state passed in and returned: prefill and decode are this one function."""
+    f = torch.promote_types(x.dtype, torch.float32)
+    h = h0
+    ys = []
+    for t in range(x.shape[1]):
+        h, y = _step(h, x[:, t], dt[:, t], A, B[:, t], C[:, t], D, z[:, t], f)
+        ys.append(y)
+    return torch.stack(ys, 1), h
+
+
+def inputs(b=2, L=21, H=2, Pd=16, N=16, dtype=torch.float32, seed=0, h0=False, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)
+    ins = [r(b, L, H, Pd).to(dtype), F.softplus(r(b, L, H) - 1).to(dtype), -torch.rand(H, generator=g) - 0.2,
+           r(b, L, N).to(dtype), r(b, L, N).to(dtype), r(H), r(b, L, H, Pd).to(dtype)]
+    if h0:
+        ins.append(r(b, H, Pd, N))                       # fp32 state, as a cache keeps it
+    return tuple(x.to(device) for x in ins)
+
+
+def tokens(args, t0, t1):
+    """The inputs for tokens [t0, t1) (time is dim 1 of x, dt, B, C, z)."""
+    return tuple(x[:, t0:t1] if i in (0, 1, 3, 4, 6) else x for i, x in enumerate(args))
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+def poison_outputs(monkeypatch):
+    orig = T.TritonKernel.outputs
+
+    def poisoned(self, ins):
+        return [o.fill_(float("nan")) if o.is_floating_point() else o for o in orig(self, ins)]
+    monkeypatch.setattr(T.TritonKernel, "outputs", poisoned)
+
+
+@pytest.fixture
+def interp(monkeypatch, tmp_path):
+    """Triton's CPU interpreter on, a fresh kernel cache, outputs poisoned."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path / "cache"))
+    poison_outputs(monkeypatch)
+    return tmp_path
+
+
+def pin(monkeypatch, **config):
+    """The SSD kernel's interpreter configs are this one."""
+    table = dict(S._table(S.SSD_CONFIGS))
+    table["interpreter"] = [{**table["interpreter"][0], **config}]
+    monkeypatch.setattr(S.SSDKernel, "table", lambda self: table)
+
+
+def region_of(fn, args) -> ir.Region:
+    return ssmc_run(fn, args, target="torch", rest="eager")[1].regions[0].ir
+
+
+def region_inputs(region, fn, args) -> list:
+    """The region's inputs for fn(*args), by the names Dynamo gave them ("l_x_" for x)."""
+    params = {n.lower(): a for n, a in zip(inspect.signature(fn).parameters, args)}
+    return [params[s.name.split(" ")[0][2:-1]] for s in region.inputs]
+
+
+def check_run(fn, args, strategy, kernel_cls, tol=None):
+    """Compile with target "triton" and run once: the report names the strategy and the
+    target, the dedicated kernel ran (no fallback of any kind), outputs match float64 eager."""
+    out, report = ssmc_run(fn, args, target="triton", rest="eager")
+    assert len(report.regions) == 1, str(report)
+    info = report.regions[0]
+    assert info.strategy == strategy and info.target == "triton", str(report)
+    assert f"# kernel: {kernel_cls.kind}" in info.kernel_source
+    entry = lookup(info.key)
+    kern = entry.kernel
+    assert entry.target == "triton" and entry.failure is None, entry.failure
+    assert type(kern) is kernel_cls and kern.fallback is None and kern.config is not None, kern.fallback
+    out, ref = as_tuple(out), reference(fn, args)
+    assert len(out) == len(ref)
+    for o, r in zip(out, ref):
+        assert o.shape == r.shape
+        err = rel_err(o, r)
+        assert err <= (tol or TOL[args[0].dtype]), f"rel err {err:.3g} of {tuple(o.shape)}\n{report}"
+    return report, kern
+
+
+def ast_source(fn, signature, constexprs):
+    try:
+        return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    except TypeError:       # older Triton spelled it `constants`
+        return triton.compiler.ASTSource(fn=fn, signature=signature, constants=constexprs)
+
+
+# -- plans and refusals -----------------------------------------------------------------------------
+
+def test_ssd_plan_of_mamba2():
+    r = region_of(mamba2, inputs(L=4, seed=1))
+    plan = S.make_ssd_plan(r)
+    assert not isinstance(plan, str), plan
+    assert (plan.p, plan.n, plan.programs) == ("i2", "i3", ("i0", "i1"))      # rows p, columns n
+    dt, A = Load(0, ("i0", "t", "i1")), Load(1, ("i1",))
+    assert plan.log_decay == Op("mul", (dt, A))                                 # exp(dt * A) -> dt * A
+    assert plan.w == dt                                                         # the per-step scale
+    assert ir.axes_of(plan.x, r.axes) == {"i0", "i1", "i2", "t"}                # x(t, p)
+    assert ir.axes_of(plan.g, r.axes) == {"i0", "i3", "t"}                      # B(t, n)
+    assert ir.axes_of(plan.c, r.axes) == {"i0", "i3", "t"} and plan.y_scale is None   # C(t, n)
+
+
+def test_ssd_source():
+    r = region_of(mamba2, inputs(L=4, seed=2))
+    plan = S.make_ssd_plan(r)
+    for opd in ("tl.bfloat16", "tl.float32"):
+        src = S.render_ssd(r, plan, opd)
+        compile(src, "<kernel>", "exec")
+        body = src[src.index("_ssd(\n"):]
+        before, inside = body.split("for t0 in range(0, L, CHUNK):")
+        assert inside.count("tl.dot(") == 4                    # C h^T, C G^T, (L o CG) X, X^T G
+        assert "tl.associative_scan(u, 0, _add)" in inside     # the log decay's prefix sum
+        assert "tl.exp(" not in body and "tl.exp2(" in inside
+        assert "in1_ptr" in before and "in1_ptr" not in inside          # A: once per program
+        assert "in5_ptr" in before                                       # D: once per program
+        assert "in7_ptr" not in inside                                   # no initial state here
+        assert re.search(r"tl\.store\(out0_ptr.*mask=mq & mp_", inside)  # y per chunk, fused epilogue
+        assert re.search(r"tl\.store\(out1_ptr", body.split("# after the last step")[1])
+        assert ('input_precision="tf32x3"' in inside) == (opd == "tl.float32")
+
+
+def _mamba1_region():
+    import programs as P
+    return region_of(P.mamba1("final"), P.mamba1_inputs(seed=3))
+
+
+@pytest.mark.parametrize("case,why", [
+    ("decay_load", "not exp(u)"),
+    ("decay_one_minus", "not exp(u)"),
+    ("drive_sum", "not an outer product"),
+    ("per_element", "varies along the readout axis"),
+    ("fp64", "float64"),
+])
+def test_ssd_declines_with_reason(case, why, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = region_of(mamba2, inputs(L=4, seed=4))
+    if case == "decay_load":                     # a decay handed in as is: may be <= 0
+        r = dataclasses.replace(r, decay=Load(0, ("i0", "t", "i1")))
+    elif case == "decay_one_minus":
+        r = dataclasses.replace(r, decay=Op("sub", (ir.Const(1.0), Op("sigmoid", (Load(0, ("i0", "t", "i1")),)))))
+    elif case == "drive_sum":
+        r = dataclasses.replace(r, drive=Op("add", (r.drive, r.drive)))
+    elif case == "per_element":
+        r = _mamba1_region()
+    else:
+        r = dataclasses.replace(r, inputs=tuple(dataclasses.replace(s, dtype="float64") for s in r.inputs))
+    got = S.make_ssd_plan(r)
+    assert isinstance(got, str) and why in got, got
+    # the region still runs on the selective-scan kernel, and the source header says why
+    tgt = T.TritonTarget()
+    assert tgt.supports(r, "chunked_ssd", 90, "cuda") is True
+    kern = tgt.compile(r, "chunked_ssd", ssmc.make_options(cache_dir=str(tmp_path)))
+    assert type(kern) is T.TritonKernel and why in kern.note
+    src = tgt.source(kern)
+    assert "# kernel: selective scan" in src and "chunked SSD kernel declined" in src
+
+
+def test_log_decay_forms():
+    u, v = Load(0, ("t",)), Load(1, ("t",))
+    assert S.log_decay(Op("exp", (u,))) == u
+    assert S.log_decay(Op("sigmoid", (u,))) == Op("logsigmoid", (u,))
+    got = S.log_decay(Op("mul", (Op("exp", (u,)), ir.Const(0.5))))
+    assert isinstance(got, Op) and got.name == "add"
+    assert isinstance(S.log_decay(Op("pow", (Op("sigmoid", (v,)), ir.Const(2.0)))), Op)
+    assert isinstance(S.log_decay(ir.Const(-0.5)), str)
+    assert isinstance(S.log_decay(Op("tanh", (u,))), str)
+
+
+def test_step_declines_without_a_state_passed_in(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = _mamba1_region()
+    assert r.init is not None and S.make_step_plan(r) == T.make_plan(r)   # in-loop zeros are passed in too
+    r = dataclasses.replace(r, init=None)                                 # a region built without h_0
+    assert "no state passed in" in S.make_step_plan(r)
+    kern = T.TritonTarget().compile(r, "step", ssmc.make_options(cache_dir=str(tmp_path)))
+    assert type(kern) is T.TritonKernel and "decode step kernel declined" in T.TritonTarget().source(kern)
+
+
+# -- compile-only for sm_80 / sm_90 -------------------------------------------------------------------
+
+SHAPES = [(24, 64, 128), (8, 32, 64), (4, 64, 16)]        # heads, head dim p, state n
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h%dp%dn%d" % s)
+def test_ssd_and_step_compile_for_sm80_sm90(shape, cc, monkeypatch, tmp_path):
+    from triton.backends.compiler import GPUTarget
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    H, Pd, N = shape
+    opts = ssmc.make_options(cache_dir=str(tmp_path))
+    # the first (largest) config of the table at the benchmark shape, a smaller one elsewhere
+    # (compiling is seconds per config); fp32 inputs (3xTF32) at the first shape
+    small = {"variant": "ssd", "CHUNK": 32, "BLOCK_P": 32, "num_warps": 4, "num_stages": 2}
+    dtypes = [torch.bfloat16] if shape != SHAPES[0] else [torch.bfloat16, torch.float32]
+    for dt in dtypes:
+        r = region_of(mamba2_h0, inputs(b=2, L=4, H=H, Pd=Pd, N=N, dtype=dt, seed=5, h0=True))
+        kern = T.TritonTarget().compile(r, "chunked_ssd", opts)
+        assert type(kern) is S.SSDKernel
+        first = shape == SHAPES[0] and dt == torch.bfloat16
+        cfg = kern.table()[f"sm_{cc}"][0] if first else small
+        cfg = {**cfg, "BLOCK_P": min(cfg["BLOCK_P"], Pd)}
+        fn, sig, cx = kern.signature(cfg, max(16, N))
+        assert sig["in2_ptr"] == ("*bf16" if dt == torch.bfloat16 else "*fp32")
+        ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
+                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+        ptx = ck.asm["ptx"]
+        assert f".target sm_{cc}" in ptx and ck.asm.get("cubin")
+        mma = re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.\S+", ptx)
+        assert mma, "the chunk matmuls must run on tensor cores"
+        kind = "bf16" if dt == torch.bfloat16 else "tf32"
+        assert all(kind in m for m in mma), sorted(set(mma))
+        if cc == 90 and first:
+            assert any(m.startswith("wgmma") for m in mma)
+    step = T.TritonTarget().compile(r, "step", opts)
+    assert type(step) is S.StepKernel
+    cfg = step.table()[f"sm_{cc}"][-1]
+    fn, sig, cx = step.signature(cfg, N)
+    ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
+                        options={"num_warps": cfg["num_warps"], "num_stages": 1})
+    assert ".target sm_%d" % cc in ck.asm["ptx"] and "evict_first" in ck.asm["ptx"]
+
+
+# -- numerics under the interpreter ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("h0", [False, True], ids=["zeros", "h0"])
+def test_ssd_numerics(h0, dtype, interp):
+    # L=21: chunks of 8, 8 and a partial 5; p=16 in two row blocks of 8
+    fn = mamba2_h0 if h0 else mamba2
+    _, kern = check_run(fn, inputs(L=21, dtype=dtype, seed=6, h0=h0), "chunked_ssd", S.SSDKernel)
+    assert kern.config["CHUNK"] == 8 and kern.config["BLOCK_P"] == 8
+    assert ("tl.bfloat16" in kern.source) == (dtype == torch.bfloat16)
+
+
+def test_ssd_masked_sizes_and_one_row_block(interp, monkeypatch):
+    """p=12, n=12 (not powers of two: masked rows and columns), 3 heads, chunk 4, one row block."""
+    pin(monkeypatch, CHUNK=4, BLOCK_P=16)
+    _, kern = check_run(mamba2_h0, inputs(L=10, H=3, Pd=12, N=12, seed=7, h0=True), "chunked_ssd", S.SSDKernel)
+    assert kern.config["CHUNK"] == 4 and kern.config["BLOCK_P"] == 16
+
+
+def test_ssd_one_token_strides_and_extreme_decays(interp):
+    """One kernel, several calls: L=1 (one partial chunk); x and z with other strides (heads
+    outermost in memory); decays exp(dt A) down to ~1e-30 in a step; decays above 1."""
+    fn = mamba2_h0
+    args = inputs(L=9, seed=8, h0=True)
+    region = region_of(fn, args)
+    kern = T.TritonTarget().compile(region, "chunked_ssd", ssmc.make_options())
+    assert type(kern) is S.SSDKernel
+    x, dt, A, *rest = inputs(L=19, seed=14, h0=True)
+    for a in (tokens(args, 0, 1),
+              tuple(x.transpose(1, 2).contiguous().transpose(1, 2) if i in (0, 6) else x for i, x in enumerate(args)),
+              (x, dt * 3, A * 8, *rest), (x, dt, A * -0.1, *rest)):
+        got = kern.forward(region_inputs(region, fn, a))
+        for g, w in zip(got, reference(fn, a)):
+            assert rel_err(g, w) <= TOL[torch.float32]
+        assert kern.fallback is None
+
+
+def gla(x, g, k, q):
+    """Gated linear attention: decay sigmoid(g) per head (its log: logsigmoid), k and q per head."""
+    b, L, H, Pd = x.shape
+    h = torch.zeros(b, H, Pd, k.shape[-1], dtype=x.dtype)
+    ys = []
+    for t in range(L):
+        h = torch.sigmoid(g[:, t])[:, :, None, None] * h + x[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, q[:, t]))
+    return torch.stack(ys, 1)
+
+
+def test_ssd_sigmoid_decay(interp):
+    gen = torch.Generator().manual_seed(13)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    report, kern = check_run(gla, (r(2, 19, 2, 16), r(2, 19, 2) + 2, r(2, 19, 2, 8), r(2, 19, 2, 8)),
+                             "chunked_ssd", S.SSDKernel)
+    assert "log decay logsigmoid(" in report.regions[0].kernel_source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_numerics_and_in_place(dtype, interp):
+    fn = mamba2_h0
+    args = inputs(b=3, L=2, Pd=12, N=16, dtype=dtype, seed=9, h0=True)      # 2 tokens: strategy "step"
+    report, kern = check_run(fn, args, "step", S.StepKernel)
+    assert "evict_first" in kern.source
+    # one token, the new state written over the old one (the same buffer)
+    one = tokens(args, 0, 1)
+    region = report.regions[0].ir
+    rin = region_inputs(region, fn, one)
+    state = rin[region.init].clone()
+    rin[region.init] = state
+    outs = kern.outputs(rin)
+    k_y, k_h = (next(k for k, o in enumerate(region.outputs) if o.kind == kind) for kind in ("steps", "final"))
+    outs[k_h] = state
+    kern.launch(rin, kern.config, outs)
+    y, h = reference(fn, one)
+    assert rel_err(outs[k_y], y) <= TOL[dtype] and rel_err(state, h) <= TOL[torch.float32]
+
+
+def _keep_graph(fn, args, **options):
+    """Compile with ssmc, run once; returns (outputs, report, call) where call(*args) runs the
+    lowered graph (the region op inside) on new inputs of any length."""
+    held = {}
+
+    def backend(gm, ex):
+        report = ssmc.Report()
+        out = ssmc.ssmc_backend(gm, ex, options=options, _report=report)
+        held.update(gm=gm, report=report)
+        return out
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend)(*args)
+    names = list(inspect.signature(fn).parameters)
+    order = [names.index(n.target[2:-1]) for n in held["gm"].graph.nodes if n.op == "placeholder"]
+    return out, held["report"], lambda *a: held["gm"](*[a[i] for i in order])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_then_steps_equal_one_pass(dtype, interp):
+    """Prefill of 13 tokens (chunked SSD), a 2-token decode call and two 1-token decode calls
+    (step kernel) equal one pass over 17 tokens."""
+    L, k = 13, 4
+    args = inputs(L=L + k, dtype=dtype, seed=10, h0=True)
+    y_all, h_all = reference(mamba2_h0, args)
+    # prefill
+    (y1, h1), rep = ssmc_run(mamba2_h0, tokens(args, 0, L), target="triton", rest="eager")
+    info = rep.regions[0]
+    assert (info.strategy, info.target) == ("chunked_ssd", "triton") and "# kernel: chunked SSD" in info.kernel_source
+    assert type(lookup(info.key).kernel) is S.SSDKernel and lookup(info.key).kernel.fallback is None
+    assert h1.dtype == torch.float32
+    # decode: a 2-token call compiles the step region; its lowered graph then runs 1-token steps
+    with_state = lambda a, h: a[:-1] + (h,)
+    (y2, h2), rep, call = _keep_graph(mamba2_h0, with_state(tokens(args, L, L + 2), h1), target="triton", rest="eager")
+    info = rep.regions[0]
+    assert (info.strategy, info.target) == ("step", "triton") and "# kernel: decode step" in info.kernel_source
+    step = lookup(info.key).kernel
+    assert type(step) is S.StepKernel
+    ys, h = [y1, y2], h2
+    for t in range(L + 2, L + k):
+        y, h = call(*with_state(tokens(args, t, t + 1), h))
+        ys.append(y)
+    assert step.fallback is None and lookup(info.key).failure is None
+    y = torch.cat(ys, 1)
+    assert rel_err(y, y_all) <= TOL[dtype] and rel_err(h, h_all) <= TOL[dtype]
+
+
+# -- on a GPU --------------------------------------------------------------------------------------------
+
+def _gpu_kernel(fn, strategy, dtype, tmp_path, **shape):
+    """The region captured on small CPU inputs, compiled for the GPU."""
+    small = dict(shape, b=2, L=4)
+    region = region_of(fn, inputs(dtype=dtype, seed=11, **small))
+    kern = T.TritonTarget().compile(region, strategy, ssmc.make_options(cache_dir=str(tmp_path)))
+    assert kern.arch and kern.arch >= 80
+    return region, kern
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,L", [(torch.bfloat16, 4096), (torch.float32, 1024)], ids=["bf16", "fp32"])
+def test_gpu_ssd(dtype, L, monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    poison_outputs(monkeypatch)
+    if dtype == torch.float32:             # two configs (compiling all is half a minute)
+        table = {k: (v[:2] if isinstance(v, list) else v) for k, v in S._table(S.SSD_CONFIGS).items()}
+        monkeypatch.setattr(S.SSDKernel, "table", lambda self: table)
+    shape = dict(H=24, Pd=64, N=128)
+    region, kern = _gpu_kernel(mamba2_h0, "chunked_ssd", dtype, tmp_path, **shape)
+    assert type(kern) is S.SSDKernel
+    args = inputs(b=8, L=L, dtype=dtype, seed=L, h0=True, device="cuda", **shape)
+    rin = region_inputs(region, mamba2_h0, args)
+    got = kern.forward(rin)
+    torch.cuda.synchronize()
+    assert kern.fallback is None, kern.fallback
+    ref = reference(mamba2_h0, args)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for g, w in zip(got, ref):
+        assert g.is_cuda and torch.isfinite(g).all()
+        assert rel_err(g, w) <= tol, f"rel err {rel_err(g, w):.3g} with config {kern.config}"
+    for cfg in kern.candidates(rin, kern.arch):            # every candidate, not only the tuner's pick
+        for g, w in zip(kern.launch(rin, cfg), ref):
+            assert rel_err(g, w) <= tol, f"config {cfg}: rel err {rel_err(g, w):.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [64, 256])
+def test_gpu_decode_step(batch, monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    poison_outputs(monkeypatch)
+    shape = dict(H=24, Pd=64, N=128)
+    region, kern = _gpu_kernel(mamba2_h0, "step", torch.bfloat16, tmp_path, **shape)
+    assert type(kern) is S.StepKernel
+    args = inputs(b=batch, L=1, dtype=torch.bfloat16, seed=batch, h0=True, device="cuda", **shape)
+    got = kern.forward(region_inputs(region, mamba2_h0, args))
+    torch.cuda.synchronize()
+    assert kern.fallback is None, kern.fallback
+    for g, w in zip(got, reference(mamba2_h0, args)):
+        assert torch.isfinite(g).all()
+        assert rel_err(g, w) <= (TOL[torch.bfloat16] if g.dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_end_to_end_prefill_and_decode(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    poison_outputs(monkeypatch)
+    args = inputs(b=2, L=64, H=4, Pd=64, N=128, dtype=torch.bfloat16, seed=12, h0=True, device="cuda")
+    check_run(mamba2_h0, args, "chunked_ssd", S.SSDKernel)
+    check_run(mamba2_h0, tokens(args, 0, 2), "step", S.StepKernel)

@@ -1,0 +1,347 @@
+"""Generated Triton backward kernels (ssmc/targets/triton_bwd.py).
+
+- gradcheck in float64 through the region op (forward and backward both generated Triton
+  kernels under TRITON_INTERPRET=1) on a tiny shape;
+- gradients of every input for Mamba-1 (stack, final state, initial state), Mamba-2 with h0,
+  S4D and the gated recurrence: end to end through torch.compile against eager autograd of the
+  naive loop (float64), and the kernel against the reference adjoint (ssmc.autodiff) in float64;
+- deterministic mode (no atomics: per-program slots summed by torch): bitwise-equal reruns;
+- what the kernel declines runs the reference with the reason recorded; inputs broadcast at run
+  time, gradients not needed, an output without a gradient; no scratch of size (b, d, n, L);
+- compile-only of the backward kernels for sm_80 and sm_90 (no GPU needed);
+- on a GPU (marker gpu): b8 d1536 n16 L2048 in fp32 and bf16 against a float64 reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import programs as P
+import ssmc
+from conftest import as_tuple, rel_err, ssmc_run
+from ssmc import ir
+from ssmc.ir import Const, InputSpec, Load, Op, OutputSpec, Reduce, Region, State
+from ssmc.runtime.op import lookup
+
+triton = pytest.importorskip("triton")
+T = pytest.importorskip("ssmc.targets.triton")
+B = pytest.importorskip("ssmc.targets.triton_bwd")
+
+
+@pytest.fixture
+def interp(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def captured(fn, inputs, **options):
+    """Compile fn with target "triton", run it once; (region, the op's own inputs, kernel,
+    region key, outputs)."""
+    import ssmc.runtime.op as op
+    seen = {}
+    orig = op.check_inputs
+
+    def spy(entry, xs):
+        seen["inputs"] = [x.detach().clone() for x in xs]
+        return orig(entry, xs)
+    op.check_inputs = spy
+    try:
+        out, rep = ssmc_run(fn, inputs, target="triton", **options)
+    finally:
+        op.check_inputs = orig
+    assert len(rep.regions) == 1 and rep.regions[0].target == "triton", str(rep)
+    entry = lookup(rep.regions[0].key)
+    return rep.regions[0].ir, seen["inputs"], entry.kernel, rep.regions[0].key, as_tuple(out)
+
+
+def fresh_grads(outs, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in outs]
+
+
+def assert_kernel_ran(kern):
+    assert isinstance(kern.bwd, B.BackwardKernel), kern.bwd
+    assert kern.bwd_fallback is None, kern.bwd_fallback
+    assert kern.bwd.config is not None
+
+
+def check_against_adjoint(kern, region, xs, tol=1e-10, needs=None, grads=None):
+    """The kernel's gradients in float64 equal the reference adjoint's."""
+    from ssmc.targets.reference import ReferenceKernel, adjoint_run
+    xs = [x.double() if x.is_floating_point() else x for x in xs]
+    if region.init is not None:                         # a nonzero initial state
+        xs[region.init] = torch.randn(xs[region.init].shape, generator=torch.Generator().manual_seed(3),
+                                      dtype=torch.float64)
+    outs = ReferenceKernel(region).forward(xs)
+    grads = fresh_grads(outs) if grads is None else grads
+    needs = [x.is_floating_point() for x in xs] if needs is None else needs
+    got = kern.backward(xs, grads, needs)
+    assert_kernel_ran(kern)
+    want = adjoint_run(region, xs, grads, needs, chunk=3)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            assert g is None, f"input {i} got a gradient it did not ask for"
+            continue
+        assert g.shape == xs[i].shape and g.dtype == xs[i].dtype
+        err = rel_err(g, w)
+        assert err <= tol, f"input {i} ({region.inputs[i].name}): rel err {err:.3g}"
+    return got
+
+
+# -- gradcheck through the region op ----------------------------------------------------------------
+
+def test_gradcheck_through_the_region_op(interp):
+    """Forward and backward of the op are both generated kernels; float64, b2 L5 d2 n3."""
+    x, dt, A, Bm, C, *_ = P.mamba1_inputs(b=2, L=5, d=2, n=3, dtype=torch.float64, seed=1)
+    h0 = torch.randn(2, 2, 3, dtype=torch.float64)
+    region, xs, kern, key, _ = captured(P.mamba1_h0(), (x, dt.abs(), A, Bm, C, h0))
+    assert region.init is not None and all(x.dtype == torch.float64 for x in xs)
+    xs = [x.detach().requires_grad_(True) for x in xs]
+
+    def f(*args):
+        return tuple(torch.ops.ssmc.region(key, list(args)))
+    assert torch.autograd.gradcheck(f, xs, eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=True,
+                                    check_undefined_grad=False)   # that path: test_broadcast_...
+
+    assert_kernel_ran(kern)
+    assert kern.fallback is None
+
+
+# -- every input's gradient, every program ------------------------------------------------------------
+
+def _h0_case():
+    x, dt, A, Bm, C, *_ = P.mamba1_inputs(b=2, L=7, d=5, n=3, seed=23)
+    return x, dt.abs(), A, Bm, C, torch.randn(2, 5, 3)
+
+
+CASES = {
+    # L not a multiple of the chunk (4) and d not of the block (4): partial chunk, masked lanes
+    "mamba1": (P.mamba1("stack"), lambda: P.mamba1_inputs(b=2, L=7, d=5, n=3, seed=21)),
+    "mamba1_final_state": (P.mamba1("final"), lambda: P.mamba1_inputs(b=2, L=6, d=4, n=3, seed=22)),
+    "mamba1_h0": (P.mamba1_h0(), _h0_case),
+    "mamba2_h0": (P.mamba2("final"), lambda: P.mamba2_inputs(b=2, L=6, H=2, P=3, N=3, seed=25, with_h0=True)),
+    "s4d": (P.s4d(), lambda: P.s4d_inputs(b=2, L=7, d=3, n=3, seed=26)),
+    "gated": (P.gated(), lambda: P.gated_inputs(b=2, L=7, d=5, seed=27)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradients_match_eager_and_the_reference_adjoint(case, interp):
+    fn, make = CASES[case]
+    inputs = make()
+    outs = as_tuple(fn(*inputs))
+    cots = fresh_grads([o.double() for o in outs], seed=99)
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    # torch.compile (training through AOTAutograd) with the generated backward, fp32
+    region, rin, kern, _, out = captured(fn, xs)
+    loss = sum((o.double() * c).sum() for o, c in zip(out, cots))
+    got = torch.autograd.grad(loss, xs)
+    assert_kernel_ran(kern)
+    # eager autograd of the naive loop in float64
+    x64 = [x.detach().double().requires_grad_(True) for x in inputs]
+    loss = sum((o * c).sum() for o, c in zip(as_tuple(fn(*x64)), cots))
+    want = torch.autograd.grad(loss, x64)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < 1e-5, f"input {i}: rel err {rel_err(a, b):.3g}"
+    # the kernel itself against the reference adjoint, float64
+    check_against_adjoint(kern, region, rin)
+
+
+# -- the plan ---------------------------------------------------------------------------------------------
+
+def test_plan_owned_and_shared_gradients():
+    from test_adjoint import region_and_inputs
+    r, _ = region_and_inputs(P.mamba1("stack"), P.mamba1_inputs(seed=4))
+    bp = B.make_bwd_plan(r)
+    names = {g.input: r.inputs[g.input].name.split(" ")[0] for g in bp.grads}
+    shared = {names[g.input]: g.missing for g in bp.grads if g.shared}
+    owned = sorted(names[g.input] for g in bp.grads if not g.shared)
+    assert owned == ["l_dt_", "l_x_", "l_z_"]                   # per (b, t, d): one program each
+    assert shared == {"l_a_": ("i0",), "l_bias_": ("i0",), "l_d_": ("i0",),   # over batch
+                      "l_b_": ("i1",), "l_c_": ("i1",)}                        # over channels
+    assert [g.timed for g in bp.grads if names[g.input] in ("l_a_", "l_d_")] == [False, False]
+    assert bp.init_grad                                          # the zeros h0 is an input
+
+
+def test_scratch_is_one_state_tile_per_chunk(interp):
+    """Nothing of size (b, d, n, L): the chunk-start states and gradient-sized buffers only."""
+    fn = P.mamba1("stack")
+    b, L, d, n = 2, 64, 8, 4
+    region, _, kern, _, _ = captured(fn, P.mamba1_inputs(b=2, L=6, d=8, n=4, seed=5))
+    from test_triton import region_inputs
+    xs = region_inputs(region, fn, P.mamba1_inputs(b=b, L=L, d=d, n=n, seed=5))
+    bk = B.backward_kernel(kern)
+    outs = kern._reference().forward(xs)
+    call = B._Call(xs, fresh_grads(outs), [True] * len(xs))
+    cfg = {"BLOCK_D": 4, "CHUNK": 16, "num_warps": 4, "num_stages": 1}
+    bufs = bk.buffers(call, cfg)
+    assert bufs.ck.numel() == (L // 16) * (b * d // 4) * 4 * 4       # chunks x programs x tile
+    assert bufs.ck.numel() * 16 == b * d * n * L
+    for i, buf, slots in bufs.grads:
+        assert buf.numel() <= max(xs[i].numel(), 1) * slots < b * d * n * L
+    src = bk.source
+    assert src.count("tl.store(ck") == 1 and "tl.atomic_add(" in src
+    assert "tl.associative_scan((a, a * direct, one3, zero3)" in src and "reverse=True" in src
+
+
+# -- deterministic mode ------------------------------------------------------------------------------------
+
+def test_deterministic_mode_is_bitwise_reproducible(interp):
+    fn, make = CASES["mamba1_final_state"]
+    region, xs, kern, _, _ = captured(fn, make(), deterministic=True)
+    bk = B.backward_kernel(kern)
+    assert bk.deterministic and kern.options.deterministic
+    outs = kern._reference().forward(xs)
+    grads = fresh_grads(outs)
+    needs = [x.is_floating_point() for x in xs]
+    first = kern.backward(xs, grads, needs)
+    assert_kernel_ran(kern)
+    assert bk.constexprs(B._Call(xs, grads, needs), bk.config)["DETERMINISTIC"] is True
+    second = kern.backward(xs, grads, needs)
+    for a, b in zip(first, second):
+        assert (a is None and b is None) or torch.equal(a, b)
+    # the same gradients as the atomics
+    _, _, k2, _, _ = captured(fn, make())
+    other = k2.backward(xs, grads, needs)
+    assert not B.backward_kernel(k2).deterministic
+    for a, b in zip(first, other):
+        assert (a is None and b is None) or rel_err(a, b) < 1e-6
+
+
+# -- what is declined, and unusual calls ------------------------------------------------------------------
+
+def _two_patterns_region() -> Region:
+    """x is read at [i0, t, i1] by the drive and at [i0, t, 0] by the output: two patterns."""
+    X, X0, W = Load(0, ("i0", "t", "i1")), Load(0, ("i0", "t", 0)), Load(1, ("i1",))
+    out = OutputSpec("steps", Op("mul", (State(), X0)), ("i0", "t", "i1"), "float32")
+    return Region("two", ("i0", "i1"), ((0, 0), (0, 2)), (0, 1),
+                  (InputSpec("x", 3, "float32"), InputSpec("w", 1, "float32")),
+                  Op("sigmoid", (W,)), Op("mul", (X, W)), (out,))
+
+
+def _constant_sum_region() -> Region:
+    """sum over n of x[b, t] (constant along n) is n * x; the IR adjoint loses the factor n."""
+    X, Cn = Load(0, ("i0", "t")), Load(1, ("i0", "t", "i1"))
+    out = OutputSpec("steps", Op("add", (Reduce(Op("mul", (State(), Cn)), ("i1",)), Reduce(X, ("i1",)))),
+                     ("i0", "t"), "float32")
+    return Region("rc", ("i0", "i1"), ((1, 0), (1, 2)), (0, 1),
+                  (InputSpec("x", 2, "float32"), InputSpec("c", 3, "float32"), InputSpec("h0", 2, "float32")),
+                  Const(0.9), Op("mul", (X, Cn)), (out,), init=2)
+
+
+def test_declined_regions_run_the_reference_with_the_reason(interp):
+    from ssmc.targets.reference import ReferenceKernel
+    g = torch.Generator().manual_seed(11)
+    for region, shapes, why in [(_two_patterns_region(), [(2, 5, 3), (3,)], "two index patterns"),
+                                (_constant_sum_region(), [(2, 5), (2, 5, 3), (2, 3)], "size factor")]:
+        assert why in B.make_bwd_plan(region)
+        kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options())
+        xs = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+        outs = ReferenceKernel(region).forward(xs)
+        grads = fresh_grads(outs)
+        got = kern.backward(xs, grads, [True] * len(xs))
+        assert kern.bwd == B.make_bwd_plan(region) and why in kern.bwd_fallback
+        want = ReferenceKernel(region).backward_autograd(xs, grads, [True] * len(xs))   # autograd
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-10
+
+
+def test_broadcast_inputs_unneeded_grads_and_a_missing_output_grad(interp):
+    fn, make = CASES["mamba1_final_state"]
+    region, xs, kern, _, _ = captured(fn, make())
+    xs = [x.double() for x in xs]
+    names = [s.name.split(" ")[0] for s in region.inputs]
+    # D and bias of one element, read along d: broadcast at run time
+    for nm in ("l_d_", "l_bias_"):
+        xs[names.index(nm)] = xs[names.index(nm)][:1].clone()
+    check_against_adjoint(kern, region, xs)
+    # only some gradients needed; the per-step output has no gradient (only the final state is used)
+    from ssmc.targets.reference import ReferenceKernel
+    outs = ReferenceKernel(region).forward(xs)
+    grads = fresh_grads(outs)
+    steps = next(k for k, o in enumerate(region.outputs) if o.kind == "steps")
+    grads[steps] = torch.empty(0, dtype=grads[steps].dtype)
+    needs = [nm in ("l_a_", "l_b_", "l_dt_") for nm in names]
+    got = check_against_adjoint(kern, region, xs, needs=needs, grads=grads)
+    assert [g is not None for g in got] == needs
+
+
+# -- compile-only for sm_80 / sm_90 ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cc, program, deterministic", [(80, "mamba1", False), (90, "mamba1", True),
+                                                        (90, "mamba2", False)])
+def test_backward_compiles_for_sm80_sm90_without_gpu(cc, program, deterministic, monkeypatch, tmp_path):
+    from test_triton import ast_source, region_of
+    from triton.backends.compiler import GPUTarget
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    build, make = {"mamba1": (lambda: P.mamba1("final"), lambda: P.mamba1_inputs(seed=1)),
+                   "mamba2": (lambda: P.mamba2("final"), lambda: P.mamba2_inputs(seed=2, with_h0=True))}[program]
+    region = region_of(build(), make())
+    bp = B.make_bwd_plan(region)
+    opts = ssmc.make_options(cache_dir=str(tmp_path), deterministic=deterministic)
+    bk = B.BackwardKernel(region, "chunked_scan", bp, opts, None)
+    seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if i != region.init and s.ndim >= 3}
+    cfg = B.load_configs()[f"sm_{cc}"][0]
+    fn, sig, cx = bk.signature(cfg, 16, seq)
+    assert isinstance(fn, triton.runtime.jit.JITFunction) and "*bf16" in sig.values()
+    ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
+                        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    ptx = ck.asm["ptx"]
+    assert f".target sm_{cc}" in ptx and ck.asm.get("cubin")
+    atomics = "red.global" in ptx or "atom.global" in ptx
+    assert atomics != deterministic                    # shared gradients: atomics or slots
+
+
+# -- on a GPU -----------------------------------------------------------------------------------------------------
+
+GPU_PROGRAMS = {
+    "mamba1": (lambda: P.mamba1("final"),
+               lambda L, dt: P.mamba1_inputs(b=8, L=L, d=1536, n=16, dtype=dt, seed=L)),
+    "gated": (P.gated, lambda L, dt: P.gated_inputs(b=8, L=L, d=1536, dtype=dt, seed=L)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(GPU_PROGRAMS))
+def test_gpu_gradients(name, dtype, deterministic, monkeypatch, tmp_path):
+    """b8 d1536 n16 L2048: every input's gradient against the float64 reference adjoint."""
+    from test_triton import region_inputs, region_of
+    from ssmc.targets.reference import ReferenceKernel, adjoint_run
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    build, make = GPU_PROGRAMS[name]
+    fn = build()
+    region = region_of(fn, tuple(x[:2, :8].contiguous() if x.dim() >= 3 else x for x in make(8, dtype)))
+    kern = T.TritonTarget().compile(region, "chunked_scan",
+                                    ssmc.make_options(cache_dir=str(tmp_path), deterministic=deterministic))
+    L = 2048
+    xs = region_inputs(region, fn, tuple(x.cuda() for x in make(L, dtype)))
+    if region.init is not None:
+        xs[region.init] = torch.randn_like(xs[region.init]) * 0.1
+    outs = kern.forward(xs)
+    grads = [(torch.randn(o.shape, device="cuda", dtype=torch.float64) / 16).to(o.dtype) for o in outs]
+    needs = [x.is_floating_point() for x in xs]
+    got = kern.backward(xs, grads, needs)
+    torch.cuda.synchronize()
+    assert_kernel_ran(kern)
+    x64 = [x.double() for x in xs]
+    want = adjoint_run(region, x64, [g.double() for g in grads], needs, chunk=256)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-4
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            continue
+        assert g.dtype == xs[i].dtype and torch.isfinite(g).all()
+        err = rel_err(g, w)
+        assert err <= tol, f"{name} {dtype} input {i} ({region.inputs[i].name}): rel err {err:.3g}, config {kern.bwd.config}"
+    if deterministic:
+        again = kern.backward(xs, grads, needs)
+        assert all(a is None or torch.equal(a, b) for a, b in zip(got, again))
+    for cfg in kern.bwd.candidates(B._Call(xs, grads, needs), kern.bwd.arch):   # every config
+        for i, (g, w) in enumerate(zip(kern.bwd.launch(B._Call(xs, grads, needs), cfg), want)):
+            if w is not None:
+                assert rel_err(g, w) <= tol, f"config {cfg} input {i}: rel err {rel_err(g, w):.3g}"
