@@ -2,7 +2,7 @@
 
 On ``target="auto"`` with several generated targets supporting a region (cuda and triton on a
 GPU), `MeasuredChoice` runs each once on the first real inputs of a shape bucket, times them
-with CUDA events, and keeps the fastest. The decision is stored in the kernel cache, keyed by
+(wall clock between device synchronisations), and keeps the fastest. The decision is stored in the kernel cache, keyed by
 the region, the arch, the shape bucket and the targets' versions, so a second process decides
 nothing. `describe()` says which won and by how much, for ssmc.explain.
 """
@@ -27,21 +27,17 @@ def shape_bucket(inputs) -> tuple:
 
 
 def _time(fn, reps: int) -> float:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        fn()
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
+    """Milliseconds per call, wall clock between device-wide synchronisations: whatever stream
+    a target launches on, and its launch overhead, are counted."""
     import time
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
+    sync()
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
+    sync()
     return (time.perf_counter() - t0) / reps * 1e3
 
 

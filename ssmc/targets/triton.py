@@ -255,6 +255,12 @@ def _lines(items, indent: int, sep: str = "") -> str:
     return (sep + "\n").join(pad + s for s in items)
 
 
+def call_signature(inputs) -> tuple:
+    """What a launch depends on besides the data: shapes, strides, dtypes, devices, and whether
+    Triton interprets (tests switch it per test)."""
+    return (interpreting(),) + tuple((x.shape, x.stride(), x.dtype, x.device) for x in inputs)
+
+
 @functools.lru_cache(maxsize=None)
 def _env():
     import jinja2
@@ -372,6 +378,7 @@ class TritonKernel:
         self.failed_configs: dict = {}     # bucket -> ["config: error"] of configs that failed
         self._ref = None
         self._lock = threading.Lock()
+        self._replays: dict = {}           # call_signature -> prepared launch (forward)
         self.note: str | None = None
         self.options = options
         self._sources: dict[str, tuple[str, str, str]] = {}      # cdt -> (source, key, status)
@@ -552,6 +559,10 @@ class TritonKernel:
         return self._ref
 
     def forward(self, inputs):
+        sig = call_signature(inputs)
+        replay = self._replays.get(sig)
+        if replay is not None:                 # this exact call was prepared before
+            return replay(inputs)
         sizes, L = self.sizes(inputs)
         why = self._why_not(inputs, sizes, L)
         if why is not None:
@@ -563,10 +574,39 @@ class TritonKernel:
             return self._reference().forward(inputs)
         self.config = config
         try:
-            return self.launch(inputs, config)
+            outs = self.launch(inputs, config)
         except Exception as e:   # ssmc.runtime.op falls back to the reference and reports this
             raise RuntimeError(f"Triton kernel {self.path} with config {config} failed: "
                                f"{type(e).__name__}: {e}") from e
+        self._replays[sig] = self._replay(inputs, config, outs)
+        return outs
+
+    def _replay(self, inputs, config, outs):
+        """The launch of this call with everything that depends only on the inputs' shapes,
+        strides, dtypes and device bound once: the kernel, grid, integer arguments and
+        constexprs. A decode step is a few microseconds of GPU work, so the Python between the
+        custom op and the launch is most of its time."""
+        fn = self._fn(self._module(self._cdt(inputs)), config["variant"])
+        extra = {} if inputs[0].device.type == "cpu" else {
+            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        args = self.launch_args(inputs, outs)
+        slots = []                                  # (is_output, index) of each tensor argument
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                break
+            j = next((j for j, o in enumerate(outs) if o is a), None)
+            slots.append((True, j) if j is not None else (False, next(i for i, x in enumerate(inputs) if x is a)))
+        ints = args[len(slots):]
+        kern = fn[self.grid(inputs, config)]
+        kw = {**self.constexprs(inputs, config), **extra}
+        made = [(o.shape, o.dtype) for o in outs]
+
+        def replay(xs):
+            dev = xs[0].device
+            os_ = [torch.empty(s, dtype=d, device=dev) for s, d in made]
+            kern(*[os_[i] if out else xs[i] for out, i in slots], *ints, **kw)
+            return os_
+        return replay
 
     def _config(self, inputs, arch) -> dict | None:
         bucket = (arch_key(arch), self.bucket(inputs))

@@ -403,18 +403,20 @@ class SSDKernel(T.TritonKernel):
 
     def candidates(self, inputs, arch) -> list[dict]:
         """This arch's configs fitted to the shapes: CHUNK clamped to the length's power of
-        two, BLOCK_P to p's (both at least min_dot on a GPU), too-large tiles dropped (the
+        two, BLOCK_P to p's (both at least min_dot on a GPU, BLOCK_P at least the arch's
+        min_block_p), too-large tiles dropped (the
         smallest kept when all are), duplicates removed."""
         table = self.table()
         sizes, L = self.sizes(inputs)
         lo = self._min_dot(inputs[0].device.type == "cuda")
         bn = max(lo, T._pow2(sizes[self.plan.n]))
+        lo_p = max(lo, int(table.get("min_block_p", {}).get(T.arch_key(arch), 0))) if lo > 1 else lo
         budget = int(table.get("max_tile_per_thread", 256)) * 32
         fits, tiles, seen = [], [], set()
         for c in table[T.arch_key(arch)]:
             c = dict(c)
             c["CHUNK"] = max(lo, min(int(c["CHUNK"]), T._pow2(L)))
-            c["BLOCK_P"] = max(lo, min(int(c["BLOCK_P"]), T._pow2(sizes[self.plan.p])))
+            c["BLOCK_P"] = max(lo_p, min(int(c["BLOCK_P"]), T._pow2(sizes[self.plan.p])))
             sig = tuple(sorted(c.items()))
             if sig in seen:
                 continue
