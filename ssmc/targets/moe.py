@@ -149,6 +149,21 @@ class GroupedTritonKernel(GroupedKernel):
         self.sources: dict = {}                # (cdt, tiles) -> (source, path)
         self._table_key = None
         self._table = None
+        self.fields = self._fields()
+
+    def _fields(self) -> list:
+        """The per-group table row after (first program, channel blocks, tile): per pointer
+        argument of the body its element offset, then its strides; then the sizes."""
+        from .triton import kernel_args
+        r, p = self.region, self.plan
+        args = kernel_args(r, p)
+        fields = []
+        for a in args:
+            if a.endswith("_ptr"):
+                k = a[:-4]
+                n = r.inputs[int(k[2:])].ndim if k.startswith("in") else len(r.outputs[int(k[3:])].index)
+                fields += [(a, "offset")] + [(f"{k}_s{d}", "int") for d in range(n)]
+        return fields + [(a, "int") for a in args if a.startswith("size_") or a in ("SIZE_D", "SIZE_N", "L")]
 
     # -- source ----------------------------------------------------------------------------------
     def render(self, cdt: str, tiles: tuple) -> str:
@@ -156,14 +171,7 @@ class GroupedTritonKernel(GroupedKernel):
         r, p = self.region, self.plan
         args = kernel_args(r, p)
         ptrs = [a for a in args if a.endswith("_ptr")]
-        fields = []
-        for a in ptrs:
-            k = a[:-4]
-            fields.append((a, "offset"))
-            n = r.inputs[int(k[2:])].ndim if k.startswith("in") else len(r.outputs[int(k[3:])].index)
-            fields += [(f"{k}_s{d}", "int") for d in range(n)]
-        fields += [(a, "int") for a in args if not a.endswith("_ptr") and "_s" not in a.replace("size_", "")]
-        self.fields = fields
+        fields = self.fields
         return _env().get_template(TEMPLATE).render(
             region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt,
             kname=kernel_name(r) + "_moe", plan=p, tiles=list(tiles),
