@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ssmc.ir import Load, Op, OutputSpec, Reduce, Region, walk
-from ssmc.ops import shape
+from ssmc.ops import UNBACKED, shape
 
 from .base import Pass
 
@@ -44,10 +44,11 @@ class Group:
 
 
 def hint(s) -> int:
+    """A size at capture time; -1 when it is data-dependent (known only at run time)."""
     if isinstance(s, torch.SymInt):
         h = getattr(s.node, "hint", None)
         return int(h) if h is not None else -1
-    return int(s)
+    return -1 if s >= UNBACKED else int(s)
 
 
 # -- structure -------------------------------------------------------------------------------------

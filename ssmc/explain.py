@@ -80,14 +80,17 @@ class GroupInfo:
                 if useful else 0.0}
 
     def __str__(self):
-        p = self.padding()
         lines = [f"group {self.name}: {self.status}",
                  f"  experts {', '.join(self.members)} gather from {self.source}"
-                 f"{', scatter by ' + self.scatter if self.scatter else ''}",
-                 "  at capture: " + "; ".join(f"{m}: {b} seq, state {n} -> tile {t}"
-                                              for m, (b, n, t, _) in zip(self.members, p["groups"])),
-                 f"  padded work {100 * p['wasted_fraction']:.1f}% of useful work "
-                 f"(padding every expert to the largest state: {100 * p['wasted_fraction_if_padded_to_max']:.1f}%)"]
+                 f"{', scatter by ' + self.scatter if self.scatter else ''}"]
+        if any(v < 0 for s in self.state_sizes for v in s):
+            lines.append("  sizes are data-dependent: padding is reported after a run (notes)")
+        else:
+            p = self.padding()
+            lines += ["  at capture: " + "; ".join(f"{m}: {b} seq, state {n} -> tile {t}"
+                                                   for m, (b, n, t, _) in zip(self.members, p["groups"])),
+                      f"  padded work {100 * p['wasted_fraction']:.1f}% of useful work (padding every "
+                      f"expert to the largest state: {100 * p['wasted_fraction_if_padded_to_max']:.1f}%)"]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
