@@ -118,7 +118,7 @@ class Lowering:
                     if u.op == "call_function" and u.target is operator.setitem:
                         g.erase_node(u)
                 g.erase_node(n)
-        g.eliminate_dead_code()
+        g.eliminate_dead_code(is_impure_node=_impure)   # in-place writes stay (out.index_add_(...))
         self.gm.recompile()
 
     def _pre(self) -> dict:
@@ -192,6 +192,10 @@ class Lowering:
                 v = g.call_function(torch.cat, (parts, r.dim))
         for n in r.replace:
             n.replace_all_uses_with(v)
+
+
+def _impure(n: fx.Node) -> bool:
+    return n.is_impure() or _mutated(n) is not None
 
 
 def _is_alloc(n: fx.Node) -> bool:
