@@ -191,19 +191,23 @@ class MoeGrouping(Pass):
             gathers = _gathers(_outer_inputs(c))
             if gathers:
                 info[i] = (gathers, _unit_axes(c))
-        # a group's IR comes from a member without size-1 state axes
+        # a group's IR comes from a member with the fewest size-1 state axes; others join when
+        # their IR is that IR with their own size-1 axes pinned
         buckets: dict = {}
-        for i, (gathers, unit) in info.items():
-            if not unit:
-                for src in gathers:
-                    buckets.setdefault((structure(live[i].plan.region), src), []).append(i)
+        for i in sorted(info, key=lambda i: len(info[i][1])):
+            gathers, unit = info[i]
+            for src in gathers:
+                key = next((k for k in buckets if k[1] is src and unit >= k[2] and
+                            structure(live[i].plan.region, unit) == structure(live[k[0]].plan.region, unit)),
+                           None)
+                if key is None:
+                    buckets[(i, src, unit)] = [i]
+                else:
+                    buckets[key].append(i)
         taken: set = set()
         order = {n: k for k, n in enumerate(ctx.gm.graph.nodes)}
-        for (_, src), members in buckets.items():
-            canon = live[members[0]].plan.region
-            for i, (gathers, unit) in info.items():
-                if unit and src in gathers and structure(live[i].plan.region, unit) == structure(canon, unit):
-                    members.append(i)
+        for (first, src, _), members in buckets.items():
+            canon = live[first].plan.region
             members = sorted((i for i in members if i not in taken), key=lambda i: order.get(live[i].loop.anchor, 0))
             if len(members) < 2 or len({info[i][0][src] for i in members}) < len(members):
                 continue

@@ -154,8 +154,9 @@ def test_not_grouped_when_an_expert_reads_another():
         (A0, WB0, WC0, D0, b0), (A1, WB1, WC1, D1, b1) = params[:2]
         x0 = x[idxs[0]]
         y0 = expert(x0, dt[idxs[0]], A0, x0 @ WB0, x0 @ WC0, D0, b0)
-        x1 = x[idxs[1]] + y0                                  # expert 1 reads expert 0's result
-        return expert(x1, dt[idxs[1]], A1, x1 @ WB1, x1 @ WC1, D1, b1)
+        idx1 = torch.argsort(y0.sum((1, 2)))                  # expert 1's routing reads expert 0
+        x1 = x[idx1]
+        return expert(x1, dt[idx1], A1, x1 @ WB1, x1 @ WC1, D1, b1)
     x, dt, params = inputs(seed=7)
     idxs = [torch.tensor([0, 1]), torch.tensor([3, 4])]
     out, report = ssmc_run(fn, (x, dt, idxs, params))
