@@ -243,11 +243,11 @@ def main(argv=None):
     ap.add_argument("--routings", default="balanced,skewed")
     ap.add_argument("--eager-L", dest="eager_L", type=int, default=256)
     ap.add_argument("--rest", default="eager", help="how the rest of the layer runs: eager | inductor | auto")
-    ap.add_argument("--reps", type=int, default=5, help="timed runs per row on CPU")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per row on CPU")
     args = ap.parse_args(argv)
     if args.tiny:
-        args.b, args.d, args.L, args.dtype, args.eager_L, args.reps = 8, 8, 8, "fp32", 8, 2
-        args.states = "2,2,3,3,4,4,5,5"
+        args.b, args.d, args.L, args.dtype, args.eager_L = 8, 8, 8, "fp32", 8
+        args.states = "2,3,4,5"
     print(f"[bench_moe] {vars(args)}", flush=True)
     try:
         res = run(args)

@@ -11,7 +11,9 @@
 """
 from __future__ import annotations
 
+import importlib.resources
 import json
+import re
 
 import pytest
 import torch
@@ -189,13 +191,36 @@ def test_triton_grouped_kernel_interpreted(monkeypatch, tmp_path):
         ref = fn(x.double(), dt.double(), idxs, [tuple(p.double() for p in ps) for ps in params])
         check(out, ref, 1e-5)
         src = "\n".join(entry.kernel.sources.values())
-        assert "BLOCK_N=8" in src if 5 in [params[e][0].shape[1] for e in range(3) if len(idxs[e])] else True
+        tiles = {1 << (params[e][0].shape[1] - 1).bit_length() for e in range(3) if len(idxs[e])}
+        assert set(int(t) for t in re.findall(r"BLOCK_N=(\d+),", src)) >= tiles   # a branch per tile
+
+
+def test_grouped_kernel_compiles_for_sm90_without_gpu(monkeypatch, tmp_path):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from ssmc.targets.moe import GroupedTritonKernel
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, dt, params = inputs(dtype=torch.float32, seed=12)
+    report = ssmc.explain(moe(), x, dt, split(ROUTES["mixed"], 4), params)
+    region = report.groups[0].region
+    kern = GroupedTritonKernel(region, None, ssmc.make_options(cache_dir=str(tmp_path)))
+    seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if s.ndim >= 3 and i != region.init}
+    cfg = next(c for c in json.loads(
+        (importlib.resources.files("ssmc.templates") / "triton/moe_scan_fwd.configs.json").read_text())["sm_90"])
+    fn, sig, cx = kern.signature(cfg, (8, 64), seq)
+    assert "*bf16" in sig.values() and sig["table_ptr"] == "*i64"
+    try:
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx)
+    except TypeError:           # older Triton spelled it `constants`
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constants=cx)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+    assert ".target sm_90" in ck.asm["ptx"]
 
 
 def test_benchmark_tiny(tmp_path):
     from benchmarks import bench_moe
     out = tmp_path / "moe.json"
-    bench_moe.main(["--tiny", "--out", str(out)])
+    bench_moe.main(["--tiny", "--out", str(out), "--reps", "1"])
     res = json.loads(out.read_text())
     assert res["rows"] and all(r.get("error") is None for r in res["rows"]), res["rows"]
     assert {r["routing"] for r in res["rows"]} == {"balanced", "skewed"}

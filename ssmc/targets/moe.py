@@ -191,6 +191,28 @@ class GroupedTritonKernel(GroupedKernel):
             self.sources[("tl.float32", (16,))] = self.render("tl.float32", (16,))
         return "\n".join(self.sources.values())
 
+    def signature(self, config: dict, tiles: tuple, dtypes: dict | None = None):
+        """(jit function, signature, constexprs) for a compile-only ``triton.compile`` (no GPU
+        needed): base pointers typed by the region's dtypes (`dtypes`: input index -> torch
+        dtype overrides), the table int64, the group count int32."""
+        from .triton import _TL_PTR, kernel_name
+        r = self.region
+        dts = {i: ir.to_dtype(s.dtype) for i, s in enumerate(r.inputs)}
+        dts.update(dtypes or {})
+        sig = {}
+        for name, kind in self.fields:
+            if kind == "offset":
+                k = name[:-4]
+                dt = dts[int(k[2:])] if k.startswith("in") else ir.to_dtype(r.outputs[int(k[3:])].dtype)
+                sig[name] = "*" + _TL_PTR[dt]
+        sig.update({"table_ptr": "*i64", "G": "i32", "CHUNK": "constexpr"})
+        cx = {"CHUNK": config["CHUNK"]}
+        for t in tiles:
+            sig[f"BD_{t}"] = "constexpr"
+            cx[f"BD_{t}"] = max(1, config["TILE"] // t)
+        cdt = "tl.float64" if torch.float64 in dts.values() else "tl.float32"
+        return getattr(self.module(cdt, tuple(tiles)), kernel_name(r) + "_moe_grouped"), sig, cx
+
     # -- launching ---------------------------------------------------------------------------------
     def _why_not(self, groups) -> str | None:
         from .triton import _TL_PTR, MAX_BLOCK_N, interpreting
