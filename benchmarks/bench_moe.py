@@ -128,6 +128,10 @@ def record_groups(entry):
     return seen, lambda: setattr(entry.kernel, "forward", fwd)
 
 
+class _Skip(Exception):
+    pass
+
+
 def rel_err(a, b) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -200,9 +204,13 @@ def run(args) -> dict:
             if "layer_grouped" in times and "layer_per_expert" in times:
                 row["speedup_layer"] = times["layer_per_expert"] / times["layer_grouped"]
             try:
+                if not args.eager_L:
+                    raise _Skip()
                 xe, dte = x[:, :args.eager_L].contiguous(), dt[:, :args.eager_L].contiguous()
                 row["eager_ms_at_eager_L"] = bench(lambda: moe_layer(xe, dte, idxs, params), gpu, 1 if gpu else args.reps)
                 print(f"[bench_moe]   eager at L{args.eager_L}: {row['eager_ms_at_eager_L']:.3f} ms", flush=True)
+            except _Skip:
+                pass
             except Exception as e:
                 row["eager_error"] = f"{type(e).__name__}: {e}"
         except Exception as e:
@@ -241,12 +249,13 @@ def main(argv=None):
     ap.add_argument("--states", default=",".join(map(str, STATES)))
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--routings", default="balanced,skewed")
-    ap.add_argument("--eager-L", dest="eager_L", type=int, default=256)
+    ap.add_argument("--eager-L", dest="eager_L", type=int, default=256, help="0: no eager row")
     ap.add_argument("--rest", default="eager", help="how the rest of the layer runs: eager | inductor | auto")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per row on CPU")
     args = ap.parse_args(argv)
     if args.tiny:
-        args.b, args.d, args.L, args.dtype, args.eager_L = 8, 8, 8, "fp32", 8
+        args.b, args.d, args.L, args.dtype = 8, 8, 8, "fp32"
+        args.eager_L = min(args.eager_L, 8)
         args.states = "2,3,4,5"
     print(f"[bench_moe] {vars(args)}", flush=True)
     try:
