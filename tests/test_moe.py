@@ -208,7 +208,9 @@ def test_grouped_kernel_compiles_for_sm90_without_gpu(monkeypatch, tmp_path):
     seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if s.ndim >= 3 and i != region.init}
     cfg = next(c for c in json.loads(
         (importlib.resources.files("ssmc.templates") / "triton/moe_scan_fwd.configs.json").read_text())["sm_90"])
-    fn, sig, cx = kern.signature(cfg, (8, 64), seq)
+    consts = tuple((n, 4) if k == "offset" else (n, 1) for n, k in kern.fields
+                   if k == "offset" or n.endswith("_s2"))       # aligned rows, unit inner strides
+    fn, sig, cx = kern.signature(cfg, (8, 64), seq, consts)
     assert "*bf16" in sig.values() and sig["table_ptr"] == "*i64"
     try:
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx)

@@ -166,7 +166,7 @@ class GroupedTritonKernel(GroupedKernel):
         return fields + [(a, "int") for a in args if a.startswith("size_") or a in ("SIZE_D", "SIZE_N", "L")]
 
     # -- source ----------------------------------------------------------------------------------
-    def render(self, cdt: str, tiles: tuple) -> str:
+    def render(self, cdt: str, tiles: tuple, consts: tuple = ()) -> str:
         from .triton import _env, _print_variant, kernel_args, kernel_name
         r, p = self.region, self.plan
         args = kernel_args(r, p)
@@ -176,22 +176,26 @@ class GroupedTritonKernel(GroupedKernel):
             region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt,
             kname=kernel_name(r) + "_moe", plan=p, tiles=list(tiles),
             args=[", ".join(args) + ","], bases=[", ".join(ptrs) + ","], fields=fields,
-            row=3 + len(fields), call=", ".join(args), loop=_print_variant(r, p, cdt, False))
+            row=3 + len(fields), call=", ".join(args), consts=dict(consts),
+            loop=_print_variant(r, p, cdt, False))
 
-    def module(self, cdt: str, tiles: tuple):
+    def module(self, cdt: str, tiles: tuple, consts: tuple = ()):
+        """The kernel module for a compute dtype, the tiles present and `consts`: strides that
+        are 0 or 1 in every group (printed as literals) and offsets that are multiples of 16
+        bytes in every group (declared so): unit strides and aligned rows give wide loads."""
         from ssmc.runtime.cache import cache_key, get_cache
         from .triton import import_source
-        if (cdt, tiles) not in self.sources:
-            self.sources[(cdt, tiles)] = self.render(cdt, tiles)
-        src = self.sources[(cdt, tiles)]
+        if (cdt, tiles, consts) not in self.sources:
+            self.sources[(cdt, tiles, consts)] = self.render(cdt, tiles, consts)
+        src = self.sources[(cdt, tiles, consts)]
         return import_source(src, cache_key("triton-moe-source", src), get_cache(self.options.cache_dir))[0]
 
     def source(self) -> str:
         if not self.sources:
-            self.sources[("tl.float32", (16,))] = self.render("tl.float32", (16,))
+            self.sources[("tl.float32", (16,), ())] = self.render("tl.float32", (16,))
         return "\n".join(self.sources.values())
 
-    def signature(self, config: dict, tiles: tuple, dtypes: dict | None = None):
+    def signature(self, config: dict, tiles: tuple, dtypes: dict | None = None, consts: tuple = ()):
         """(jit function, signature, constexprs) for a compile-only ``triton.compile`` (no GPU
         needed): base pointers typed by the region's dtypes (`dtypes`: input index -> torch
         dtype overrides), the table int64, the group count int32."""
@@ -211,7 +215,7 @@ class GroupedTritonKernel(GroupedKernel):
             sig[f"BD_{t}"] = "constexpr"
             cx[f"BD_{t}"] = max(1, config["TILE"] // t)
         cdt = "tl.float64" if torch.float64 in dts.values() else "tl.float32"
-        return getattr(self.module(cdt, tuple(tiles)), kernel_name(r) + "_moe_grouped"), sig, cx
+        return getattr(self.module(cdt, tuple(tiles), tuple(consts)), kernel_name(r) + "_moe_grouped"), sig, cx
 
     # -- launching ---------------------------------------------------------------------------------
     def _why_not(self, groups) -> str | None:
@@ -306,7 +310,18 @@ class GroupedTritonKernel(GroupedKernel):
             self._table = torch.tensor(rows, dtype=torch.int64).to(dev)
             self._table_key = key
         cdt = "tl.float64" if any(x.dtype == torch.float64 for g in groups for x in g) else "tl.float32"
-        mod = self.module(cdt, tiles)
+        consts = []
+        for j, (name, kind) in enumerate(self.fields):
+            col = [r[3 + j] for r in rows]
+            if kind == "offset":       # every group's tensor 16-byte aligned: wide loads stay possible
+                base = bases[name]
+                vec = 16 // base.element_size()
+                if base.data_ptr() % 16 == 0 and all(v % vec == 0 for v in col):
+                    consts.append((name, vec))
+            elif "_s" in name and col[0] in (0, 1) and all(v == col[0] for v in col):
+                consts.append((name, col[0]))
+        consts = tuple(consts)
+        mod = self.module(cdt, tiles, consts)
         from .triton import kernel_name
         fn = getattr(mod, kernel_name(r) + "_moe_grouped")
         extra = {} if dev.type == "cpu" else {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
