@@ -118,7 +118,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
                                   getattr(entry.kernel, "cache_status", ""), entry.region))
     greport.regions.extend(reversed(lowered))
     for group in getattr(ctx, "groups", []):
-        greport.groups.append(_lower_group(gm, group, opts, device))
+        greport.groups.append(_lower_group(gm, group, opts, device, arch))
     greport.log.extend(cache.events[seen_events:])      # corrupt entries rebuilt, unwritable cache dir
     if opts.validate:
         _validate(gm)
@@ -127,7 +127,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     return len(lowered)
 
 
-def _lower_group(gm, group, opts, device):
+def _lower_group(gm, group, opts, device, arch):
     """One grouped call for a group's members (already lowered each to its own region call);
     a group that cannot be merged keeps the members' own calls, with the reason."""
     from .explain import GroupInfo
@@ -144,7 +144,7 @@ def _lower_group(gm, group, opts, device):
         return info
     canon = lookup(keys[[c.plan.region for c in group.members].index(group.region)])
     try:
-        kernel = make_grouped(group.region, canon.kernel, canon.target, opts, device)
+        kernel = make_grouped(group.region, canon.kernel, canon.target, opts, device, arch)
         key = f"{group.name}-{group.region.key()}-{len(keys)}-{canon.target}"
         entry = GroupCompiled(key, group.region, len(group.region.inputs), len(keys), kernel,
                               info.members)

@@ -386,14 +386,12 @@ class GroupedTritonKernel(GroupedKernel):
         return text
 
 
-def make_grouped(region: Region, member, target: str, options, device_type: str):
-    """The grouped kernel for a group whose members run `member` (compiled by `target`)."""
-    name = target.removeprefix("auto(").rstrip(")").split("|")
-    if "triton" in name or target in ("cuda",) or any(n in ("cuda", "triton") for n in name):
-        from .triton import TritonTarget, interpreting
-        from .triton import make_plan
-        ok = device_type == "cuda" or (device_type == "cpu" and interpreting())
-        if ok and not isinstance(make_plan(region), str) and TritonTarget().supports(
-                region, "chunked_scan", None if device_type == "cpu" else 90, device_type) is True:
-            return GroupedTritonKernel(region, member, options)
+def make_grouped(region: Region, member, target: str, options, device_type: str, arch=None):
+    """The grouped kernel for a group whose members run `member` (compiled by `target`): one
+    Triton launch where the Triton target supports the region here, else per-group calls."""
+    from .triton import TritonTarget, make_plan
+    names = target.removeprefix("auto(").rstrip(")").split("|")
+    if any(n in ("triton", "cuda") for n in names) and not isinstance(make_plan(region), str) and \
+            TritonTarget().supports(region, "chunked_scan", arch, device_type) is True:
+        return GroupedTritonKernel(region, member, options, arch)
     return GroupedKernel(region, member)
