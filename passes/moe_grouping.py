@@ -90,7 +90,7 @@ def _unit_axes(cand) -> frozenset:
 
 def gather_of(n) -> tuple | None:
     """(source, index node) when `n` is ``source[idx]`` / ``source.index_select(0, idx)`` with a
-    1-d integer index tensor along dim 0."""
+    1-d integer index tensor (or ``source[mask]``, a 1-d boolean mask) along dim 0."""
     if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
         return None
     if n.target is operator.getitem and len(n.args) == 2:
@@ -113,7 +113,7 @@ def _is_index(idx) -> bool:
     if not isinstance(idx, fx.Node):
         return False
     v = idx.meta.get("example_value", idx.meta.get("val"))
-    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.dtype in (torch.int64, torch.int32)
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.dtype in (torch.int64, torch.int32, torch.bool)
 
 
 def _gathers(roots, limit: int = 64) -> dict:

@@ -152,6 +152,57 @@ def test_routing_inside_the_graph(monkeypatch):
     assert "data-dependent" in str(report)
 
 
+class Expert(torch.nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.A = torch.nn.Parameter(-torch.rand(d, n) - 0.1)
+        self.proj = torch.nn.Linear(d, 2 * n, bias=False)
+        self.D = torch.nn.Parameter(torch.randn(d))
+        self.bias = torch.nn.Parameter(torch.randn(d) * 0.1)
+
+    def forward(self, x, dt):
+        B, C = self.proj(x).chunk(2, dim=-1)
+        return expert(x, dt, self.A, B, C, self.D, self.bias)
+
+
+class MoE(torch.nn.Module):
+    """A router inside the module, boolean masks, experts of an nn.ModuleList."""
+    def __init__(self, d, states):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(Expert(d, n) for n in states)
+        self.router = torch.nn.Linear(d, len(states))
+
+    def forward(self, x, dt):
+        route = self.router(x.mean(1)).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, ex in enumerate(self.experts):
+            mask = route == e
+            out[mask] = ex(x[mask], dt[mask])
+        return out
+
+
+def test_module_with_router_and_masks_trains(monkeypatch):
+    torch.manual_seed(0)
+    m = MoE(4, STATES).double()
+    x, dt = torch.randn(6, 5, 4, dtype=torch.float64), torch.randn(6, 5, 4, dtype=torch.float64) * 0.5
+    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+    torch._dynamo.reset()
+    fast = torch.compile(m, backend="ssmc")
+    got = fast(x, dt)
+    got.square().sum().backward()
+    g_fast = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    m.zero_grad()
+    want = m(x, dt)
+    want.square().sum().backward()
+    g_ref = [p.grad for p in m.parameters() if p.grad is not None]
+    check(got, want, 1e-10)
+    assert len(g_fast) == len(g_ref) > 0
+    for a, b in zip(g_fast, g_ref):
+        check(a, b, 1e-9)
+    report = ssmc.backend.LAST_REPORT
+    assert len(report.graphs) == 1 and report.groups[0].status.startswith("grouped")
+
+
 def test_not_grouped_when_an_expert_reads_another():
     def fn(x, dt, idxs, params):
         (A0, WB0, WC0, D0, b0), (A1, WB1, WC1, D1, b1) = params[:2]
