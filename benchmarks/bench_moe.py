@@ -7,7 +7,8 @@
 b64 d1536 L2048, bf16 activations, fp32 state; routing "balanced" (a random permutation cut
 into equal parts) and "skewed" (experts drawn with probabilities 0.3, 0.2, 0.15, 0.1, 0.1,
 0.05, 0.05, 0.05). Each expert's recurrence is captured through torch's scan op (one FX node
-at any length; the unrolled Python loop gives the same region, see tests/test_moe.py).
+at any length); ``--form loop`` writes it as the naive Python loop (Dynamo unrolls it, so
+short lengths only; the default with --tiny). Both give the same region.
 
 Per routing, in this order (a failing row records its error and the next row runs):
 1. check: the compiled layer (moe_grouping on) against the float64 eager layer;
@@ -55,13 +56,31 @@ def expert(x, dt, A, B, C, D, bias):
     return (ys + D * x).to(x.dtype)
 
 
-def moe_layer(x, dt, idxs, params):
-    """The naive mixture: gather each expert's sequences, run it, scatter back."""
-    out = torch.zeros_like(x)
-    for idx, (A, WB, WC, D, bias) in zip(idxs, params):
-        xe = x[idx]
-        out[idx] = expert(xe, dt[idx], A, xe @ WB, xe @ WC, D, bias)
-    return out
+def expert_loop(x, dt, A, B, C, D, bias):
+    """The same expert as a Python loop over time (Dynamo unrolls it: short lengths only)."""
+    h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=torch.float64 if x.dtype == torch.float64
+                    else torch.float32, device=x.device)
+    ys = []
+    for t in range(x.shape[1]):
+        delta = F.softplus(dt[:, t] + bias)
+        h = torch.exp(delta[..., None] * A) * h + (delta * x[:, t])[..., None] * B[:, t, None]
+        ys.append((h * C[:, t, None]).sum(-1))
+    return (torch.stack(ys, 1) + D * x).to(x.dtype)
+
+
+def make_layer(run_expert):
+    def moe_layer(x, dt, idxs, params):
+        """The naive mixture: gather each expert's sequences, run it, scatter back."""
+        out = torch.zeros_like(x)
+        for idx, (A, WB, WC, D, bias) in zip(idxs, params):
+            xe = x[idx]
+            out[idx] = run_expert(xe, dt[idx], A, xe @ WB, xe @ WC, D, bias)
+        return out
+    return moe_layer
+
+
+LAYERS = {"scan": make_layer(expert), "loop": make_layer(expert_loop)}
+moe_layer = LAYERS["scan"]
 
 
 def make_inputs(b, d, L, states, dtype, device, seed=0):
@@ -105,7 +124,7 @@ def bench(fn, gpu: bool, reps: int) -> float:
     return statistics.median(times)
 
 
-def compiled_layer(disable: list, rest: str):
+def compiled_layer(moe_layer, disable: list, rest: str):
     import ssmc
     report = ssmc.Report()
     opts = {"rest": rest, "disable_passes": disable}
@@ -145,9 +164,10 @@ def run(args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     b, d, L = args.b, args.d, args.L
     states = tuple(int(s) for s in args.states.split(","))
-    res = {"config": {"b": b, "d": d, "L": L, "states": states, "dtype": args.dtype, "device": device,
+    res = {"config": {"b": b, "d": d, "L": L, "states": states, "dtype": args.dtype, "device": device, "form": args.form,
                       "eager_L": args.eager_L}, "env": env_info(gpu), "rows": []}
     x, dt, params = make_inputs(b, d, L, states, dtype, device)
+    layer = LAYERS[args.form]
     for kind in args.routings.split(","):
         idxs = routing(kind, b, len(states), device, seed=1)
         counts = [int(i.numel()) for i in idxs]
@@ -155,7 +175,7 @@ def run(args) -> dict:
         res["rows"].append(row)
         print(f"[bench_moe] routing {kind}: sequences per expert {counts}", flush=True)
         try:
-            fast, report = compiled_layer([], args.rest)
+            fast, report = compiled_layer(layer, [], args.rest)
             out = fast(x, dt, idxs, params)
             grp = report.groups[0] if report.groups else None
             row["group_status"] = grp.status if grp else "no group formed"
@@ -168,7 +188,7 @@ def run(args) -> dict:
             restore()
             groups = seen["groups"]
             print(f"[bench_moe]   grouped kernel: {entry.kernel.describe()}", flush=True)
-            ref = moe_layer(x.double(), dt.double(), idxs, double(params))
+            ref = layer(x.double(), dt.double(), idxs, double(params))
             row["rel_err_vs_float64"] = rel_err(out, ref)
             del ref
             print(f"[bench_moe]   check: rel. error vs float64 {row['rel_err_vs_float64']:.2e}", flush=True)
@@ -190,8 +210,10 @@ def run(args) -> dict:
                     row[f"{name}_error"] = f"{type(e).__name__}: {e}"
                     print(f"[bench_moe]   {name} FAILED: {e}", flush=True)
             for name, disable in (("layer_grouped", []), ("layer_per_expert", ["moe_grouping"])):
+                if name in args.skip:
+                    continue
                 try:
-                    f, rep = compiled_layer(disable, args.rest) if disable else (fast, report)
+                    f, rep = compiled_layer(layer, disable, args.rest) if disable else (fast, report)
                     f(x, dt, idxs, params)
                     times[name] = bench(lambda: f(x, dt, idxs, params), gpu, args.reps)
                     print(f"[bench_moe]   {name}: {times[name]:.3f} ms", flush=True)
@@ -204,10 +226,10 @@ def run(args) -> dict:
             if "layer_grouped" in times and "layer_per_expert" in times:
                 row["speedup_layer"] = times["layer_per_expert"] / times["layer_grouped"]
             try:
-                if not args.eager_L:
+                if not args.eager_L or "eager" in args.skip:
                     raise _Skip()
                 xe, dte = x[:, :args.eager_L].contiguous(), dt[:, :args.eager_L].contiguous()
-                row["eager_ms_at_eager_L"] = bench(lambda: moe_layer(xe, dte, idxs, params), gpu, 1 if gpu else args.reps)
+                row["eager_ms_at_eager_L"] = bench(lambda: layer(xe, dte, idxs, params), gpu, 1 if gpu else args.reps)
                 print(f"[bench_moe]   eager at L{args.eager_L}: {row['eager_ms_at_eager_L']:.3f} ms", flush=True)
             except _Skip:
                 pass
@@ -250,9 +272,14 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--routings", default="balanced,skewed")
     ap.add_argument("--eager-L", dest="eager_L", type=int, default=256, help="0: no eager row")
+    ap.add_argument("--form", default=None, choices=list(LAYERS),
+                    help="expert written with torch's scan op (default) or as a Python loop (default with --tiny)")
     ap.add_argument("--rest", default="eager", help="how the rest of the layer runs: eager | inductor | auto")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per row on CPU")
+    ap.add_argument("--skip", default="", help="rows to leave out: layer_grouped,layer_per_expert,eager")
     args = ap.parse_args(argv)
+    args.skip = set(filter(None, args.skip.split(",")))
+    args.form = args.form or ("loop" if args.tiny else "scan")
     if args.tiny:
         args.b, args.d, args.L, args.dtype = 8, 8, 8, "fp32"
         args.eager_L = min(args.eager_L, 8)

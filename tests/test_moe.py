@@ -274,7 +274,7 @@ def test_grouped_kernel_compiles_for_sm90_without_gpu(monkeypatch, tmp_path):
 def test_benchmark_tiny(tmp_path):
     from benchmarks import bench_moe
     out = tmp_path / "moe.json"
-    bench_moe.main(["--tiny", "--out", str(out), "--reps", "1", "--eager-L", "0"])
+    bench_moe.main(["--tiny", "--out", str(out), "--reps", "1", "--skip", "layer_per_expert,eager"])
     res = json.loads(out.read_text())
     assert res["rows"] and all(r.get("error") is None for r in res["rows"]), res["rows"]
     assert {r["routing"] for r in res["rows"]} == {"balanced", "skewed"}
