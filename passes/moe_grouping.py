@@ -116,7 +116,7 @@ def _is_index(idx) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() == 1 and v.dtype in (torch.int64, torch.int32, torch.bool)
 
 
-def _gathers(roots, limit: int = 64) -> dict:
+def _gathers(roots, limit: int = 256) -> dict:
     """source node -> index node, for every gather among the ancestors of `roots`."""
     out, seen, stack = {}, set(), [r for r in roots if isinstance(r, fx.Node)]
     while stack and len(seen) < limit:

@@ -58,8 +58,8 @@ def padding(r: Region, groups, block_d: dict | None = None) -> dict:
         other = math.prod(s for a, s in sizes.items() if a != reg)
         tile = _pow2(n)
         chan = other
-        if block_d:
-            d = max(sizes.values()) if not sizes else sizes[[a for a in r.axes if a != reg][-1]]
+        if block_d and len(r.axes) > 1:         # channels rounded up to whole blocks
+            d = sizes[[a for a in r.axes if a != reg][-1]]
             bd = block_d.get(tile, 1)
             chan = other // max(d, 1) * (-(-d // bd) * bd)
         rows.append({"sequences": sizes.get(r.axes[0], 1) if r.axes[0] != reg else 1,
@@ -110,7 +110,9 @@ class GroupedKernel:
     def describe(self) -> str:
         if self.stats is None:
             return "grouped: not run yet"
-        return f"grouped ({self.kind}, {self.launches} launches): {describe_padding(self.stats)}"
+        how = "one Triton launch" if self.launches == 1 and self.kind == GroupedTritonKernel.kind \
+            else f"{self.launches} launch(es), one per group with work"
+        return f"last run: {how}; {describe_padding(self.stats)}"
 
 
 def _rows(r: Region, ins) -> int:
@@ -140,8 +142,6 @@ class GroupedTritonKernel(GroupedKernel):
         plan = make_plan(region)
         if isinstance(plan, str):
             raise ValueError(f"grouped Triton kernel: {plan}")
-        if plan.scalars and plan.scalars[0] != region.axes[0] and len(plan.scalars) > 1:
-            raise ValueError("grouped Triton kernel: batch axis is not the first scalar axis")
         self.plan, self.options, self.arch = plan, options, arch
         self.chosen: dict = {}
         self.config: dict | None = None
@@ -303,7 +303,6 @@ class GroupedTritonKernel(GroupedKernel):
         bases, rows, nprog, tiles, bd = self._layout(groups, outs, config)
         if nprog == 0:
             return outs
-        from .triton import _TL_PTR
         dev = next(iter(bases.values())).device
         key = (tuple(rows[i][j] for i in range(len(rows)) for j in range(len(rows[i]))), str(dev))
         if key != self._table_key:
@@ -335,8 +334,9 @@ class GroupedTritonKernel(GroupedKernel):
     def forward(self, groups):
         why = self._why_not(groups)
         if why is not None:
-            self.fallback = why
+            self.fallback = f"per-group calls on the last run: {why}"
             return super().forward(groups)
+        self.fallback = None
         from .triton import _arch, arch_key
         dev = next(g[0].device for g in groups if _rows(self.region, g))
         arch = _arch(dev) if dev.type == "cuda" else None
