@@ -284,11 +284,13 @@ def test_benchmark_tiny(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_grouped_triton(dtype):
-    x, dt, params = inputs(b=16, L=64, d=96, states=(8, 16, 32, 64), dtype=dtype, seed=13, device="cuda")
+    x, dt, params = inputs(b=16, L=64, d=128, states=(8, 16, 32, 64), dtype=dtype, seed=13, device="cuda")
     fn = moe()
     idxs = split(torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(0)), 4, "cuda")
-    out, report = ssmc_run(fn, (x, dt, idxs, params))
+    out, report = ssmc_run(fn, (x, dt, idxs, params), rest="eager")
     (grp,) = report.groups
-    assert lookup(grp.key).kernel.kind == "one Triton launch"
+    kernel = lookup(grp.key).kernel
+    assert kernel.kind == "one Triton launch" and kernel.launches == 1, kernel.describe()
+    assert kernel.stats["wasted_fraction"] == 0.0          # power-of-two states: no padding
     ref = fn(x.double(), dt.double(), idxs, [tuple(p.double() for p in ps) for ps in params])
     check(out, ref, 1e-5 if dtype == torch.float32 else 2e-2)
