@@ -247,6 +247,21 @@ def test_triton_grouped_kernel_interpreted(monkeypatch, tmp_path):
         assert set(int(t) for t in re.findall(r"BLOCK_N=(\d+),", src)) >= tiles   # a branch per tile
 
 
+def test_failing_grouped_kernel_falls_back_to_the_reference(monkeypatch, tmp_path):
+    from ssmc.targets.moe import GroupedTritonKernel
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+
+    def broken(self, *a, **k):
+        raise RuntimeError("out of resources")
+    monkeypatch.setattr(GroupedTritonKernel, "launch", broken)
+    x, dt, params = inputs(b=4, L=3, d=2, states=(2, 3), dtype=torch.float32, seed=14)
+    idxs = split([0, 1, 1, 0], 2)
+    out, report = ssmc_run(moe(), (x, dt, idxs, params), target="triton")
+    check(out, moe()(x.double(), dt.double(), idxs, [tuple(p.double() for p in ps) for ps in params]), 1e-5)
+    assert "out of resources" in lookup(report.groups[0].key).failure
+
+
 def test_grouped_kernel_compiles_for_sm90_without_gpu(monkeypatch, tmp_path):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
