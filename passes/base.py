@@ -63,6 +63,7 @@ class PassContext:
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
     targets: dict = dataclasses.field(default_factory=dict)   # name -> target object
     fallbacks: list = dataclasses.field(default_factory=list)  # (where, reason)
+    groups: list = dataclasses.field(default_factory=list)     # moe_grouping: candidates run as one
     log: list = dataclasses.field(default_factory=list)
 
     def live(self) -> list[Candidate]:

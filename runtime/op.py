@@ -158,3 +158,82 @@ def _backward(ctx, grads):
 
 
 region.register_autograd(_backward, setup_context=_setup)
+
+
+# -- grouped regions (mixtures of experts, passes/moe_grouping.py) --------------------------------
+
+@dataclasses.dataclass
+class GroupCompiled:
+    """One region run for `n_groups` input lists of `arity` tensors each, by one grouped kernel
+    (ssmc/targets/moe.py). The op takes the lists concatenated and returns the outputs the same
+    way: group 0's outputs, then group 1's, ..."""
+    key: str
+    region: Region
+    arity: int
+    n_groups: int
+    kernel: Any              # .forward(groups) -> list[list[Tensor]]; .backward(groups, grads, needs)
+    members: list            # the member regions' names, for the report
+    failure: str | None = None
+
+    def split(self, flat, per: int) -> list[list]:
+        return [list(flat[i * per:(i + 1) * per]) for i in range(self.n_groups)]
+
+    def empty_outputs(self, inputs) -> list[torch.Tensor]:
+        one = Compiled(self.key, self.region, "", "", None)
+        return [t for g in self.split(inputs, self.arity) for t in one.empty_outputs(g)]
+
+
+def run_grouped(entry: GroupCompiled, method: str, *args):
+    """Run the grouped kernel; if it fails at run time, every group runs the torch reference
+    from then on (logged once, kept in ``entry.failure`` for the report)."""
+    try:
+        return getattr(entry.kernel, method)(*args)
+    except Exception as e:
+        from ssmc.targets.moe import GroupedKernel
+        from ssmc.targets.reference import ReferenceKernel
+        if type(entry.kernel) is GroupedKernel and isinstance(entry.kernel.member, ReferenceKernel):
+            raise
+        import logging
+        logging.getLogger("ssmc").warning("ssmc: grouped kernel %s failed (%s: %s); using the torch "
+                                          "reference per group from now on", entry.key, type(e).__name__, e)
+        entry.failure = f"grouped kernel failed at run time: {type(e).__name__}: {e}"
+        entry.kernel = GroupedKernel(entry.region, ReferenceKernel(entry.region))
+        return getattr(entry.kernel, method)(*args)
+
+
+@torch.library.custom_op("ssmc::grouped", mutates_args=())
+def grouped(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    entry = lookup(key)
+    outs = run_grouped(entry, "forward", entry.split(list(inputs), entry.arity))
+    return [o for g in outs for o in g]
+
+
+@grouped.register_fake
+def _grouped_fake(key, inputs):
+    return lookup(key).empty_outputs(inputs)
+
+
+@torch.library.custom_op("ssmc::grouped_bwd", mutates_args=())
+def grouped_bwd(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor],
+                needs: list[bool]) -> list[torch.Tensor]:
+    entry = lookup(key)
+    k, n = entry.arity, len(entry.region.outputs)
+    out = run_grouped(entry, "backward", entry.split(list(inputs), k), entry.split(list(grads), n),
+                      entry.split(list(needs), k))
+    flat = [g for grp in out for g in grp]
+    return [g if (need and g is not None) else x.new_empty(0) for g, x, need in zip(flat, inputs, needs)]
+
+
+@grouped_bwd.register_fake
+def _grouped_bwd_fake(key, inputs, grads, needs):
+    return [torch.empty_like(x) if need else x.new_empty(0) for x, need in zip(inputs, needs)]
+
+
+def _grouped_backward(ctx, grads):
+    xs = list(ctx.saved_tensors)
+    gs = [g if g is not None else xs[0].new_empty(0) for g in grads]
+    out = torch.ops.ssmc.grouped_bwd(ctx.key, xs, gs, ctx.needs)
+    return None, [g if need else None for g, need in zip(out, ctx.needs)]
+
+
+grouped.register_autograd(_grouped_backward, setup_context=_setup)

@@ -53,6 +53,7 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
         log.debug("ssmc: fallback traceback", exc_info=True)
         greport.fallbacks.append(("backend", f"internal error, graph runs as captured: {type(e).__name__}: {e}"))
         greport.regions.clear()
+        greport.groups.clear()
         greport.nodes_out = greport.nodes_in
         greport.rest = "eager"
         greport.compile_ms = (time.perf_counter() - t0) * 1e3
@@ -116,12 +117,46 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
                                   cand.loop.python(), entry.source, entry.key, list(cand.notes),
                                   getattr(entry.kernel, "cache_status", ""), entry.region))
     greport.regions.extend(reversed(lowered))
+    for group in getattr(ctx, "groups", []):
+        greport.groups.append(_lower_group(gm, group, opts, device, arch))
     greport.log.extend(cache.events[seen_events:])      # corrupt entries rebuilt, unwritable cache dir
     if opts.validate:
         _validate(gm)
     if dumper:
         dumper.write("999_lowered.py", gm.code)
     return len(lowered)
+
+
+def _lower_group(gm, group, opts, device, arch):
+    """One grouped call for a group's members (already lowered each to its own region call);
+    a group that cannot be merged keeps the members' own calls, with the reason."""
+    from .explain import GroupInfo
+    from .lower import lower_group
+    from ssmc.runtime.op import GroupCompiled, lookup, register
+    from .targets.moe import make_grouped
+    info = GroupInfo(group.name, [c.name for c in group.members], group.source, group.scatter,
+                     group.region, group.state_sizes)
+    calls = {n.args[0]: n for n in gm.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.ssmc.region.default}
+    keys = [next((k for k in calls if k.startswith(f"{c.name}-")), None) for c in group.members]
+    if None in keys:
+        info.status = "not grouped: a member was not lowered (see its fallback); members run one by one"
+        return info
+    canon = lookup(keys[[c.plan.region for c in group.members].index(group.region)])
+    try:
+        kernel = make_grouped(group.region, canon.kernel, canon.target, opts, device, arch)
+        key = f"{group.name}-{group.region.key()}-{len(keys)}-{canon.target}"
+        entry = GroupCompiled(key, group.region, len(group.region.inputs), len(keys), kernel,
+                              info.members)
+        register(entry)
+        lower_group(gm, [calls[k] for k in keys], key, len(group.region.outputs))
+    except Exception as e:
+        log.debug("ssmc: grouping failed", exc_info=True)
+        info.status = f"not grouped: {type(e).__name__}: {e}; members run one by one"
+        return info
+    info.key, info.kernel = key, kernel.kind
+    info.status = f"grouped: {len(keys)} experts in one op ({kernel.kind})"
+    return info
 
 
 def _compile_region(cand, ctx, opts):

@@ -47,12 +47,62 @@ def _indent(s: str, n: int = 4) -> str:
 
 
 @dataclasses.dataclass
+class GroupInfo:
+    """A group of expert regions run by one grouped op (passes/moe_grouping.py)."""
+    name: str
+    members: list                # member region names
+    source: str                  # the tensor the experts gather from
+    scatter: str                 # how results go back ("setitem", "index_copy", ...)
+    region: object               # the shared ssmc.ir.Region
+    state_sizes: list            # per member: state shape at capture time
+    status: str = ""
+    key: str = ""
+    kernel: str = ""
+    notes: list = dataclasses.field(default_factory=list)
+
+    def padding(self) -> dict:
+        """Padding at the captured sizes: each member's state tile is the next power of two of
+        its own state size (the axis the readout sums over)."""
+        from ssmc.targets.moe import _pow2, reg_axis
+        r = self.region
+        k = r.axes.index(reg_axis(r)) if reg_axis(r) in r.axes else len(r.axes) - 1
+        rows = []
+        for s in self.state_sizes:
+            other = 1
+            for i, v in enumerate(s):
+                other *= v if i != k else 1
+            rows.append((s[0] if k else 1, s[k], _pow2(s[k]), other))
+        useful = sum(o * n for _, n, _, o in rows)
+        computed = sum(o * t for _, _, t, o in rows)
+        top = max((t for _, _, t, _ in rows), default=1)
+        return {"groups": rows, "wasted_fraction": (computed - useful) / useful if useful else 0.0,
+                "wasted_fraction_if_padded_to_max": (sum(o for *_, o in rows) * top - useful) / useful
+                if useful else 0.0}
+
+    def __str__(self):
+        lines = [f"group {self.name}: {self.status}",
+                 f"  experts {', '.join(self.members)} gather from {self.source}"
+                 f"{', scatter by ' + self.scatter if self.scatter else ''}"]
+        if any(v < 0 for s in self.state_sizes for v in s):
+            lines.append("  sizes are data-dependent: padding is reported after a run (notes)")
+        else:
+            p = self.padding()
+            lines += ["  at capture: " + "; ".join(f"{m}: {b} seq, state {n} -> tile {t}"
+                                                   for m, (b, n, t, _) in zip(self.members, p["groups"])),
+                      f"  padded work {100 * p['wasted_fraction']:.1f}% of useful work (padding every "
+                      f"expert to the largest state: {100 * p['wasted_fraction_if_padded_to_max']:.1f}%)"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
 class GraphReport:
     nodes_in: int = 0
     nodes_out: int = 0
     compile_ms: float = 0.0
     passes: list = dataclasses.field(default_factory=list)
     regions: list = dataclasses.field(default_factory=list)
+    groups: list = dataclasses.field(default_factory=list)      # GroupInfo: grouped experts
     fallbacks: list = dataclasses.field(default_factory=list)
     log: list = dataclasses.field(default_factory=list)
     rest: str = ""
@@ -72,6 +122,10 @@ class Report:
         return [p for g in self.graphs for p in g.passes]
 
     @property
+    def groups(self) -> list:
+        return [x for g in self.graphs for x in g.groups]
+
+    @property
     def fallbacks(self) -> list:
         return [f for g in self.graphs for f in g.fallbacks]
 
@@ -87,6 +141,8 @@ class Report:
                 out.append(f"    {p.name:20s} {p.ms:9.2f} ms  {state}")
             for r in g.regions:
                 out.append(_indent(str(r), 2))
+            for grp in g.groups:
+                out.append(_indent(str(grp), 2))
             for where, why in g.fallbacks:
                 out.append(f"  fallback at {where}: {why}")
             for msg in g.log:
@@ -143,6 +199,15 @@ def explain(fn, *example_inputs, **options) -> Report:
 def refresh(report: Report) -> Report:
     """Fill in what is only known after a run: which target a measured choice picked."""
     from ssmc.runtime.op import lookup
+    for grp in report.groups:
+        if not grp.key:
+            continue
+        try:
+            entry = lookup(grp.key)
+        except RuntimeError:
+            continue
+        msgs = [entry.kernel.describe()] + ([entry.failure] if entry.failure else [])
+        grp.notes[:] = [m for m in msgs if m]
     for r in report.regions:
         try:
             entry = lookup(r.key)

@@ -118,7 +118,7 @@ class Lowering:
                     if u.op == "call_function" and u.target is operator.setitem:
                         g.erase_node(u)
                 g.erase_node(n)
-        g.eliminate_dead_code()
+        g.eliminate_dead_code(is_impure_node=_impure)   # in-place writes stay (out.index_add_(...))
         self.gm.recompile()
 
     def _pre(self) -> dict:
@@ -194,6 +194,10 @@ class Lowering:
             n.replace_all_uses_with(v)
 
 
+def _impure(n: fx.Node) -> bool:
+    return n.is_impure() or _mutated(n) is not None
+
+
 def _is_alloc(n: fx.Node) -> bool:
     return n.op in ("call_function", "call_method") and n.target in _ALLOC
 
@@ -205,3 +209,68 @@ def _after(u: fx.Node, ref: fx.Node) -> bool:
             return True
         n = n.next
     return False
+
+
+# -- grouped regions ---------------------------------------------------------------------------------
+
+def _mutated(n: fx.Node):
+    """The tensor an in-place node writes (``out[idx] = y``, ``out.index_copy_(...)``), or None."""
+    if n.op == "call_function" and n.target is operator.setitem:
+        return n.args[0]
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_") \
+            and n.args and isinstance(n.args[0], fx.Node):
+        return n.args[0]
+    return None
+
+
+def lower_group(gm: fx.GraphModule, calls: list, key: str, n_out: int) -> None:
+    """Replace the region calls of one group's members by one ``torch.ops.ssmc.grouped`` call
+    (`n_out`: outputs per member).
+
+    The grouped call goes where the last member's call was (every member's inputs exist there);
+    what used an earlier member's outputs between its call and that point (its scatter
+    ``out[idx] = y``) moves after the grouped call, in order. Raises ValueError, leaving the
+    graph as it was, when moving would reorder a write and a read of one tensor."""
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    calls = sorted(calls, key=order.get)
+    for c in calls:
+        for u in c.users:
+            if u.op != "call_function" or u.target is not operator.getitem:
+                raise ValueError(f"region call {c.name} used by {u.name}, not by indexing")
+    if len({len(c.args[1]) for c in calls}) != 1:
+        raise ValueError("members with different numbers of inputs")
+    first, last = calls[0], calls[-1]
+    window = [n for n in g.nodes if order[first] < order[n] < order[last]]
+    dep = set(calls[:-1])
+    moved = []
+    for n in window:
+        if n not in dep and any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+            if n.target is not operator.getitem or n.args[0] not in calls:
+                moved.append(n)
+    staying = [n for n in window if n not in dep]
+    written = {_mutated(n) for n in moved} - {None}
+    read_later = {a for n in moved for a in n.all_input_nodes}
+    for n in staying:
+        if written & (set(n.all_input_nodes) | {n}) or (_mutated(n) is not None and _mutated(n) in read_later):
+            raise ValueError(f"{n.name} reads or writes a tensor an expert's scatter writes")
+    flat = [x for c in calls for x in c.args[1]]
+    with g.inserting_after(last):
+        grouped = g.call_function(torch.ops.ssmc.grouped.default, (key, flat))
+    anchor = grouped
+    for k, c in enumerate(calls):
+        for u in list(c.users):
+            with g.inserting_after(anchor):
+                v = g.call_function(operator.getitem, (grouped, k * n_out + u.args[1]))
+            anchor = v
+            u.replace_all_uses_with(v)
+            g.erase_node(u)
+    for n in moved:
+        anchor.append(n)
+        anchor = n
+    for c in calls:
+        g.erase_node(c)
+    g.lint()
+    gm.recompile()

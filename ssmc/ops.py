@@ -89,8 +89,21 @@ def value(node: Any):
 
 
 def shape(node: Any) -> tuple:
+    """The node's shape; a data-dependent size (an unbacked symbol, e.g. the row count of
+    ``x[nonzero(mask)]`` under ``capture_dynamic_output_shape_ops``) reads as a stand-in
+    integer >= UNBACKED, the same for one symbol everywhere, so passes can compare it."""
     v = value(node)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+    return tuple(_size(s) for s in v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+UNBACKED = 1 << 40
+_STANDIN: dict = {}
+
+
+def _size(s):
+    if isinstance(s, torch.SymInt) and getattr(s.node, "hint", 0) is None:
+        return _STANDIN.setdefault(str(s.node.expr), UNBACKED + len(_STANDIN))
+    return s
 
 
 def dtype(node: Any) -> torch.dtype | None:
@@ -311,9 +324,7 @@ def _hint(sizes):
     for s in sizes:
         if isinstance(s, torch.SymInt):
             h = getattr(s.node, "hint", None)
-            if h is None:
-                return None
-            s = h
+            s = h if h is not None else _size(s) - UNBACKED + 2     # a data-dependent size: >= 2
         out.append(int(s))
     return tuple(out)
 

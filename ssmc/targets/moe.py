@@ -1,0 +1,397 @@
+"""Grouped kernels: one region run for every expert of a mixture (passes/moe_grouping.py).
+
+A grouped kernel takes one input list per group (expert) and returns one output list per
+group. `GroupedKernel` is the portable one: it runs the member kernel (any target) once per
+group; on CPU that is the torch reference. `GroupedTritonKernel` runs all groups in one launch
+of templates/triton/moe_scan_fwd.py.j2: programs are (group, sequence, block of channels), each
+group's state tile is the next power of two of its own state size (a static branch per tile
+present), so padding never reaches beyond a group's own tile. Backward runs the member kernel's
+backward per group (the generated Triton backward on a GPU, the IR adjoint on CPU).
+
+`padding(stats)` is what ``ssmc.explain`` shows: per group its sequences, state size and tile,
+and the work computed on padding against the useful work.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import json
+import math
+import time
+
+import torch
+
+from ssmc import ir
+from ssmc.ir import Region
+
+TEMPLATE = "triton/moe_scan_fwd.py.j2"
+CONFIGS = "triton/moe_scan_fwd.configs.json"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def group_sizes(r: Region, inputs) -> tuple[dict, int]:
+    sizes = {a: int(inputs[i].shape[d]) for a, (i, d) in zip(r.axes, r.axis_size)}
+    return sizes, int(inputs[r.length[0]].shape[r.length[1]])
+
+
+def reg_axis(r: Region) -> str | None:
+    """The state axis the readout sums over (held whole per program, padded to a tile)."""
+    for o in r.outputs:
+        for x in ir.walk(o.expr):
+            if isinstance(x, ir.Reduce) and len(x.axes) == 1:
+                return x.axes[0]
+    return r.axes[-1] if r.axes else None
+
+
+def padding(r: Region, groups, block_d: dict | None = None) -> dict:
+    """Work per group in state-element steps: useful (its own sizes), computed (its tile, and
+    its channel blocks when `block_d` maps tile -> channels per program), and what padding
+    every group to the largest state would cost."""
+    reg = reg_axis(r)
+    rows = []
+    for ins in groups:
+        sizes, L = group_sizes(r, ins)
+        n = sizes.get(reg, 1)
+        other = math.prod(s for a, s in sizes.items() if a != reg)
+        tile = _pow2(n)
+        chan = other
+        if block_d and len(r.axes) > 1:         # channels rounded up to whole blocks
+            d = sizes[[a for a in r.axes if a != reg][-1]]
+            bd = block_d.get(tile, 1)
+            chan = other // max(d, 1) * (-(-d // bd) * bd)
+        rows.append({"sequences": sizes.get(r.axes[0], 1) if r.axes[0] != reg else 1,
+                     "state": n, "tile": tile, "useful": other * n * L, "computed": chan * tile * L,
+                     "other": other, "L": L})
+    useful = sum(g["useful"] for g in rows)
+    computed = sum(g["computed"] for g in rows)
+    top = max((g["tile"] for g in rows), default=1)
+    padmax = sum(g["other"] * top * g["L"] for g in rows)
+    return {"groups": rows, "useful": useful, "computed": computed,
+            "wasted_fraction": (computed - useful) / useful if useful else 0.0,
+            "wasted_fraction_if_padded_to_max": (padmax - useful) / useful if useful else 0.0}
+
+
+def describe_padding(p: dict) -> str:
+    parts = [f"g{i}: {g['sequences']} seq, state {g['state']} -> tile {g['tile']}"
+             for i, g in enumerate(p["groups"])]
+    return (f"{len(p['groups'])} groups ({'; '.join(parts)}); padded work "
+            f"{100 * p['wasted_fraction']:.1f}% of useful work (padding all to the largest "
+            f"state: {100 * p['wasted_fraction_if_padded_to_max']:.1f}%)")
+
+
+class GroupedKernel:
+    """Every group through the member kernel, one call each (any target; the CPU path)."""
+    kind = "per-group calls"
+
+    def __init__(self, region: Region, member):
+        self.region, self.member = region, member
+        self.stats: dict | None = None
+        self.launches = 0
+
+    def forward(self, groups):
+        self.stats = padding(self.region, groups)
+        self.launches = sum(1 for g in groups if _rows(self.region, g))
+        return [self.member.forward(ins) if _rows(self.region, ins) else _empty(self.region, ins)
+                for ins in groups]
+
+    def backward(self, groups, grads, needs):
+        """Per group, the member kernel's backward (`needs`: one list per group)."""
+        out = []
+        for ins, gs, nd in zip(groups, grads, needs):
+            if _rows(self.region, ins):
+                out.append(self.member.backward(ins, gs, nd))
+            else:
+                out.append([torch.zeros_like(x) if n else None for x, n in zip(ins, nd)])
+        return out
+
+    def describe(self) -> str:
+        if self.stats is None:
+            return "grouped: not run yet"
+        how = "one Triton launch" if self.launches == 1 and self.kind == GroupedTritonKernel.kind \
+            else f"{self.launches} launch(es), one per group with work"
+        return f"last run: {how}; {describe_padding(self.stats)}"
+
+
+def _rows(r: Region, ins) -> int:
+    sizes, L = group_sizes(r, ins)
+    return math.prod(sizes.values()) * L
+
+
+def _empty(r: Region, ins):
+    sizes, L = group_sizes(r, ins)
+    dev = ins[0].device
+    return [torch.zeros([L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index],
+                        dtype=ir.to_dtype(o.dtype), device=dev) for o in r.outputs]
+
+
+@functools.lru_cache(maxsize=None)
+def load_configs() -> dict:
+    return json.loads((importlib.resources.files("ssmc.templates") / CONFIGS).read_text())
+
+
+class GroupedTritonKernel(GroupedKernel):
+    """All groups in one launch of the grouped Triton template (see the module docstring)."""
+    kind = "one Triton launch"
+
+    def __init__(self, region: Region, member, options, arch=None):
+        from .triton import make_plan
+        super().__init__(region, member)
+        plan = make_plan(region)
+        if isinstance(plan, str):
+            raise ValueError(f"grouped Triton kernel: {plan}")
+        self.plan, self.options, self.arch = plan, options, arch
+        self.chosen: dict = {}
+        self.config: dict | None = None
+        self.fallback: str | None = None
+        self.sources: dict = {}                # (cdt, tiles) -> (source, path)
+        self._table_key = None
+        self._table = None
+        self.fields = self._fields()
+
+    def _fields(self) -> list:
+        """The per-group table row after (first program, channel blocks, tile): per pointer
+        argument of the body its element offset, then its strides; then the sizes."""
+        from .triton import kernel_args
+        r, p = self.region, self.plan
+        args = kernel_args(r, p)
+        fields = []
+        for a in args:
+            if a.endswith("_ptr"):
+                k = a[:-4]
+                n = r.inputs[int(k[2:])].ndim if k.startswith("in") else len(r.outputs[int(k[3:])].index)
+                fields += [(a, "offset")] + [(f"{k}_s{d}", "int") for d in range(n)]
+        return fields + [(a, "int") for a in args if a.startswith("size_") or a in ("SIZE_D", "SIZE_N", "L")]
+
+    # -- source ----------------------------------------------------------------------------------
+    def render(self, cdt: str, tiles: tuple, consts: tuple = ()) -> str:
+        from .triton import _env, _print_variant, kernel_args, kernel_name
+        r, p = self.region, self.plan
+        args = kernel_args(r, p)
+        ptrs = [a for a in args if a.endswith("_ptr")]
+        fields = self.fields
+        return _env().get_template(TEMPLATE).render(
+            region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt,
+            kname=kernel_name(r) + "_moe", plan=p, tiles=list(tiles),
+            args=[", ".join(args) + ","], bases=[", ".join(ptrs) + ","], fields=fields,
+            row=3 + len(fields), call=", ".join(args), consts=dict(consts),
+            loop=_print_variant(r, p, cdt, False))
+
+    def module(self, cdt: str, tiles: tuple, consts: tuple = ()):
+        """The kernel module for a compute dtype, the tiles present and `consts`: strides that
+        are 0 or 1 in every group (printed as literals) and offsets that are multiples of 16
+        bytes in every group (declared so): unit strides and aligned rows give wide loads."""
+        from ssmc.runtime.cache import cache_key, get_cache
+        from .triton import import_source
+        if (cdt, tiles, consts) not in self.sources:
+            self.sources[(cdt, tiles, consts)] = self.render(cdt, tiles, consts)
+        src = self.sources[(cdt, tiles, consts)]
+        return import_source(src, cache_key("triton-moe-source", src), get_cache(self.options.cache_dir))[0]
+
+    def source(self) -> str:
+        if not self.sources:
+            self.sources[("tl.float32", (16,), ())] = self.render("tl.float32", (16,))
+        return "\n".join(self.sources.values())
+
+    def signature(self, config: dict, tiles: tuple, dtypes: dict | None = None, consts: tuple = ()):
+        """(jit function, signature, constexprs) for a compile-only ``triton.compile`` (no GPU
+        needed): base pointers typed by the region's dtypes (`dtypes`: input index -> torch
+        dtype overrides), the table int64, the group count int32."""
+        from .triton import _TL_PTR, kernel_name
+        r = self.region
+        dts = {i: ir.to_dtype(s.dtype) for i, s in enumerate(r.inputs)}
+        dts.update(dtypes or {})
+        sig = {}
+        for name, kind in self.fields:
+            if kind == "offset":
+                k = name[:-4]
+                dt = dts[int(k[2:])] if k.startswith("in") else ir.to_dtype(r.outputs[int(k[3:])].dtype)
+                sig[name] = "*" + _TL_PTR[dt]
+        sig.update({"table_ptr": "*i64", "G": "i32", "CHUNK": "constexpr"})
+        cx = {"CHUNK": config["CHUNK"]}
+        for t in tiles:
+            sig[f"BD_{t}"] = "constexpr"
+            cx[f"BD_{t}"] = max(1, config["TILE"] // t)
+        cdt = "tl.float64" if torch.float64 in dts.values() else "tl.float32"
+        return getattr(self.module(cdt, tuple(tiles), tuple(consts)), kernel_name(r) + "_moe_grouped"), sig, cx
+
+    # -- launching ---------------------------------------------------------------------------------
+    def _why_not(self, groups) -> str | None:
+        from .triton import _TL_PTR, MAX_BLOCK_N, interpreting
+        live = [g for g in groups if _rows(self.region, g)]
+        if not live:
+            return "no group has work"
+        dev = live[0][0].device
+        if dev.type == "cpu" and not interpreting():
+            return "CPU tensors without TRITON_INTERPRET=1"
+        if dev.type not in ("cpu", "cuda"):
+            return f"device {dev.type}"
+        for ins in live:
+            for x in ins:
+                if x.dtype not in _TL_PTR:
+                    return f"input dtype {x.dtype}"
+            sizes, _ = group_sizes(self.region, ins)
+            if self.plan.reg and _pow2(sizes[self.plan.reg]) > MAX_BLOCK_N:
+                return f"a state of {sizes[self.plan.reg]} > {MAX_BLOCK_N} elements"
+        return None
+
+    def block_d(self, config, tiles, d_max) -> dict:
+        return {t: max(1, min(_pow2(max(1, config["TILE"] // t)), _pow2(d_max))) for t in tiles}
+
+    def _layout(self, groups, outs, config):
+        """(base tensors, table rows, number of programs, tiles, block_d) for one launch."""
+        r, p = self.region, self.plan
+        from .triton import kernel_args
+        live = [i for i, g in enumerate(groups) if _rows(r, g)]
+        tiles = tuple(sorted({_pow2(group_sizes(r, groups[i])[0][p.reg]) if p.reg else 1 for i in live}))
+        d_max = max(group_sizes(r, groups[i])[0][p.block] if p.block else 1 for i in live)
+        bd = self.block_d(config, tiles, d_max)
+        tensors = {}
+        for i in live:
+            ins, os_ = groups[i], outs[i]
+            for k in p.inputs:
+                tensors.setdefault(f"in{k}_ptr", []).append(ins[k])
+            for k, o in enumerate(os_):
+                tensors.setdefault(f"out{k}_ptr", []).append(o)
+        bases = {}
+        for name, ts in tensors.items():
+            bases[name] = max(ts, key=lambda x: x.numel())
+        rows, start = [], 0
+        for i in live:
+            ins, os_ = groups[i], outs[i]
+            sizes, L = group_sizes(r, ins)
+            tile = _pow2(sizes[p.reg]) if p.reg else 1
+            d = sizes[p.block] if p.block else 1
+            nblk = -(-d // bd[tile])
+            nrows = math.prod(sizes[a] for a in p.scalars)
+            vals = {}
+            for k in p.inputs:
+                vals[f"in{k}"] = ins[k]
+            for k, o in enumerate(os_):
+                vals[f"out{k}"] = o
+            row = [start, nblk, tile]
+            for name, kind in self.fields:
+                if kind == "offset":
+                    x, base = vals[name[:-4]], bases[name]
+                    diff = x.data_ptr() - base.data_ptr()
+                    if diff % x.element_size() or x.dtype != base.dtype:
+                        raise ValueError("group tensors are not aligned to one element type")
+                    row.append(diff // x.element_size())
+                elif name.startswith(("in", "out")) and "_s" in name:
+                    t, dd = name.rsplit("_s", 1)
+                    x, dd = vals[t], int(dd)
+                    row.append(0 if x.shape[dd] == 1 else x.stride(dd))
+                elif name.startswith("size_"):
+                    row.append(sizes[name[5:]])
+                elif name == "SIZE_D":
+                    row.append(d)
+                elif name == "SIZE_N":
+                    row.append(sizes[p.reg] if p.reg else 1)
+                elif name == "L":
+                    row.append(L)
+                else:
+                    raise ValueError(f"unknown table field {name}")
+            rows.append(row)
+            start += nrows * nblk
+        return bases, rows, start, tiles, bd
+
+    def launch(self, groups, config, outs=None):
+        r = self.region
+        outs = [_empty(r, g) for g in groups] if outs is None else outs
+        bases, rows, nprog, tiles, bd = self._layout(groups, outs, config)
+        if nprog == 0:
+            return outs
+        dev = next(iter(bases.values())).device
+        key = (tuple(rows[i][j] for i in range(len(rows)) for j in range(len(rows[i]))), str(dev))
+        if key != self._table_key:
+            self._table = torch.tensor(rows, dtype=torch.int64).to(dev)
+            self._table_key = key
+        cdt = "tl.float64" if any(x.dtype == torch.float64 for g in groups for x in g) else "tl.float32"
+        consts = []
+        for j, (name, kind) in enumerate(self.fields):
+            col = [r[3 + j] for r in rows]
+            if kind == "offset":       # every group's tensor 16-byte aligned: wide loads stay possible
+                base = bases[name]
+                vec = 16 // base.element_size()
+                if base.data_ptr() % 16 == 0 and all(v % vec == 0 for v in col):
+                    consts.append((name, vec))
+            elif "_s" in name and col[0] in (0, 1) and all(v == col[0] for v in col):
+                consts.append((name, col[0]))
+        consts = tuple(consts)
+        mod = self.module(cdt, tiles, consts)
+        from .triton import kernel_name
+        fn = getattr(mod, kernel_name(r) + "_moe_grouped")
+        extra = {} if dev.type == "cpu" else {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        names = [n for n, k in self.fields if k == "offset"]
+        fn[(nprog,)](*[bases[n] for n in names], self._table, len(rows), CHUNK=config["CHUNK"],
+                     **{f"BD_{t}": bd[t] for t in tiles}, **extra)
+        self.stats = padding(r, groups, bd)
+        self.launches = 1
+        return outs
+
+    def forward(self, groups):
+        why = self._why_not(groups)
+        if why is not None:
+            self.fallback = f"per-group calls on the last run: {why}"
+            return super().forward(groups)
+        self.fallback = None
+        from .triton import _arch, arch_key
+        dev = next(g[0].device for g in groups if _rows(self.region, g))
+        arch = _arch(dev) if dev.type == "cuda" else None
+        outs = [_empty(self.region, g) for g in groups]
+        config = self._config(groups, arch, outs)
+        self.config = config
+        return self.launch(groups, config, outs)
+
+    def _config(self, groups, arch, outs) -> dict:
+        from .triton import arch_key
+        cands = load_configs()[arch_key(arch)]
+        live = [g for g in groups if _rows(self.region, g)]
+        bucket = (arch_key(arch), tuple(x.dtype for x in live[0]),
+                  tuple(sorted(_pow2(group_sizes(self.region, g)[0].get(self.plan.reg, 1)) for g in live)),
+                  _pow2(sum(_rows(self.region, g) for g in live)))
+        if bucket in self.chosen:
+            return self.chosen[bucket]
+        if len(cands) == 1 or live[0][0].device.type != "cuda":
+            self.chosen[bucket] = cands[0]
+            return cands[0]
+        times = {}
+        for c in cands:
+            try:
+                self.launch(groups, c, outs)
+                torch.cuda.synchronize()
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(5):
+                    self.launch(groups, c, outs)
+                t1.record()
+                torch.cuda.synchronize()
+                times[json.dumps(c, sort_keys=True)] = t0.elapsed_time(t1) / 5
+            except Exception as e:  # a config out of registers: the next one
+                self.fallback = f"config {c} failed: {type(e).__name__}: {e}"
+        if not times:
+            raise RuntimeError(f"every grouped Triton config failed: {self.fallback}")
+        best = json.loads(min(times, key=times.get))
+        self.chosen[bucket] = best
+        return best
+
+    def describe(self) -> str:
+        text = super().describe()
+        if self.config:
+            text += f"; config {json.dumps(self.config, sort_keys=True)}"
+        if self.fallback:
+            text += f"; note: {self.fallback}"
+        return text
+
+
+def make_grouped(region: Region, member, target: str, options, device_type: str, arch=None):
+    """The grouped kernel for a group whose members run `member` (compiled by `target`): one
+    Triton launch where the Triton target supports the region here, else per-group calls."""
+    from .triton import TritonTarget, make_plan
+    names = target.removeprefix("auto(").rstrip(")").split("|")
+    if any(n in ("triton", "cuda") for n in names) and not isinstance(make_plan(region), str) and \
+            TritonTarget().supports(region, "chunked_scan", arch, device_type) is True:
+        return GroupedTritonKernel(region, member, options, arch)
+    return GroupedKernel(region, member)

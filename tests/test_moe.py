@@ -1,0 +1,311 @@
+"""Mixture of experts: per-expert loops over gathered sequences run as one grouped op.
+
+- numerics against the per-expert naive loop run eagerly in float64, for routings where an
+  expert gets no sequence, one, or all of them; gather forms ``x[idx]`` and
+  ``index_select``; scatter forms ``out[idx] = y``, ``index_copy`` and ``index_add_``;
+- gradients of every input through the grouped op, against float64 autograd of the loop;
+- the report: groups, their sizes, padding and wasted work; what is not grouped, and why;
+- routing inside the graph (``nonzero``) with capture_dynamic_output_shape_ops;
+- the grouped Triton kernel under TRITON_INTERPRET=1 (one launch for all experts);
+- the benchmark in tiny mode; on a GPU (marker gpu): bf16 and fp32 against float64.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ssmc
+from conftest import ssmc_run
+from ssmc.runtime.op import lookup
+
+STATES = (2, 4, 3, 4)        # d_state of each expert
+
+
+def expert(x, dt, A, B, C, D, bias):
+    """One expert: Mamba-1's selective scan, the naive loop. x, dt: (b, L, d); A: (d, n)."""
+    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=sdt, device=x.device)
+    ys = []
+    for t in range(x.shape[1]):
+        delta = F.softplus(dt[:, t] + bias)
+        h = torch.exp(delta[..., None] * A) * h + (delta * x[:, t])[..., None] * B[:, t, None]
+        ys.append((h * C[:, t, None]).sum(-1))
+    return (torch.stack(ys, 1) + D * x).to(x.dtype)
+
+
+def moe(gather="getitem", scatter="setitem"):
+    def fn(x, dt, idxs, params):
+        out = torch.zeros_like(x)
+        for idx, (A, WB, WC, D, bias) in zip(idxs, params):
+            xe = x[idx] if gather == "getitem" else x.index_select(0, idx)
+            y = expert(xe, dt[idx], A, xe @ WB, xe @ WC, D, bias)
+            if scatter == "setitem":
+                out[idx] = y
+            elif scatter == "index_copy":
+                out = out.index_copy(0, idx, y)
+            else:
+                out.index_add_(0, idx, y)
+        return out
+    return fn
+
+
+def inputs(b=6, L=5, d=4, states=STATES, dtype=torch.float64, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    x, dt = r(b, L, d), r(b, L, d) * 0.5
+    params = [(-torch.rand(d, n, generator=g, dtype=torch.float64) - 0.1, r(d, n) * 0.5, r(d, n) * 0.5,
+               r(d), r(d) * 0.1) for n in states]
+    cast = lambda t: t.to(device=device, dtype=dtype)
+    return cast(x), cast(dt), [tuple(cast(p) for p in ps) for ps in params]
+
+
+def split(route, E, device="cpu"):
+    route = torch.as_tensor(route)
+    return [torch.nonzero(route == e).squeeze(1).to(device) for e in range(E)]
+
+
+ROUTES = {"mixed": [0, 2, 2, 0, 1, 3], "empty_and_single": [0, 0, 2, 0, 1, 0],
+          "all_to_one": [3, 3, 3, 3, 3, 3]}
+
+
+def check(out, ref, tol):
+    err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("gather,scatter", [("getitem", "setitem"), ("index_select", "index_copy"),
+                                            ("getitem", "index_add_")])
+def test_grouped_matches_the_naive_loop(gather, scatter):
+    fn = moe(gather, scatter)
+    x, dt, params = inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ssmc")
+    routes = ROUTES if scatter == "setitem" else {"empty_and_single": ROUTES["empty_and_single"]}
+    for name, route in routes.items():
+        idxs = split(route, len(params))
+        check(compiled(x, dt, idxs, params), fn(x, dt, idxs, params), 1e-10)
+    report = ssmc.backend.LAST_REPORT
+    assert report.groups and report.groups[0].status.startswith("grouped"), report
+
+
+def test_report_shows_groups_padding_and_waste():
+    x, dt, params = inputs(states=(2, 4, 3))
+    idxs = split([0, 2, 2, 0, 1, 2], 3)                       # 2, 1 and 3 sequences
+    report = ssmc.explain(moe(), x, dt, idxs, params[:3])
+    assert [p.name for p in report.passes].index("moe_grouping") == \
+        [p.name for p in report.passes].index("fuse_epilogue") + 1
+    (grp,) = report.groups
+    assert len(grp.members) == 3 and grp.scatter == "setitem" and grp.source == "l_x_"
+    pad = grp.padding()
+    assert [(b, n, t) for b, n, t, _ in pad["groups"]] == [(2, 2, 2), (1, 4, 4), (3, 3, 4)]
+    assert pad["wasted_fraction"] == pytest.approx((3 * 4 * 1) / (2 * 4 * 2 + 4 * 4 + 3 * 4 * 3))
+    text = str(report)
+    assert "group moe0: grouped: 3 experts in one op" in text
+    assert "padded work 17.6% of useful work" in text and "tile 4" in text
+    assert "g1: 1 seq, state 4 -> tile 4" in text              # after the run: the kernel's table
+    assert all("grouped into moe0" in " ".join(r.notes) for r in report.regions)
+
+
+def test_gradients_match_float64_autograd():
+    fn = moe()
+    x, dt, params = inputs(seed=3)
+    idxs = split([1, 0, 1, 1, 3, 1], 4)                       # expert 2 gets nothing, 0 and 3 one
+
+    def grads(f):
+        leaves = [x.clone().requires_grad_(), dt.clone().requires_grad_()]
+        ps = [tuple(p.clone().requires_grad_() for p in ps) for ps in params]
+        out = f(leaves[0], leaves[1], idxs, ps)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        return [t.grad for t in leaves] + [p.grad for ps_ in ps for p in ps_]
+    torch._dynamo.reset()
+    got = grads(torch.compile(fn, backend="ssmc"))
+    want = grads(fn)
+    assert ssmc.backend.LAST_REPORT.groups[0].status.startswith("grouped")
+    for g, w in zip(got, want):
+        if w is None or not w.abs().sum():
+            assert g is None or not g.abs().sum()
+        else:
+            check(g, w, 1e-9)
+
+
+def test_routing_inside_the_graph(monkeypatch):
+    """``nonzero`` in the compiled function: one graph with capture_dynamic_output_shape_ops,
+    a graph per expert (each correct, not grouped) without."""
+    def fn(x, dt, route, params):
+        out = torch.zeros_like(x)
+        for e, (A, WB, WC, D, bias) in enumerate(params):
+            idx = torch.nonzero(route == e).squeeze(1)
+            xe = x[idx]
+            out = out.index_copy(0, idx, expert(xe, dt[idx], A, xe @ WB, xe @ WC, D, bias))
+        return out
+    x, dt, params = inputs(seed=5)
+    route = torch.tensor([0, 2, 2, 0, 1, 3])
+    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+    out, report = ssmc_run(fn, (x, dt, route, params))
+    check(out, fn(x, dt, route, params), 1e-10)
+    assert len(report.graphs) == 1 and report.groups and report.groups[0].status.startswith("grouped")
+    assert "data-dependent" in str(report)
+
+
+class Expert(torch.nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.A = torch.nn.Parameter(-torch.rand(d, n) - 0.1)
+        self.proj = torch.nn.Linear(d, 2 * n, bias=False)
+        self.D = torch.nn.Parameter(torch.randn(d))
+        self.bias = torch.nn.Parameter(torch.randn(d) * 0.1)
+
+    def forward(self, x, dt):
+        B, C = self.proj(x).chunk(2, dim=-1)
+        return expert(x, dt, self.A, B, C, self.D, self.bias)
+
+
+class MoE(torch.nn.Module):
+    """A router inside the module, boolean masks, experts of an nn.ModuleList."""
+    def __init__(self, d, states):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(Expert(d, n) for n in states)
+        self.router = torch.nn.Linear(d, len(states))
+
+    def forward(self, x, dt):
+        route = self.router(x.mean(1)).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, ex in enumerate(self.experts):
+            mask = route == e
+            out[mask] = ex(x[mask], dt[mask])
+        return out
+
+
+def test_module_with_router_and_masks_trains(monkeypatch):
+    torch.manual_seed(0)
+    m = MoE(4, STATES).double()
+    x, dt = torch.randn(6, 5, 4, dtype=torch.float64), torch.randn(6, 5, 4, dtype=torch.float64) * 0.5
+    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+    torch._dynamo.reset()
+    fast = torch.compile(m, backend="ssmc")
+    got = fast(x, dt)
+    got.square().sum().backward()
+    g_fast = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    m.zero_grad()
+    want = m(x, dt)
+    want.square().sum().backward()
+    g_ref = [p.grad for p in m.parameters() if p.grad is not None]
+    check(got, want, 1e-10)
+    assert len(g_fast) == len(g_ref) > 0
+    for a, b in zip(g_fast, g_ref):
+        check(a, b, 1e-9)
+    report = ssmc.backend.LAST_REPORT
+    assert len(report.graphs) == 1 and report.groups[0].status.startswith("grouped")
+
+
+def test_not_grouped_when_an_expert_reads_another():
+    def fn(x, dt, idxs, params):
+        (A0, WB0, WC0, D0, b0), (A1, WB1, WC1, D1, b1) = params[:2]
+        x0 = x[idxs[0]]
+        y0 = expert(x0, dt[idxs[0]], A0, x0 @ WB0, x0 @ WC0, D0, b0)
+        idx1 = torch.argsort(y0.sum((1, 2)))                  # expert 1's routing reads expert 0
+        x1 = x[idx1]
+        return expert(x1, dt[idx1], A1, x1 @ WB1, x1 @ WC1, D1, b1)
+    x, dt, params = inputs(seed=7)
+    idxs = [torch.tensor([0, 1]), torch.tensor([3, 4])]
+    out, report = ssmc_run(fn, (x, dt, idxs, params))
+    check(out, fn(x, dt, idxs, params), 1e-10)
+    assert not report.groups and len(report.regions) == 2
+    assert any("reads another expert's result" in n for r in report.regions for n in r.notes)
+
+
+def test_disabled_by_name():
+    x, dt, params = inputs(seed=8)
+    idxs = split(ROUTES["mixed"], 4)
+    out, report = ssmc_run(moe(), (x, dt, idxs, params), disable_passes=["moe_grouping"])
+    check(out, moe()(x, dt, idxs, params), 1e-10)
+    assert not report.groups and len(report.regions) == 4
+
+
+def test_triton_grouped_kernel_interpreted(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    pytest.importorskip("triton")
+    x, dt, params = inputs(b=5, L=6, d=3, states=(2, 5, 3), dtype=torch.float32, seed=11)
+    fn = moe()
+    for route in ([0, 2, 2, 0, 1], [1, 1, 1, 1, 1]):
+        idxs = split(route, 3)
+        out, report = ssmc_run(fn, (x, dt, idxs, params), target="triton")
+        (grp,) = report.groups
+        entry = lookup(grp.key)
+        assert entry.kernel.kind == "one Triton launch" and entry.failure is None
+        assert entry.kernel.launches == 1 and entry.kernel.fallback is None
+        ref = fn(x.double(), dt.double(), idxs, [tuple(p.double() for p in ps) for ps in params])
+        check(out, ref, 1e-5)
+        src = "\n".join(entry.kernel.sources.values())
+        tiles = {1 << (params[e][0].shape[1] - 1).bit_length() for e in range(3) if len(idxs[e])}
+        assert set(int(t) for t in re.findall(r"BLOCK_N=(\d+),", src)) >= tiles   # a branch per tile
+
+
+def test_failing_grouped_kernel_falls_back_to_the_reference(monkeypatch, tmp_path):
+    from ssmc.targets.moe import GroupedTritonKernel
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+
+    def broken(self, *a, **k):
+        raise RuntimeError("out of resources")
+    monkeypatch.setattr(GroupedTritonKernel, "launch", broken)
+    x, dt, params = inputs(b=4, L=3, d=2, states=(2, 3), dtype=torch.float32, seed=14)
+    idxs = split([0, 1, 1, 0], 2)
+    out, report = ssmc_run(moe(), (x, dt, idxs, params), target="triton")
+    check(out, moe()(x.double(), dt.double(), idxs, [tuple(p.double() for p in ps) for ps in params]), 1e-5)
+    assert "out of resources" in lookup(report.groups[0].key).failure
+
+
+def test_grouped_kernel_compiles_for_sm90_without_gpu(monkeypatch, tmp_path):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from ssmc.targets.moe import GroupedTritonKernel
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, dt, params = inputs(dtype=torch.float32, seed=12)
+    report = ssmc.explain(moe(), x, dt, split(ROUTES["mixed"], 4), params)
+    region = report.groups[0].region
+    kern = GroupedTritonKernel(region, None, ssmc.make_options(cache_dir=str(tmp_path)))
+    seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if s.ndim >= 3 and i != region.init}
+    cfg = next(c for c in json.loads(
+        (importlib.resources.files("ssmc.templates") / "triton/moe_scan_fwd.configs.json").read_text())["sm_90"])
+    consts = tuple((n, 4) if k == "offset" else (n, 1) for n, k in kern.fields
+                   if k == "offset" or n.endswith("_s2"))       # aligned rows, unit inner strides
+    fn, sig, cx = kern.signature(cfg, (8, 64), seq, consts)
+    assert "*bf16" in sig.values() and sig["table_ptr"] == "*i64"
+    try:
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx)
+    except TypeError:           # older Triton spelled it `constants`
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constants=cx)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
+    assert ".target sm_90" in ck.asm["ptx"]
+
+
+def test_benchmark_tiny(tmp_path):
+    from benchmarks import bench_moe
+    out = tmp_path / "moe.json"
+    bench_moe.main(["--tiny", "--out", str(out), "--reps", "1", "--skip", "layer_per_expert,eager"])
+    res = json.loads(out.read_text())
+    assert res["rows"] and all(r.get("error") is None for r in res["rows"]), res["rows"]
+    assert {r["routing"] for r in res["rows"]} == {"balanced", "skewed"}
+    assert all(r["ms"]["ssm_grouped"] > 0 and r["padded_over_useful"] >= 0 for r in res["rows"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_grouped_triton(dtype):
+    x, dt, params = inputs(b=16, L=64, d=128, states=(8, 16, 32, 64), dtype=dtype, seed=13, device="cuda")
+    fn = moe()
+    idxs = split(torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(0)), 4, "cuda")
+    out, report = ssmc_run(fn, (x, dt, idxs, params), rest="eager")
+    (grp,) = report.groups
+    kernel = lookup(grp.key).kernel
+    assert kernel.kind == "one Triton launch" and kernel.launches == 1, kernel.describe()
+    assert kernel.stats["wasted_fraction"] == 0.0          # power-of-two states: no padding
+    ref = fn(x.double(), dt.double(), idxs, [tuple(p.double() for p in ps) for ps in params])
+    check(out, ref, 1e-5 if dtype == torch.float32 else 2e-2)
