@@ -5,7 +5,9 @@ Forward: time in chunks; in each chunk decay and drive are evaluated as broadcas
 scan (only products of decays, no division by cumulative products, so decays near 0 underflow
 to exact zeros and decays near 1 lose nothing); the carry passes between chunks. Outputs are
 evaluated per chunk, so no (L, *state) tensor exists beyond one chunk.
-Backward: the same forward re-run under autograd.
+Backward: the adjoint recurrence (ssmc.autodiff); regions with a non-diagonal transition
+(`Region.mix`) run their steps sequentially in each chunk, h = a*h + M h + b, and take their
+gradients from the same forward re-run under autograd.
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ class ReferenceKernel:
             return run(self.region, inputs, self.chunk)
 
     def backward(self, inputs, grads, needs):
+        if self.region.mix is not None:
+            return self.backward_autograd(inputs, grads, needs)
         return adjoint_run(self.region, inputs, grads, needs, self.chunk)
 
     def backward_autograd(self, inputs, grads, needs):
@@ -97,10 +101,13 @@ def compute_dtype(region: Region, inputs) -> torch.dtype:
 class Evaluator:
     """Evaluates expressions over [t0, t1) as tensors laid out (time, *state axes)."""
 
-    def __init__(self, region: Region, inputs, t0: int, t1: int, cdt):
+    def __init__(self, region: Region, inputs, t0: int, t1: int, cdt, matrix: bool = False):
         self.r, self.inputs, self.t0, self.t1, self.cdt = region, inputs, t0, t1, cdt
         self.sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(region.axes, region.axis_size)}
         self.names = ["t", *region.axes]
+        if matrix:      # the transition's matrix: one more axis, its column
+            self.names.append(ir.MIX_COL)
+            self.sizes[ir.MIX_COL] = self.sizes[region.axes[-1]]
         self.memo = {}
         self.state = None
 
@@ -219,6 +226,20 @@ def chunk_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tens
     return H.reshape(m * s, *H.shape[2:])[:T]
 
 
+def mix_scan(a, M, b, h0):
+    """h_t = a_t * h_{t-1} + M_t h_{t-1} + b_t step by step (time at dim 0; M_t laid out
+    (*state, j), multiplying along the state's last dim)."""
+    T = max(a.shape[0], b.shape[0], M.shape[0])
+    a = a.expand(T, *h0.shape)
+    b = b.expand(T, *h0.shape)
+    M = M.expand(T, *h0.shape, h0.shape[-1])
+    hs, h = [], h0
+    for t in range(T):
+        h = a[t] * h + (M[t] @ h.unsqueeze(-1)).squeeze(-1) + b[t]
+        hs.append(h)
+    return torch.stack(hs)
+
+
 def _to_output(v: torch.Tensor, names, index, sizes):
     keep = [ix for ix in index if ix != 1]
     rest = [n for n in names if n not in keep]
@@ -244,7 +265,11 @@ def run(region: Region, inputs, chunk: int = 64):
     for t0 in range(0, L, chunk):
         t1 = min(L, t0 + chunk)
         ev = Evaluator(r, inputs, t0, t1, cdt)
-        H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
+        if r.mix is None:
+            H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
+        else:
+            M = Evaluator(r, inputs, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
+            H = mix_scan(ev.eval(r.decay).to(cdt), M, ev.eval(r.drive).to(cdt), h)
         ev.state = H
         for i in steps:
             o = r.outputs[i]
