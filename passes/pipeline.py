@@ -13,7 +13,8 @@ from ssmc.plugins import load as load_plugins
 
 log = logging.getLogger("ssmc")
 
-PIPELINE = ["reroll", "detect_recurrence", "fuse_prologue", "fuse_epilogue", "select_strategy"]
+PIPELINE = ["reroll", "detect_recurrence", "fuse_prologue", "fuse_epilogue", "block_sparse",
+            "select_strategy"]
 
 
 def ordered(passes: dict) -> list:
