@@ -3,7 +3,8 @@
 Expects candidates whose region has a `Mix` (detect_recurrence found h = a*h + M h + b). Finds
 which entries of the transition can be nonzero from the expression and the values the inputs
 have at compile time (`ssmc.sparsity`: a constant mask buffer, a frozen boolean parameter, zeros
-of A itself), picks the block size that multiplies the fewest entries, and records the block
+of A itself), picks the block size that multiplies the fewest entries, and records (for the matrix part m;
+the diagonal a_t of h = a*h + m h + b costs one multiply per element and is applied apart) the block
 size, the nonzero blocks and the density on the region (`Mix.block`, `.blocks`). The kernels
 recompute the pattern from the actual inputs at each call, so the compile-time mask only
 steers the choice and the report; it is never trusted for correctness. Leaves a note with the
@@ -88,7 +89,8 @@ class BlockSparse(Pass):
             if region.mix is None:
                 continue
             n = shape(cand.rec.prev)[-1]
-            pat = transition_pattern(region, example_values(ctx, cand.plan), n).cpu()
+            vals = example_values(ctx, cand.plan)
+            pat = transition_pattern(region, vals, n, diag=False).cpu()   # what the kernel multiplies
             b = choose_block(pat)
             bp = block_pattern(pat, b)
             mix = dataclasses.replace(region.mix, block=b, nblocks=n // b,
@@ -96,7 +98,7 @@ class BlockSparse(Pass):
             cand.plan.region = dataclasses.replace(region, mix=mix)
             cand.notes.append(f"block mask: {b}x{b} blocks of a {n}x{n} transition, {len(mix.blocks)}/"
                               f"{mix.nblocks ** 2} nonzero (density {mix.density:.1%}, "
-                              f"{int(pat.sum())}/{n * n} entries may be nonzero)")
+                              f"{int(pat.sum())}/{n * n} entries may be nonzero; the diagonal a_t is applied apart)")
             if mix.nblocks <= 32:
                 cand.notes.append("block mask (# nonzero):\n" + "\n".join("        " + r for r in mix.mask_text().splitlines()))
             changed = True

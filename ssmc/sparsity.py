@@ -3,7 +3,9 @@
 The transition of a region with a `Mix` is diag(a) + m along the last state axis. Which of its
 (i, j) entries can be nonzero follows from the expression and the values of its inputs: a product
 is zero where any factor is (``A * mask``), a sum where all terms are (``I + dt * A``), and a load
-is zero where the input tensor is zero at every other index (batch, time, channels). Unknown
+is zero where the input tensor is zero at every other index (batch, time, channels); a load
+that varies along neither the row nor the column (a step size per channel) counts as nonzero
+and is not read. Unknown
 values and ops that do not keep zeros (``exp``, ``sigmoid``) count as nonzero everywhere, so the
 pattern always covers the true nonzeros.
 
@@ -25,7 +27,8 @@ BLOCK_SIZES = (16, 8, 4, 2)
 
 
 def _load(ld: Load, x: torch.Tensor | None, row: str, dev) -> torch.Tensor:
-    if x is None or not isinstance(x, torch.Tensor) or _is_fake(x):
+    if x is None or not isinstance(x, torch.Tensor) or _is_fake(x) \
+            or not {row, ir.MIX_COL} & set(ld.index):       # a scale (dt per channel): not read
         return torch.ones((), dtype=torch.bool, device=dev)
     nz = x != 0
     keep = []
@@ -72,13 +75,14 @@ def _pattern(e, inputs, row, dev, memo) -> torch.Tensor:
     return p
 
 
-def transition_pattern(region: Region, inputs, n: int) -> torch.Tensor:
-    """(n, n) bool: entries of the transition diag(a) + m that can be nonzero. `inputs` holds
-    the region's input tensors; None for one whose value is unknown (taken as nonzero)."""
+def transition_pattern(region: Region, inputs, n: int, diag: bool = True) -> torch.Tensor:
+    """(n, n) bool: entries of the transition diag(a) + m (of m alone without `diag`) that can
+    be nonzero. `inputs` holds the region's input tensors; None for one whose value is unknown
+    (taken as nonzero)."""
     dev = next((x.device for x in inputs if isinstance(x, torch.Tensor) and not _is_fake(x)),
                torch.device("cpu"))
     p = _pattern(region.mix.expr, inputs, region.axes[-1], dev, {}).expand(n, n)
-    if not (isinstance(region.decay, Const) and region.decay.value == 0):
+    if diag and not (isinstance(region.decay, Const) and region.decay.value == 0):
         p = p | torch.eye(n, dtype=torch.bool, device=dev)
     return p
 

@@ -1,0 +1,224 @@
+"""The Triton kernel of strategy "block_sparse": a recurrence whose transition is a matrix along
+the last state axis, of which only the nonzero blocks are multiplied (templates/triton/
+block_sparse_fwd.py.j2).
+
+`make_bsp_plan` reads the region: the mixed axis (the last state axis) is held whole per row
+and summed by the readout; the other state axes are parallel (a channel axis blocked by BLOCK_D
+rows, one program per index of the rest), as in the selective-scan kernel. The transition's
+matrix m is split into factors: those free of the row and column (a step size per channel)
+form a row scale, the rest a matrix W shared by all rows, so each block is one small matmul
+(tl.dot for blocks of 16 and more, multiply-and-sum below); an m that mixes both is printed as
+a (rows, BS, BS) tile. The block pattern is recomputed from the actual inputs at every call
+(ssmc.sparsity, on the device), so the kernel is right for any mask, dense included.
+
+Backward: the torch reference (the same forward under autograd); correct, not fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ssmc import ir
+from ssmc.ir import Const, Load, Reduce, Region, State
+from ssmc.sparsity import BLOCK_SIZES, block_csr, block_pattern, transition_pattern
+
+from . import triton as T
+from .triton_printer import Frame, TritonPrinter, unsupported
+from .triton_ssd import _table, factors, product
+
+TEMPLATE = "triton/block_sparse_fwd.py.j2"
+CONFIGS = "triton/block_sparse_fwd.configs.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class BSPlan:
+    reg: str                        # the mixed state axis (held whole, summed by the readout)
+    block: str | None               # parallel axis blocked by BLOCK_D rows
+    scalars: tuple[str, ...]        # other parallel axes: one program per index
+    inputs: tuple[int, ...]
+    bs: int                         # block size
+    mode: str                       # "dot" | "fma2" | "fma3"
+    scale: ir.Expr | None           # row factor of m (fma2/dot)
+    matrix: ir.Expr | None          # shared factor of m (fma2/dot)
+
+
+def make_bsp_plan(r: Region) -> BSPlan | str:
+    if r.mix is None:
+        return "no non-diagonal transition"
+    base = T.make_plan(dataclasses.replace(r, mix=None))
+    if isinstance(base, str):
+        return base
+    last = r.axes[-1]
+    if base.reg not in (None, last):
+        return f"the readout sums over {base.reg}, not over the mixed axis {last}"
+    names = set(r.axes) | {"t", ir.MIX_COL}
+    for x in ir.walk(r.mix.expr):
+        why = unsupported(x)
+        if why:
+            return why
+        if isinstance(x, (Reduce, State)):
+            return "a reduction or the state inside the transition"
+        if isinstance(x, Load):
+            if len(x.index) != r.inputs[x.input].ndim:
+                return f"load {x} does not match input {x.input}'s rank"
+            if any(isinstance(ix, str) and ix not in names for ix in x.index):
+                return f"load {x} indexes an unknown axis"
+    parallel = [a for a in r.axes if a != last]
+    block = base.block if base.block in parallel else (parallel[-1] if parallel else None)
+    scalars = tuple(a for a in parallel if a != block)
+    used = set(base.inputs) | {ld.input for ld in ir.loads(r.mix.expr)}
+    bs = r.mix.block
+    if not bs:
+        return "the block_sparse pass did not run (no block size)"
+    if bs & (bs - 1):
+        return f"block size {bs} is not a power of two"
+    rowcol = {last, ir.MIX_COL}
+    fs = factors(r.mix.expr)
+    scale = [f for f in fs if not ir.axes_of(f, r.axes) & rowcol]
+    mat = [f for f in fs if f not in scale]
+    shared = all(not ir.axes_of(f, r.axes) & set(parallel) for f in mat) and mat
+    if shared:
+        mode = "dot" if bs >= 16 else "fma2"
+        return BSPlan(last, block, scalars, tuple(sorted(used)), bs, mode, product(scale), product(mat))
+    return BSPlan(last, block, scalars, tuple(sorted(used)), bs, "fma3", None, None)
+
+
+class _Printer(TritonPrinter):
+    """Prints inside the block loops: nothing is hoisted (values depend on the block)."""
+
+    def hoistable(self, e) -> bool:
+        return False
+
+
+def render_bsp(r: Region, plan: BSPlan, cdt: str) -> str:
+    codes = {a: (f"idx_{a}", None) for a in plan.scalars}
+    if plan.block:
+        codes[plan.block] = ("od", "md")
+    out = TritonPrinter(r, cdt, "v")
+    pre = Frame({**codes, plan.reg: ("on", "mn")}, None, 1, "mn")
+    out.set_prelude_frame(pre)
+    out.block(pre)
+    init = out.expr(Load(r.init, tuple(r.axes))) if r.init is not None else None
+    blk = _Printer(r, cdt, "w")
+    row = blk.block(Frame({**codes, plan.reg: ("oi", None), "t": ("t", None)}, None, None, None))
+    row.append("hi = tl.load(src + od * BLOCK_N + oi)")
+    diag = [f"tl.full((BLOCK_D, BS), 0.0, {cdt})"]
+    if not (isinstance(r.decay, Const) and r.decay.value == 0):
+        diag.append(f"{blk.expr(r.decay)} * hi")
+    if not (isinstance(r.drive, Const) and r.drive.value == 0):
+        diag.append(blk.expr(r.drive))
+    scale = blk.expr(plan.scale) if plan.scale is not None else None
+    mat = []
+    if plan.mode == "fma3":
+        codes3 = {a: (f"idx_{a}", None) for a in plan.scalars}
+        if plan.block:
+            codes3[plan.block] = ("od3", "md3")
+        blk.block(Frame({**codes3, plan.reg: ("oi3", None), ir.MIX_COL: ("oj3", None), "t": ("t", None)},
+                        None, None, None))
+        blk.switch(mat)
+        m = blk.expr(r.mix.expr)
+        contrib = f"_sum(({m}) * tl.expand_dims(hj, 1), 2)"
+    else:
+        blk.block(Frame({plan.reg: ("oi2", None), ir.MIX_COL: ("oj2", None), "t": ("t", None)}, None, None, None))
+        blk.switch(mat)
+        w = blk.expr(plan.matrix)
+        mat.append(f"wij = {w} + zbs")
+        if plan.mode == "dot":
+            prod = 'tl.dot(hj, tl.trans(wij), input_precision="tf32x3")' if cdt == "tl.float32" \
+                else "tl.dot(hj, tl.trans(wij))"
+        else:
+            prod = "_sum(tl.expand_dims(wij, 0) * tl.expand_dims(hj, 1), 2)"
+        contrib = prod if isinstance(plan.scale, Const) and plan.scale.value == 1.0 else f"{scale} * {prod}"
+    post = out.block(Frame({**codes, plan.reg: ("on", "mn"), "t": ("t", None)}, "h", 1, "mn"))
+    for k, o in enumerate(r.outputs):
+        if o.kind == "steps":
+            post.append(T._store(out, k, o, out.expr(o.expr)))
+    final = out.block(Frame({**codes, plan.reg: ("on", "mn"), "t": ("t_last", None)}, "h", 1, "mn"))
+    for k, o in enumerate(r.outputs):
+        if o.kind == "final":
+            final.append(T._store(out, k, o, out.expr(o.expr)))
+    base = T.Plan(plan.reg, plan.block, plan.scalars, plan.inputs)
+    return T._env().get_template(TEMPLATE).render(
+        region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
+        mode=plan.mode, plan=base, args=T._arg_lines(r, base), prelude=list(out.prelude), init=init,
+        row=row, diag=" + ".join(diag), mat=mat, contrib=contrib, post=post, final=final)
+
+
+class BlockSparseKernel(T.TritonKernel):
+    """Forward of a block-sparse recurrence; the block pattern from the inputs at each call."""
+    kind = "block-sparse recurrence"
+    template = TEMPLATE
+    configs_file = CONFIGS
+    make_plan = staticmethod(make_bsp_plan)
+
+    def table(self) -> dict:
+        return _table(CONFIGS)
+
+    def _render(self, cdt: str) -> str:
+        return render_bsp(self.region, self.plan, cdt)
+
+    def plan_text(self) -> str:
+        p = self.plan
+        return (f"mixed axis {p.reg} in {p.bs}x{p.bs} blocks ({p.mode}), channel axis {p.block}, "
+                f"one program per index of {list(p.scalars)}")
+
+    def bucket(self, inputs) -> tuple:
+        sizes, L = self.sizes(inputs)
+        p = self.plan
+        return (tuple(str(x.dtype).replace("torch.", "") for x in inputs), sizes[p.reg],
+                min(T._pow2(sizes[p.block]), 4096) if p.block else 1,
+                min(T._pow2(math.prod(sizes[a] for a in p.scalars)), 1 << 16))
+
+    def candidates(self, inputs, arch) -> list[dict]:
+        sizes, _ = self.sizes(inputs)
+        lo = 16 if self.plan.mode == "dot" else 1
+        bd = max(lo, T._pow2(sizes[self.plan.block]) if self.plan.block else 1)
+        out = []
+        for c in self.table()[T.arch_key(arch)]:
+            c = {**c, "BLOCK_D": max(lo, min(int(c["BLOCK_D"]), bd))}
+            if c not in out:
+                out.append(c)
+        return out
+
+    def constexprs(self, inputs, config) -> dict:
+        sizes, _ = self.sizes(inputs)
+        return {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": T._pow2(sizes[self.plan.reg]), "BS": self.plan.bs}
+
+    def launch(self, inputs, config, outs=None) -> list[torch.Tensor]:
+        outs = self.outputs(inputs) if outs is None else outs
+        sizes, _ = self.sizes(inputs)
+        n, bs = sizes[self.plan.reg], self.plan.bs
+        cols, cnt = block_csr(block_pattern(transition_pattern(self.region, inputs, n, diag=False), bs))
+        grid = self.grid(inputs, config)
+        cdt = self._cdt(inputs)
+        scratch = torch.empty(grid[0] * 2 * config["BLOCK_D"] * T._pow2(n), device=inputs[0].device,
+                              dtype=torch.float64 if cdt == "tl.float64" else torch.float32)
+        fn = self._fn(self._module(cdt), config["variant"])
+        extra = {} if inputs[0].device.type == "cpu" else {
+            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        fn[grid](*self.launch_args(inputs, outs), cols, cnt, scratch, n // bs,
+                 **self.constexprs(inputs, config), **extra)
+        return outs
+
+    def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None):
+        fn, sig, _ = super().signature({**config, "CHUNK": 1}, block_n, dtypes)
+        del sig["CHUNK"]
+        sig.update({"cols_ptr": "*i32", "cnt_ptr": "*i32", "scratch_ptr": "*fp32", "NB": "i32"})
+        cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n, "BS": self.plan.bs}
+        sig.update({k: "constexpr" for k in cx})
+        return fn, sig, cx
+
+    def _why_not(self, inputs, sizes: dict, L: int) -> str | None:
+        n = sizes[self.plan.reg]
+        if n % self.plan.bs:
+            return f"the mixed axis has {n} elements, not a multiple of the block size {self.plan.bs}"
+        return super()._why_not(inputs, sizes, L)
+
+    def backward(self, inputs, grads, needs):
+        return self._reference().backward(inputs, grads, needs)
+
+
+def block_size_for(n: int) -> int | None:
+    return next((b for b in BLOCK_SIZES if n % b == 0), None)
