@@ -17,6 +17,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from ssmc.assemble import _time_dependent
+from ssmc.lower import _sub_graph
 from ssmc.ops import shape
 from ssmc.sparsity import block_pattern, choose_block, transition_pattern
 
@@ -26,7 +28,7 @@ from .base import Pass
 MAX_EVAL_NODES = 64      # a loop-invariant value computed in the graph: evaluated when this small
 
 
-def example_values(ctx, plan) -> list:
+def example_values(ctx, cand) -> list:
     """The compile-time value of each region input: an input or attribute of the graph, or a
     small computation on those (``W = (A * mask).T`` before the loop), evaluated on the example
     inputs; None where it is unknown."""
@@ -59,15 +61,24 @@ def example_values(ctx, plan) -> list:
         memo[node] = v
         return v
 
+    loop = cand.loop
+    invs = dict(zip(loop.invariant_nodes(), loop.invariants))
+    step_dep = _time_dependent(loop)
     out = []
-    for src in plan.sources:
+    for src in cand.plan.sources:
         v = None
-        if src[0] == "outer":
-            try:
-                with torch.no_grad():
+        try:
+            with torch.no_grad():
+                if src[0] == "outer":
                     v = ev(src[1], [MAX_EVAL_NODES])
-            except Exception:       # anything not evaluable here counts as nonzero everywhere
-                v = None
+                elif src[0] == "pre" and src[1] not in step_dep:
+                    # a loop invariant computed in the step ((A * mask).T): run that part of the
+                    # step body on the invariants' values
+                    mod, takes = _sub_graph(loop, [src[1]], {})
+                    if all(p in invs for p in takes) and len(mod.graph.nodes) <= MAX_EVAL_NODES:
+                        v = mod(*[ev(invs[p], [MAX_EVAL_NODES]) for p in takes])[0]
+        except Exception:       # anything not evaluable here counts as nonzero everywhere
+            v = None
         out.append(v if isinstance(v, torch.Tensor) else None)
     return out
 
@@ -89,7 +100,7 @@ class BlockSparse(Pass):
             if region.mix is None:
                 continue
             n = shape(cand.rec.prev)[-1]
-            vals = example_values(ctx, cand.plan)
+            vals = example_values(ctx, cand)
             pat = transition_pattern(region, vals, n, diag=False).cpu()   # what the kernel multiplies
             b = choose_block(pat)
             bp = block_pattern(pat, b)

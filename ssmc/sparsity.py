@@ -92,12 +92,15 @@ def block_pattern(p: torch.Tensor, block: int) -> torch.Tensor:
     return p.reshape(nb, block, nb, block).any(3).any(1)
 
 
+BLOCK_OVERHEAD = 16     # per nonzero block and step: loading its slice of h, the loop, in entries
+
+
 def choose_block(p: torch.Tensor) -> int:
-    """The block size that multiplies the fewest entries (nonzero blocks * block^2); the larger
-    one on a tie (bigger tiles use the hardware better)."""
+    """The block size with the least work: nonzero blocks * (block^2 + a fixed cost per block);
+    the larger one on a tie (bigger tiles use the hardware better)."""
     n = p.shape[0]
     sizes = [b for b in BLOCK_SIZES if n % b == 0] or [n]
-    work = {b: int(block_pattern(p, b).sum()) * b * b for b in sizes}
+    work = {b: int(block_pattern(p, b).sum()) * (b * b + BLOCK_OVERHEAD) for b in sizes}
     return min(sizes, key=lambda b: (work[b], -b))
 
 
