@@ -26,10 +26,12 @@ from ssmc.sparsity import BLOCK_SIZES, block_csr, block_pattern, transition_patt
 
 from . import triton as T
 from .triton_printer import Frame, TritonPrinter, unsupported
+from .triton_ssd import _Printer as _NamedPrinter
 from .triton_ssd import _table, factors, product
 
 TEMPLATE = "triton/block_sparse_fwd.py.j2"
 CONFIGS = "triton/block_sparse_fwd.configs.json"
+MAX_STATIC_BLOCKS = 64      # the compiled mask is unrolled into the kernel up to this many blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,113 @@ class _Printer(TritonPrinter):
         return False
 
 
+def _contrib(plan: BSPlan, cdt: str, hj: str, m: str, scale: str | None) -> str:
+    if plan.mode == "fma3":
+        return f"_sum(({m}) * tl.expand_dims({hj}, 1), 2)"
+    if plan.mode == "dot":
+        prec = ', input_precision="tf32x3"' if cdt == "tl.float32" else ""
+        prod = f"tl.dot({hj}, tl.trans({m}){prec})"
+    else:
+        prod = f"_sum(tl.expand_dims({m}, 0) * tl.expand_dims({hj}, 1), 2)"
+    return prod if scale is None or scale == "1.0" else f"{scale} * {prod}"
+
+
+def render_static(r: Region, plan: BSPlan, cdt: str, codes: dict, codes3: dict) -> list[str] | None:
+    """The kernel body for the mask known at compile time, unrolled: the state is NB tiles
+    h_I of (BLOCK_D, BS) in registers, each step multiplies exactly the compiled nonzero blocks,
+    loop-invariant blocks of W are loaded once before the time loop; readouts over the mixed
+    axis are summed block by block. None when the region does not fit this form."""
+    m = r.mix
+    nb, blocks = m.nblocks, m.blocks
+    if not blocks or len(blocks) > MAX_STATIC_BLOCKS or nb > 32:
+        return None
+    reg = plan.reg
+    pre, body, post, final = [], [], [], []
+    idx = [f"sb{i} = {i} * BS + offs_b[None, :]" for i in range(nb)]
+    idx += [f"sr{i} = {i} * BS + offs_b[:, None]" for i in range(nb)]
+    if plan.mode == "fma3":
+        idx += [f"s3r{i} = {i} * BS + offs_b[None, :, None]" for i in range(nb)]
+        idx += [f"s3c{i} = {i} * BS + offs_b[None, None, :]" for i in range(nb)]
+    printers = []
+
+    def printer(prefix, frame):
+        p = _NamedPrinter(r, cdt, prefix, prefix + "p")
+        p.set_prelude_frame(frame)
+        p.block(frame)
+        printers.append(p)
+        return p
+    rows = []
+    for i in range(nb):
+        p = printer(f"r{i}_", Frame({**codes, reg: (f"sb{i}", None), "t": ("t", None)}, None, None, None))
+        rows.append(p)
+        init = f" + {p.expr(Load(r.init, tuple(r.axes)))}" if r.init is not None else ""
+        pre.append(f"h{i} = tl.full((BLOCK_D, BS), 0.0, {cdt}){init}")
+        p.switch(body)
+        terms = [f"tl.full((BLOCK_D, BS), 0.0, {cdt})"]
+        if not (isinstance(r.decay, Const) and r.decay.value == 0):
+            terms.append(f"{p.expr(r.decay)} * h{i}")
+        if not (isinstance(r.drive, Const) and r.drive.value == 0):
+            terms.append(p.expr(r.drive))
+        body.append(f"n{i} = " + " + ".join(terms))
+    for i, j in blocks:
+        scale = rows[i].expr(plan.scale) if plan.scale is not None else None
+        if plan.mode == "fma3":
+            f = Frame({**codes3, reg: (f"s3r{i}", None), ir.MIX_COL: (f"s3c{j}", None), "t": ("t", None)},
+                      None, None, None)
+            e = r.mix.expr
+        else:
+            f = Frame({reg: (f"sr{i}", None), ir.MIX_COL: (f"sb{j}", None), "t": ("t", None)}, None, None, None)
+            e = plan.matrix
+        p = printer(f"m{i}_{j}_", f)
+        p.switch(body)
+        code = p.expr(e)
+        if plan.mode != "fma3":
+            (pre if code.startswith(f"m{i}_{j}_p") else body).append(f"w{i}_{j} = {code} + zbs")
+            code = f"w{i}_{j}"
+        body.append(f"n{i} += {_contrib(plan, cdt, f'h{j}', code, scale)}")
+    body.append(", ".join(f"h{i}" for i in range(nb)) + " = " + ", ".join(f"n{i}" for i in range(nb)))
+    for kind, lines, tcode in (("steps", post, "t"), ("final", final, "t_last")):
+        for k, o in enumerate(r.outputs):
+            if o.kind != kind:
+                continue
+            if reg in o.index:          # stored block by block
+                for i in range(nb):
+                    p = printer(f"o{k}_{i}_", Frame({**codes, reg: (f"sb{i}", None), "t": (tcode, None)},
+                                                    f"h{i}", 1, None))
+                    p.switch(lines)
+                    lines.append(T._store(p, k, o, p.expr(o.expr)))
+                continue
+            reduces = [x for x in ir.walk(o.expr) if isinstance(x, Reduce)]
+            if any(reg not in ir.axes_of(x.arg, r.axes) for x in reduces) or _state_outside(o.expr):
+                return None
+            whole = printer(f"o{k}_", Frame({**codes, "t": (tcode, None)}, None, None, None))
+            for q, red in enumerate(reduces):
+                parts = []
+                for i in range(nb):
+                    p = printer(f"o{k}_{q}_{i}_", Frame({**codes, reg: (f"sb{i}", None), "t": (tcode, None)},
+                                                        f"h{i}", 1, None))
+                    p.switch(lines)
+                    parts.append(f"tl.expand_dims(_sum({p.expr(red.arg)}, 1), 1)")
+                lines.append(f"red{k}_{q} = " + " + ".join(parts))
+                whole.bind(red, f"red{k}_{q}")
+            whole.switch(lines)
+            lines.append(T._store(whole, k, o, whole.expr(o.expr)))
+    prelude = [line for p in printers for line in p.prelude]
+    out = idx + prelude + pre
+    out.append("for t in range(0, L):")
+    out += ["    " + l for l in body + post]
+    return out + final
+
+
+def _state_outside(e) -> bool:
+    """The state appears in `e` other than under a Reduce."""
+    if isinstance(e, State):
+        return True
+    if isinstance(e, Reduce):
+        return False
+    return any(_state_outside(c) for c in ir.children(e))
+
+
 def render_bsp(r: Region, plan: BSPlan, cdt: str) -> str:
     codes = {a: (f"idx_{a}", None) for a in plan.scalars}
     if plan.block:
@@ -139,8 +248,12 @@ def render_bsp(r: Region, plan: BSPlan, cdt: str) -> str:
     for k, o in enumerate(r.outputs):
         if o.kind == "final":
             final.append(T._store(out, k, o, out.expr(o.expr)))
+    codes3 = {a: (f"idx_{a}", None) for a in plan.scalars}
+    if plan.block:
+        codes3[plan.block] = ("od3", "md3")
+    static = render_static(r, plan, cdt, codes, codes3)
     base = T.Plan(plan.reg, plan.block, plan.scalars, plan.inputs)
-    return T._env().get_template(TEMPLATE).render(
+    return T._env().get_template(TEMPLATE).render(static=static,
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
         mode=plan.mode, plan=base, args=T._arg_lines(r, base), prelude=list(out.prelude), init=init,
         row=row, diag=" + ".join(diag), mat=mat, contrib=contrib, post=post, final=final)
@@ -152,6 +265,10 @@ class BlockSparseKernel(T.TritonKernel):
     template = TEMPLATE
     configs_file = CONFIGS
     make_plan = staticmethod(make_bsp_plan)
+
+    def __init__(self, *args, **kwargs):
+        self._compiled_bp: dict = {}
+        super().__init__(*args, **kwargs)
 
     def table(self) -> dict:
         return _table(CONFIGS)
@@ -190,7 +307,9 @@ class BlockSparseKernel(T.TritonKernel):
         outs = self.outputs(inputs) if outs is None else outs
         sizes, _ = self.sizes(inputs)
         n, bs = sizes[self.plan.reg], self.plan.bs
-        cols, cnt = block_csr(block_pattern(transition_pattern(self.region, inputs, n, diag=False), bs))
+        bp = block_pattern(transition_pattern(self.region, inputs, n, diag=False), bs)
+        cols, cnt = block_csr(bp)
+        flag = self._flag(bp, n)
         grid = self.grid(inputs, config)
         cdt = self._cdt(inputs)
         scratch = torch.empty(grid[0] * 2 * config["BLOCK_D"] * T._pow2(n), device=inputs[0].device,
@@ -198,14 +317,28 @@ class BlockSparseKernel(T.TritonKernel):
         fn = self._fn(self._module(cdt), config["variant"])
         extra = {} if inputs[0].device.type == "cpu" else {
             "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-        fn[grid](*self.launch_args(inputs, outs), cols, cnt, scratch, n // bs,
+        fn[grid](*self.launch_args(inputs, outs), cols, cnt, scratch, flag, n // bs,
                  **self.constexprs(inputs, config), **extra)
         return outs
+
+    def _flag(self, bp: torch.Tensor, n: int) -> torch.Tensor:
+        """0 when the compiled mask covers the inputs' block pattern (the unrolled path runs),
+        1 otherwise (the block-CSR path); computed on the device, no synchronisation."""
+        m = self.region.mix
+        if m.nblocks * m.block != n or m.block != self.plan.bs:
+            return torch.ones(1, dtype=torch.int32, device=bp.device)
+        key = bp.device
+        if key not in self._compiled_bp:
+            c = torch.zeros(m.nblocks, m.nblocks, dtype=torch.bool)
+            for i, j in m.blocks:
+                c[i, j] = True
+            self._compiled_bp[key] = c.to(bp.device)
+        return (bp & ~self._compiled_bp[key]).any().to(torch.int32).reshape(1)
 
     def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None):
         fn, sig, _ = super().signature({**config, "CHUNK": 1}, block_n, dtypes)
         del sig["CHUNK"]
-        sig.update({"cols_ptr": "*i32", "cnt_ptr": "*i32", "scratch_ptr": "*fp32", "NB": "i32"})
+        sig.update({"cols_ptr": "*i32", "cnt_ptr": "*i32", "scratch_ptr": "*fp32", "flag_ptr": "*i32", "NB": "i32"})
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n, "BS": self.plan.bs}
         sig.update({k: "constexpr" for k in cx})
         return fn, sig, cx
