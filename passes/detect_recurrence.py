@@ -65,6 +65,10 @@ def detect(loop) -> Recurrence:
     sshape = shape(prev)
     if shape(new) != sshape:
         raise Decline(f"the state changes shape within a step: {sshape} -> {shape(new)}")
+    if dtype(prev) is not None and dtype(prev).is_complex:
+        raise Decline(f"the state is complex ({dtype(prev)}); complex recurrences are not lowered to "
+                      "real 2x2 blocks yet (write the state as real pairs (..., 2) to get the "
+                      "block-sparse kernel)")
     if not dtype(prev) or not dtype(prev).is_floating_point:
         raise Decline(f"the state has dtype {dtype(prev)}; ssmc handles floating-point states")
     dep = {prev}

@@ -122,9 +122,15 @@ def render_static(r: Region, plan: BSPlan, cdt: str, codes: dict, codes3: dict) 
         idx += [f"s3r{i} = {i} * BS + offs_b[None, :, None]" for i in range(nb)]
         idx += [f"s3c{i} = {i} * BS + offs_b[None, None, :]" for i in range(nb)]
     printers = []
+    shared = _NamedPrinter(r, cdt, "c_", "c_p")        # values the same for every block row
+    shared_frame = Frame({**codes, "t": ("t", None)}, None, None, None)
+    shared.set_prelude_frame(shared_frame)
+    shared.block(shared_frame)
+    shared.switch(body)
+    printers.append(shared)
 
-    def printer(prefix, frame):
-        p = _NamedPrinter(r, cdt, prefix, prefix + "p")
+    def printer(prefix, frame, share=True):
+        p = _BlockPrinter(r, cdt, prefix, prefix + "p", shared if share else None, reg)
         p.set_prelude_frame(frame)
         p.block(frame)
         printers.append(p)
@@ -166,19 +172,19 @@ def render_static(r: Region, plan: BSPlan, cdt: str, codes: dict, codes3: dict) 
             if reg in o.index:          # stored block by block
                 for i in range(nb):
                     p = printer(f"o{k}_{i}_", Frame({**codes, reg: (f"sb{i}", None), "t": (tcode, None)},
-                                                    f"h{i}", 1, None))
+                                                    f"h{i}", 1, None), share=False)
                     p.switch(lines)
                     lines.append(T._store(p, k, o, p.expr(o.expr)))
                 continue
             reduces = [x for x in ir.walk(o.expr) if isinstance(x, Reduce)]
             if any(reg not in ir.axes_of(x.arg, r.axes) for x in reduces) or _state_outside(o.expr):
                 return None
-            whole = printer(f"o{k}_", Frame({**codes, "t": (tcode, None)}, None, None, None))
+            whole = printer(f"o{k}_", Frame({**codes, "t": (tcode, None)}, None, None, None), share=False)
             for q, red in enumerate(reduces):
                 parts = []
                 for i in range(nb):
                     p = printer(f"o{k}_{q}_{i}_", Frame({**codes, reg: (f"sb{i}", None), "t": (tcode, None)},
-                                                        f"h{i}", 1, None))
+                                                        f"h{i}", 1, None), share=False)
                     p.switch(lines)
                     parts.append(f"tl.expand_dims(_sum({p.expr(red.arg)}, 1), 1)")
                 lines.append(f"red{k}_{q} = " + " + ".join(parts))
@@ -190,6 +196,21 @@ def render_static(r: Region, plan: BSPlan, cdt: str, codes: dict, codes3: dict) 
     out.append("for t in range(0, L):")
     out += ["    " + l for l in body + post]
     return out + final
+
+
+class _BlockPrinter(_NamedPrinter):
+    """Prints for one block; what does not vary along the mixed axis or the column (a step
+    size, an input per channel) goes to the printer shared by all blocks, printed once."""
+
+    def __init__(self, region, cdt, prefix, hoist_prefix, shared, axis):
+        super().__init__(region, cdt, prefix, hoist_prefix)
+        self.shared, self.axis = shared, axis
+
+    def expr(self, e):
+        if self.shared is not None and not isinstance(e, (Const, State)) and not ir.uses_state(e) \
+                and not self.axes(e) & {self.axis, ir.MIX_COL}:
+            return self.shared.expr(e)
+        return super().expr(e)
 
 
 def _state_outside(e) -> bool:
