@@ -157,7 +157,7 @@ def render_static(r: Region, plan: BSPlan, cdt: str, codes: dict, codes3: dict) 
         else:
             f = Frame({reg: (f"sr{i}", None), ir.MIX_COL: (f"sb{j}", None), "t": ("t", None)}, None, None, None)
             e = plan.matrix
-        p = printer(f"m{i}_{j}_", f)
+        p = printer(f"m{i}_{j}_", f, share=plan.mode != "fma3")     # fma3 tiles are 3-d
         p.switch(body)
         code = p.expr(e)
         if plan.mode != "fma3":
