@@ -49,6 +49,9 @@ def test_lti_and_structure():
     text = str(info)
     assert "block mask: 8x8 blocks of a 32x32 transition, 4/16 nonzero (density 25.0%" in text
     assert "sum_j(m[i2, j] * h[..., j])" in text
+    report = str(ssmc.explain(P.lti_matmul, x, A, mask, B, C))
+    assert "strategy block_sparse" in report and "density 25.0%" in report
+    assert all(line in report for line in r.mix.mask_text().splitlines())      # the mask itself
 
 
 def test_einsum_forms_and_final_state():
@@ -181,19 +184,26 @@ def test_triton_kernel(bs, mode, interp):
     check_triton(P.euler_matmul, P.euler_inputs(2, 3, 3, 2 * bs, mask, g), mode)
 
 
-def test_triton_kernel_per_row_matrix_and_changed_mask(interp):
+@pytest.mark.parametrize("form", ["einsum", "matmul"])
+def test_triton_kernel_changed_mask(form, interp):
+    """The compiled mask runs unrolled; a denser mask in the same compiled graph takes the
+    block-CSR path of the same kernel (the pattern is read from the inputs at each call)."""
     g = torch.Generator().manual_seed(10)
     mask = P.block_mask(4, 2, 0.25, g)
-    ins = (torch.randn(2, 3, generator=g), torch.rand(2, 3, generator=g) * 0.2,
-           torch.randn(8, 8, generator=g) / 3, mask, torch.randn(2, 3, 8, generator=g),
-           torch.randn(2, 3, 8, generator=g))
-    check_triton(P.euler_einsum, ins, "fma3")
-    # the same compiled graph with a denser mask: the kernel reads the pattern at each call
+    if form == "einsum":       # per-row transition tiles
+        fn, mode = P.euler_einsum, "fma3"
+        ins = (torch.randn(2, 3, generator=g), torch.rand(2, 3, generator=g) * 0.2,
+               torch.randn(8, 8, generator=g) / 3, mask, torch.randn(2, 3, 8, generator=g),
+               torch.randn(2, 3, 8, generator=g))
+    else:
+        fn, mode = P.euler_matmul, "fma2"
+        ins = P.euler_inputs(2, 3, 3, 8, mask, g)
+    check_triton(fn, ins, mode)
     torch._dynamo.reset()
-    fast = torch.compile(P.euler_einsum, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, options={"target": "triton"}))
+    fast = torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, options={"target": "triton"}))
     fast(*ins)
     ins2 = (*ins[:3], P.block_mask(4, 2, 0.75, g), *ins[4:])
-    for o, r in zip(fast(*ins2), reference(P.euler_einsum, ins2)):
+    for o, r in zip(as_tuple(fast(*ins2)), reference(fn, ins2)):
         assert rel_err(o, r) < 1e-5
 
 
@@ -232,3 +242,19 @@ def test_gpu_block_sparse_bf16():
     assert lookup(info.key).kernel.fallback is None
     ref = reference(P.euler_matmul, ins)[0]
     assert rel_err(out, ref) < 2e-2
+
+
+def test_benchmark_tiny_cpu(tmp_path):
+    import json
+    from benchmarks import bench_block_sparse
+    out = tmp_path / "tiny.json"
+    bench_block_sparse.main(["--tiny", "--out", str(out)])
+    data = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    for v in ("ssmc block-sparse", "ssmc dense A"):
+        assert "error" not in rows[v], rows[v]
+        assert rows[v]["ms"] > 0 and rows[v]["rel_err_vs_float64"] < 1e-5
+        assert rows[v]["strategy"] == "block_sparse"
+    assert rows["ssmc block-sparse"]["density"] == 0.25 and rows["ssmc dense A"]["density"] == 1.0
+    assert any(v.startswith("eager loop") and "ms" in r for v, r in rows.items())
+    assert "time_per_nonzero_block_sparse_over_dense" in data["summary"]
