@@ -226,6 +226,9 @@ def chunk_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tens
     return H.reshape(m * s, *H.shape[2:])[:T]
 
 
+MIX_CHUNK_ELEMENTS = 1 << 24
+
+
 def mix_scan(a, M, b, h0):
     """h_t = a_t * h_{t-1} + M_t h_{t-1} + b_t step by step (time at dim 0; M_t laid out
     (*state, j), multiplying along the state's last dim)."""
@@ -262,6 +265,8 @@ def run(region: Region, inputs, chunk: int = 64):
     h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
     steps = {i: [] for i, o in enumerate(r.outputs) if o.kind == "steps"}
     names = ["t", *r.axes]
+    if r.mix is not None:       # a chunk's transition matrices: at most MIX_CHUNK_ELEMENTS
+        chunk = max(1, min(chunk, MIX_CHUNK_ELEMENTS // max(1, math.prod(state_shape) * state_shape[-1])))
     for t0 in range(0, L, chunk):
         t1 = min(L, t0 + chunk)
         ev = Evaluator(r, inputs, t0, t1, cdt)
