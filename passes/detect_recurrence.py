@@ -13,7 +13,8 @@ Matrix-valued coefficients: a contraction of the state along its last dim with a
 matrix (``h @ W``, ``torch.einsum("bij,bj->bi", Abar, h)``) makes the transition non-diagonal:
 h_t = a_t * h_{t-1} + M_t h_{t-1} + b_t, still linear, and associative (composition is a
 matrix product). M_t is built as one body node laid out (*state, j): M[.., i, j] multiplies
-h[.., j] into h[.., i]. Two matrix products in one step, or one along another dim, decline.
+h[.., j] into h[.., i]; matrix products in sequence (``h @ W1 @ W2``) compose into it. A
+product along another dim than the state's last declines.
 """
 from __future__ import annotations
 
@@ -184,7 +185,11 @@ class _Linear:
 
     # coefficients that may be matrices ---------------------------------------------------
     def _call(self, target, *args):
-        return self.b.call(self.stack[-1], target, args)
+        try:
+            return self.b.call(self.stack[-1], target, args)
+        except Exception as e:     # shapes that do not combine: not a transition ssmc can write
+            raise Decline(f"the transition through {_describe(self.stack[-1])} cannot be formed "
+                          f"as a matrix: {type(e).__name__}: {e}") from None
 
     def scale(self, a, y):
         """a * y, y a state-free value broadcast over the state (scales rows of a matrix)."""
@@ -244,15 +249,15 @@ class _Linear:
         if c.kind == "contract" and len(state) == 1 and list(c.args).count(state[0]) == 1:
             wt = self._contract(n, c, state[0])
             a1, b1 = self.of(state[0])
-            if isinstance(a1, _Mat) and a1.m is not None:
-                raise Decline(f"{_describe(n)} is a second matrix product of the state in one step")
-            d1 = a1.d if isinstance(a1, _Mat) else a1
+            d1, m1 = (a1.d, a1.m) if isinstance(a1, _Mat) else (a1, None)
             if d1 is None:
                 m = None
-            elif isinstance(d1, (int, float)):
+            elif isinstance(d1, (int, float)) or not shape(d1):
                 m = self.mul(wt, d1)
             else:      # scale the columns: W'[.., i, k] * d1[.., k]
                 m = self.mul(wt, self._call(torch.unsqueeze, d1, -2))
+            if m1 is not None:     # a second matrix product in the step: W' composed with it
+                m = self.add(m, self._call(torch.matmul, wt, m1))
             bm = None if b1 is None else self._call(torch.matmul, wt, self._call(torch.unsqueeze, b1, -1))
             if bm is not None:
                 bm = self._call(torch.squeeze, bm, -1)

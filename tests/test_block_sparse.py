@@ -258,3 +258,31 @@ def test_benchmark_tiny_cpu(tmp_path):
     assert rows["ssmc block-sparse"]["density"] == 0.25 and rows["ssmc dense A"]["density"] == 1.0
     assert any(v.startswith("eager loop") and "ms" in r for v, r in rows.items())
     assert "time_per_nonzero_block_sparse_over_dense" in data["summary"]
+
+
+def test_composed_products_and_declines():
+    def two_products(x, W1, mask, W2):
+        h = x.new_zeros(x.shape[0], W1.shape[0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = h @ (W1 * mask) @ W2 * 0.5 + x[:, t]
+            ys.append(h.sum(-1))
+        return torch.stack(ys, 1)
+
+    def left_product(x, W):            # mixes the state's first dim, not its last
+        h = x.new_zeros(x.shape[0], W.shape[0], 3)
+        ys = []
+        for t in range(x.shape[1]):
+            h = W @ h + x[:, t, :, None]
+            ys.append(h.sum(-1))
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(13)
+    n = 8
+    mask = P.block_mask(2, 4, 0.5, g)
+    W1, W2 = torch.randn(n, n, generator=g) / 3, torch.randn(n, n, generator=g) / 3
+    x = torch.randn(2, 4, n, generator=g)
+    info = check(two_products, (x, W1, mask, W2))
+    assert info.ir.mix is not None
+    out, report = ssmc_run(left_product, (x, W1))
+    assert rel_err(out, reference(left_product, (x, W1))[0]) < 1e-5
+    assert not report.regions and "last dim" in report.fallbacks[0][1]
