@@ -139,6 +139,11 @@ def main(argv=None):
             from ssmc.runtime.op import lookup
             kern = lookup(info.key).kernel
             say(f"[{label}] {info.strategy} on {info.target}: {info.strategy_reason}")
+            if "block_sparse" not in {p.name for p in report.passes}:
+                raise RuntimeError("the block_sparse pass is not registered: reinstall ssmc "
+                                   "(pip install -e .) so its entry point is found")
+            if info.target != target:
+                raise RuntimeError(f"the region runs on {info.target}, not {target}: {info.target_reasons}")
             ins = make_inputs(n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype, **check)
             got = fn(*ins)
             got = got[0] if isinstance(got, (tuple, list)) else got

@@ -245,6 +245,14 @@ def test_gpu_block_sparse_bf16():
     assert lookup(info.key).kernel.fallback is None
     ref = reference(P.euler_matmul, ins)[0]
     assert rel_err(out, ref) < 2e-2
+    # gradients (the reference adjoint on the GPU) against float64 autograd
+    A = ins[2].clone().requires_grad_()
+    out, _ = ssmc_run(P.euler_matmul, (*ins[:2], A, *ins[3:]), target="triton")
+    (gA,) = torch.autograd.grad(out.float().square().sum(), A)
+    A64 = ins[2].double().requires_grad_()
+    ref = P.euler_matmul(*[t.double() for t in ins[:2]], A64, *[t.double() for t in ins[3:]])
+    (rA,) = torch.autograd.grad(ref.square().sum(), A64)
+    assert rel_err(gA, rA) < 2e-2
 
 
 def test_benchmark_tiny_cpu(tmp_path):

@@ -8,10 +8,13 @@ rows, one program per index of the rest), as in the selective-scan kernel. The t
 matrix m is split into factors: those free of the row and column (a step size per channel)
 form a row scale, the rest a matrix W shared by all rows, so each block is one small matmul
 (tl.dot for blocks of 16 and more, multiply-and-sum below); an m that mixes both is printed as
-a (rows, BS, BS) tile. The block pattern is recomputed from the actual inputs at every call
-(ssmc.sparsity, on the device), so the kernel is right for any mask, dense included.
+a (rows, BS, BS) tile. Two paths in one kernel: the compiled mask unrolled (`render_static`:
+state tiles in registers, loop-invariant blocks loaded once), and a block-CSR loop over the
+pattern of the actual inputs (state blocks through an L1-resident scratch buffer). The pattern
+is recomputed from the inputs on the device (ssmc.sparsity) and a flag picks the unrolled path
+only when the compiled mask covers it, so the kernel is right for any mask, dense included.
 
-Backward: the torch reference (the same forward under autograd); correct, not fast.
+Backward: the torch reference's adjoint (sequential in time, in chunks); correct, not fast.
 """
 from __future__ import annotations
 
@@ -240,27 +243,20 @@ def render_bsp(r: Region, plan: BSPlan, cdt: str) -> str:
     if not (isinstance(r.drive, Const) and r.drive.value == 0):
         diag.append(blk.expr(r.drive))
     scale = blk.expr(plan.scale) if plan.scale is not None else None
+    codes3 = {a: (f"idx_{a}", None) for a in plan.scalars}
+    if plan.block:
+        codes3[plan.block] = ("od3", "md3")
     mat = []
     if plan.mode == "fma3":
-        codes3 = {a: (f"idx_{a}", None) for a in plan.scalars}
-        if plan.block:
-            codes3[plan.block] = ("od3", "md3")
         blk.block(Frame({**codes3, plan.reg: ("oi3", None), ir.MIX_COL: ("oj3", None), "t": ("t", None)},
                         None, None, None))
         blk.switch(mat)
-        m = blk.expr(r.mix.expr)
-        contrib = f"_sum(({m}) * tl.expand_dims(hj, 1), 2)"
+        contrib = _contrib(plan, cdt, "hj", blk.expr(r.mix.expr), None)
     else:
         blk.block(Frame({plan.reg: ("oi2", None), ir.MIX_COL: ("oj2", None), "t": ("t", None)}, None, None, None))
         blk.switch(mat)
-        w = blk.expr(plan.matrix)
-        mat.append(f"wij = {w} + zbs")
-        if plan.mode == "dot":
-            prod = 'tl.dot(hj, tl.trans(wij), input_precision="tf32x3")' if cdt == "tl.float32" \
-                else "tl.dot(hj, tl.trans(wij))"
-        else:
-            prod = "_sum(tl.expand_dims(wij, 0) * tl.expand_dims(hj, 1), 2)"
-        contrib = prod if isinstance(plan.scale, Const) and plan.scale.value == 1.0 else f"{scale} * {prod}"
+        mat.append(f"wij = {blk.expr(plan.matrix)} + zbs")
+        contrib = _contrib(plan, cdt, "hj", "wij", scale)
     post = out.block(Frame({**codes, plan.reg: ("on", "mn"), "t": ("t", None)}, "h", 1, "mn"))
     for k, o in enumerate(r.outputs):
         if o.kind == "steps":
@@ -269,9 +265,6 @@ def render_bsp(r: Region, plan: BSPlan, cdt: str) -> str:
     for k, o in enumerate(r.outputs):
         if o.kind == "final":
             final.append(T._store(out, k, o, out.expr(o.expr)))
-    codes3 = {a: (f"idx_{a}", None) for a in plan.scalars}
-    if plan.block:
-        codes3[plan.block] = ("od3", "md3")
     static = render_static(r, plan, cdt, codes, codes3)
     base = T.Plan(plan.reg, plan.block, plan.scalars, plan.inputs)
     return T._env().get_template(TEMPLATE).render(static=static,
