@@ -17,6 +17,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from ssmc import ir
 from ssmc.assemble import _time_dependent
 from ssmc.lower import _sub_graph
 from ssmc.ops import shape
@@ -64,9 +65,15 @@ def example_values(ctx, cand) -> list:
     loop = cand.loop
     invs = dict(zip(loop.invariant_nodes(), loop.invariants))
     step_dep = _time_dependent(loop)
+    region = cand.plan.region
+    rowcol = {region.axes[-1], ir.MIX_COL}
+    needed = {ld.input for ld in ir.loads(region.mix.expr) if rowcol & set(ld.index)}
     out = []
-    for src in cand.plan.sources:
+    for k, src in enumerate(cand.plan.sources):
         v = None
+        if k not in needed:         # not read by the pattern analysis (ssmc.sparsity)
+            out.append(None)
+            continue
         try:
             with torch.no_grad():
                 if src[0] == "outer":
