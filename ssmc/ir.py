@@ -272,7 +272,8 @@ class Region:
         return hashlib.sha256((repr(scalars) + "\n" + str(self)).encode()).hexdigest()[:16]
 
     def __str__(self):
-        lines = [f"# region {self.name}: h_t = a_t * h_(t-1) + b_t over axes {list(self.axes)}"
+        mixed = " + M_t h_(t-1)" if self.mix is not None else ""
+        lines = [f"# region {self.name}: h_t = a_t * h_(t-1){mixed} + b_t over axes {list(self.axes)}"
                  f"{' (reverse time)' if self.reverse else ''}"]
         for i, s in enumerate(self.inputs):
             lines.append(f"in{i}: {s.dtype}[{s.ndim}d]  # {s.name}")
