@@ -8,11 +8,19 @@ multipliers) and b_t (the new state with the state set to zero) as new, state-fr
 the step body. Everything else is declined with the op that broke linearity: h inside a
 nonlinearity, a gate computed from h, h*h. Leaves `rec` on the candidate and a first,
 unfused region (`plan`).
+
+Matrix-valued coefficients: a contraction of the state along its last dim with a state-free
+matrix (``h @ W``, ``torch.einsum("bij,bj->bi", Abar, h)``) makes the transition non-diagonal:
+h_t = a_t * h_{t-1} + M_t h_{t-1} + b_t, still linear, and associative (composition is a
+matrix product). M_t is built as one body node laid out (*state, j): M[.., i, j] multiplies
+h[.., j] into h[.., i]; matrix products in sequence (``h @ W1 @ W2``) compose into it. A
+product along another dim than the state's last declines.
 """
 from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from ssmc.assemble import AssembleError, Recurrence, assemble
@@ -58,6 +66,10 @@ def detect(loop) -> Recurrence:
     sshape = shape(prev)
     if shape(new) != sshape:
         raise Decline(f"the state changes shape within a step: {sshape} -> {shape(new)}")
+    if dtype(prev) is not None and dtype(prev).is_complex:
+        raise Decline(f"the state is complex ({dtype(prev)}); complex recurrences are not lowered to "
+                      "real 2x2 blocks yet (write the state as real pairs (..., 2) to get the "
+                      "block-sparse kernel)")
     if not dtype(prev) or not dtype(prev).is_floating_point:
         raise Decline(f"the state has dtype {dtype(prev)}; ssmc handles floating-point states")
     dep = {prev}
@@ -87,8 +99,11 @@ def detect(loop) -> Recurrence:
     b = _Builder(body, _fake_mode(loop.body.graph) or _fake_mode_outer(loop))
     lin = _Linear(b, prev, path, sshape)
     a_val, b_val = lin.of(new)
+    m = None
+    if isinstance(a_val, _Mat):
+        a_val, m = a_val.d, a_val.m
     return Recurrence(prev, new, 0.0 if a_val is None else a_val, 0.0 if b_val is None else b_val,
-                      dep - {prev}, epilogue)
+                      dep - {prev}, epilogue, m)
 
 
 def _fake_mode_outer(loop):
@@ -99,8 +114,17 @@ def _fake_mode_outer(loop):
     return None
 
 
+class _Mat:
+    """A non-diagonal coefficient: diag(d) + m, with m a body node laid out (*state, j) (or
+    broadcastable to it); d as an elementwise coefficient (None: zero)."""
+
+    def __init__(self, d, m):
+        self.d, self.m = d, m
+
+
 class _Linear:
-    """(a, b) with node == a * prev + b; None stands for zero."""
+    """(a, b) with node == a * prev + b; None stands for zero. `a` is an elementwise
+    coefficient, or a `_Mat` once the state went through a matrix product."""
 
     def __init__(self, builder, prev, path, sshape):
         self.b, self.prev, self.path, self.sshape = builder, prev, path, sshape
@@ -159,6 +183,60 @@ class _Linear:
             return None
         return self._mk(operator.truediv, x, y)
 
+    # coefficients that may be matrices ---------------------------------------------------
+    def _call(self, target, *args):
+        try:
+            return self.b.call(self.stack[-1], target, args)
+        except Exception as e:     # shapes that do not combine: not a transition ssmc can write
+            raise Decline(f"the transition through {_describe(self.stack[-1])} cannot be formed "
+                          f"as a matrix: {type(e).__name__}: {e}") from None
+
+    def scale(self, a, y):
+        """a * y, y a state-free value broadcast over the state (scales rows of a matrix)."""
+        if not isinstance(a, _Mat):
+            return self.mul(a, y)
+        yr = y if isinstance(y, (int, float)) else self._call(torch.unsqueeze, y, -1)
+        return _Mat(self.mul(a.d, y), self.mul(a.m, yr))
+
+    def divide(self, a, y):
+        if not isinstance(a, _Mat):
+            return self.div(a, y)
+        yr = y if isinstance(y, (int, float)) else self._call(torch.unsqueeze, y, -1)
+        return _Mat(self.div(a.d, y), self.div(a.m, yr))
+
+    def plus(self, a1, a2):
+        if not isinstance(a1, _Mat) and not isinstance(a2, _Mat):
+            return self.add(a1, a2)
+        a1, a2 = (x if isinstance(x, _Mat) else _Mat(x, None) for x in (a1, a2))
+        return _Mat(self.add(a1.d, a2.d), self.add(a1.m, a2.m))
+
+    def negate(self, a):
+        return _Mat(self.neg(a.d), self.neg(a.m)) if isinstance(a, _Mat) else self.neg(a)
+
+    def _contract(self, n, c, x):
+        """y = contraction of x (on the state's path) with one state-free operand along the last
+        state dim: y[.., i] = sum_k W'[.., i, k] x[.., k]. Returns (W' as a body node, x)."""
+        if len(c.args) != 2:
+            raise Decline(f"{_describe(n)} contracts the state with {len(c.args) - 1} operands")
+        k = c.args.index(x)
+        w, sx, sw = c.args[1 - k], c.params["subs"][k], c.params["subs"][1 - k]
+        so = c.params["out"]
+        if not isinstance(w, fx.Node) or w in self.path or w is self.prev:
+            raise Decline(f"{_describe(n)} multiplies the state by itself")
+        nd = len(self.sshape)
+        if len(sx) != nd or len(so) != nd or sx[:-1] != so[:-1] or sx[-1] == so[-1] \
+                or len(set(sw)) != len(sw) or sx[-1] not in sw or so[-1] not in sw \
+                or not set(sw) <= set(so) | {sx[-1]} or sx[-1] in so:
+            raise Decline(f"{_describe(n)} is not a matrix product along the state's last dim "
+                          f"({','.join(c.params['subs'])}->{so})")
+        target = so + sx[-1]
+        present = "".join(ch for ch in target if ch in sw)
+        wt = self._call(torch.einsum, f"{sw}->{present}", w)
+        for pos, ch in enumerate(target):
+            if ch not in sw:
+                wt = self._call(torch.unsqueeze, wt, pos)
+        return wt
+
     def _rule(self, n, c):
         args = c.args
         state = [a for a in args if isinstance(a, fx.Node) and (a in self.path or a is self.prev)]
@@ -168,30 +246,46 @@ class _Linear:
             if c.kind == "ew" and not c.params["dtype"].is_floating_point:
                 raise Decline(f"the state is cast to {c.params['dtype']} by {_describe(n)}")
             return self.of(args[0])
+        if c.kind == "contract" and len(state) == 1 and list(c.args).count(state[0]) == 1:
+            wt = self._contract(n, c, state[0])
+            a1, b1 = self.of(state[0])
+            d1, m1 = (a1.d, a1.m) if isinstance(a1, _Mat) else (a1, None)
+            if d1 is None:
+                m = None
+            elif isinstance(d1, (int, float)) or not shape(d1):
+                m = self.mul(wt, d1)
+            else:      # scale the columns: W'[.., i, k] * d1[.., k]
+                m = self.mul(wt, self._call(torch.unsqueeze, d1, -2))
+            if m1 is not None:     # a second matrix product in the step: W' composed with it
+                m = self.add(m, self._call(torch.matmul, wt, m1))
+            bm = None if b1 is None else self._call(torch.matmul, wt, self._call(torch.unsqueeze, b1, -1))
+            if bm is not None:
+                bm = self._call(torch.squeeze, bm, -1)
+            return (_Mat(None, m) if m is not None else None), bm
         if c.kind != "ew":
             raise Decline(f"the state goes through {_describe(n)} ({c.kind}), which is not elementwise-linear")
         alpha = c.params.get("alpha", 1)
         if c.op in ("add", "sub"):
             (a1, b1), (a2, b2) = self.of(args[0]), self.of(args[1])
             if alpha != 1:
-                a2, b2 = self.mul(a2, alpha), self.mul(b2, alpha)
+                a2, b2 = self.scale(a2, alpha), self.mul(b2, alpha)
             if c.op == "sub":
-                a2, b2 = self.neg(a2), self.neg(b2)
-            return self.add(a1, a2), self.add(b1, b2)
+                a2, b2 = self.negate(a2), self.neg(b2)
+            return self.plus(a1, a2), self.add(b1, b2)
         if c.op == "neg":
             a1, b1 = self.of(args[0])
-            return self.neg(a1), self.neg(b1)
+            return self.negate(a1), self.neg(b1)
         if c.op == "mul":
             if len(state) == 2 or (len(state) == 1 and args[0] is args[1]):
                 raise Decline(f"{_describe(n)} multiplies the state by itself")
             x, y = (args[0], args[1]) if args[0] in state else (args[1], args[0])
             a1, b1 = self.of(x)
-            return self.mul(a1, y), self.mul(b1, y)
+            return self.scale(a1, y), self.mul(b1, y)
         if c.op == "div":
             if args[1] in state:
                 raise Decline(f"{_describe(n)} divides by the state")
             a1, b1 = self.of(args[0])
-            return self.div(a1, args[1]), self.div(b1, args[1])
+            return self.divide(a1, args[1]), self.div(b1, args[1])
         if c.op == "addcmul":
             x, t1, t2 = args
             if t1 in state and t2 in state:
@@ -200,5 +294,5 @@ class _Linear:
             s, f = (t1, t2) if t1 in state else (t2, t1)
             a1, b1 = self.of(s)
             f = self.mul(f, c.params["value"])
-            return self.add(ax, self.mul(a1, f)), self.add(bx, self.mul(b1, f))
+            return self.plus(ax, self.scale(a1, f)), self.add(bx, self.mul(b1, f))
         raise Decline(f"the state goes through {_describe(n)}, which is not linear")

@@ -180,7 +180,7 @@ class MoeGrouping(Pass):
     """Expects: candidates with plans. Leaves: ``ctx.groups`` (see the module docstring); each
     member gets a note naming its group; declines nothing."""
     name = "moe_grouping"
-    after = "fuse_epilogue"
+    after = "block_sparse"
 
     def run(self, ctx) -> bool:
         live = [c for c in ctx.live() if c.plan is not None and c.rec is not None]

@@ -3,7 +3,7 @@
 Expects candidates with a plan. Strategy from the IR and the shapes: "step" for a few tokens
 with a state passed in (decoding), "chunked_ssd" when the decay is shared over state axes
 large enough for matrix units (Mamba-2), "chunked_scan" otherwise (Mamba-1, S4D, any
-elementwise recurrence). Target: the one asked for (``options.target``), or on "auto" the
+elementwise recurrence), "block_sparse" for a non-diagonal transition. Target: the one asked for (``options.target``), or on "auto" the
 first of cuda, triton, torch that supports the region on this device; every refusal's reason
 is kept for ``ssmc.explain``. Leaves `strategy`, `target` and the reasons on each candidate.
 """
@@ -22,6 +22,13 @@ SSD_MIN_SHARED = 64      # elements the decay is constant over, per (batch, head
 def choose_strategy(cand, ctx) -> tuple[str, str]:
     region = cand.plan.region
     L = cand.loop.length
+    if region.mix is not None:
+        m = region.mix
+        if not m.block:
+            return "block_sparse", "non-diagonal transition; block_sparse did not run, so every block counts as nonzero"
+        return "block_sparse", (f"non-diagonal transition along {region.axes[-1]}: {m.block}x{m.block} blocks, "
+                                f"{len(m.blocks)}/{m.nblocks ** 2} nonzero (density {m.density:.1%}); "
+                                "each step multiplies only the nonzero blocks")
     if L is not None and L <= STEP_MAX_TOKENS and region.init is not None:
         return "step", f"{L} token(s) with a state passed in: decode step"
     kind = region.decay_kind

@@ -94,7 +94,7 @@ def _check_inputs(entry: Compiled, inputs) -> None:
 
 def _all_loads(r: Region):
     from ssmc.ir import loads
-    out = loads(r.decay) + loads(r.drive)
+    out = loads(r.decay) + loads(r.drive) + (loads(r.mix.expr) if r.mix is not None else [])
     for o in r.outputs:
         out += loads(o.expr)
     return out

@@ -40,6 +40,7 @@ class Recurrence:
     b: Any
     state_nodes: set         # body nodes that depend on the state (path + epilogue)
     epilogue: set            # body nodes computed from the new state
+    m: Any = None            # body node: non-diagonal transition (*state, j), or None
 
 
 @dataclasses.dataclass
@@ -85,12 +86,20 @@ def _labels(body: fx.Graph, rec: Recurrence) -> Labels:
     for d in range(len(shape(rec.prev))):
         lab.union((rec.prev, d), (rec.new, d))
         lab.axis[lab.find((rec.prev, d))] = f"i{d}"
+    if rec.m is not None:        # M[.., i, j]: leading dims are the state's, the last is the column
+        ms, ss = shape(rec.m), shape(rec.prev)
+        lab.axis[lab.find((rec.m, len(ms) - 1))] = ir.MIX_COL
+        for r in range(1, len(ms)):
+            if ms[-1 - r] != 1 and r <= len(ss):
+                lab.union((rec.prev, len(ss) - r), (rec.m, len(ms) - 1 - r))
     for n in body.nodes:
         if n.op not in ("call_function", "call_method") or not is_tensor(n):
             continue
         c = canonical(n)
         if c is None:
             continue
+        if c.kind == "contract" and n in rec.state_nodes and n not in rec.epilogue:
+            continue     # the state's matrix product: its row and column are different axes
         out = shape(n)
         if c.kind in ("ew", "identity"):
             for a in c.tensor_args():
@@ -351,6 +360,7 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     state_shape = shape(rec.prev)
     axes = tuple(f"i{d}" for d in range(len(state_shape)))
     decay, drive = bld.build(rec.a), bld.build(rec.b)
+    mix = ir.Mix(bld.build(rec.m)) if rec.m is not None else None
 
     outputs: list[OutputSpec] = []
     results: list = []
@@ -432,13 +442,13 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
         inputs.append(InputSpec(loop.carry_init[0].name, len(state_shape), ir.dtype_name(dtype(loop.carry_init[0]))))
     elif loop.carry_init[0] not in (None, 0, 0.0):
         raise AssembleError(f"initial state {loop.carry_init[0]!r} is a non-zero constant")
-    all_exprs = [decay, drive] + [o.expr for o in outputs]
+    all_exprs = [decay, drive] + [o.expr for o in outputs] + ([mix.expr] if mix else [])
     for e in all_exprs:
         for ld in ir.loads(e):
             for d, ix in enumerate(ld.index):
                 if ix == "t" and length is None:
                     length = (ld.input, d)
-                elif isinstance(ix, str) and ix != "t":
+                elif isinstance(ix, str) and ix not in ("t", ir.MIX_COL):
                     k = axes.index(ix)
                     if axis_size[k] is None:
                         axis_size[k] = (ld.input, d)
@@ -450,7 +460,7 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     if length is None:
         raise AssembleError("no input changes from step to step")
     region = Region(loop.name, axes, tuple(axis_size), length, tuple(inputs), decay, drive,
-                    tuple(outputs), init)
+                    tuple(outputs), init, mix=mix)
     return Plan(region, bld.sources, results, boundary, fuse)
 
 

@@ -8,7 +8,9 @@ adjoint is summed over the axes the leaf does not vary along by whoever accumula
 input's gradient. The backward of a region (`region_adjoint`) is built from these: the adjoint
 of the state runs the same linear recurrence in reverse time,
     lam_t = dy_t/dh_t + a_{t+1} lam_{t+1},  da_t = lam_t h_{t-1},  db_t = lam_t,
-and the gradients of the inputs follow through the decay, drive and output expressions.
+and the gradients of the inputs follow through the decay, drive and output expressions. With a
+non-diagonal transition m (`Region.mix`), lam_t also gets m_{t+1}^T lam_{t+1}, and
+dm_t[.., i, j] = lam_t[.., i] h_{t-1}[.., j] flows into the matrix expression (`mix_loads`).
 """
 from __future__ import annotations
 
@@ -135,11 +137,13 @@ def backprop(root: Expr, seed: Expr) -> dict:
 # sentinel leaves the backward seeds with values it already has
 GRAD_A = Load(-1, ("t",))        # dL/da_t
 GRAD_B = Load(-2, ("t",))        # dL/db_t
+GRAD_M = Load(-3, ("t",))        # dL/dm_t[.., i, j] of a region's Mix (lam_t[.., i] h_{t-1}[.., j])
 
 
 def grad_output(region: Region, k: int) -> Load:
-    """The gradient of output k, read like the output is written."""
-    return Load(len(region.inputs) + k, region.outputs[k].index)
+    """The gradient of output k, read like the output is written (a size-1 dim, written 1 in
+    an output's index, is read at index 0)."""
+    return Load(len(region.inputs) + k, tuple(0 if ix == 1 else ix for ix in region.outputs[k].index))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +159,13 @@ class Adjoint:
     loads_final: tuple
     loads_decay: tuple
     loads_drive: tuple
+
+
+def mix_loads(region: Region) -> tuple:
+    """(Load, adjoint in terms of GRAD_M) for the loads of the region's transition matrix."""
+    if region.mix is None:
+        return ()
+    return tuple((l, e) for l, e in backprop(region.mix.expr, GRAD_M).items() if isinstance(l, Load))
 
 
 def region_adjoint(region: Region) -> Adjoint:

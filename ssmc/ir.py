@@ -8,7 +8,10 @@ tensor, which iteration variable indexes it: an axis name (``"i1"``), ``"t"``, o
 (a constant index; 0 for size-1 dims). Strides come from the actual tensors at run time, so
 any layout ((b, l, d), (b, d, l), transposed, expanded) is one Load with a different index.
 
-`decay` (a_t) and `drive` (b_t) are expressions free of the state. Each output is an
+`decay` (a_t) and `drive` (b_t) are expressions free of the state. A region may also carry a
+`Mix`: a non-diagonal transition along its last state axis, h_t[.., i] = a_t[.., i] h[.., i] +
+sum_j m_t[.., i, j] h[.., j] + b_t[.., i], with m_t an expression over the state axes and the
+column axis ``"j"`` (block-sparse A, rotations, complex decays as real 2x2 blocks). Each output is an
 expression of `State()` (the new state h_t) and loads, with `Reduce` for contractions over
 state axes (the readout sum_n h*C); `index` places it in the output tensor.
 """
@@ -204,6 +207,32 @@ class OutputSpec:
         return f"out[{', '.join(map(str, self.index))}] = {self.expr}   # {self.kind}, {self.dtype}"
 
 
+MIX_COL = "j"        # the column axis of a Mix's matrix expression
+
+
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """The non-diagonal part of the transition, along the region's last state axis:
+    h_t[.., i] += sum_j expr[.., i, j] * h_{t-1}[.., j]. `expr` indexes its loads with the state
+    axes and MIX_COL. The block fields are filled by the block_sparse pass from the values the
+    inputs had at compile time (for the strategy and the report); kernels recompute the block
+    pattern from the actual inputs at every call, so a mask that changes is never stale."""
+    expr: Expr
+    block: int = 0                            # block size (0: not analysed)
+    blocks: tuple[tuple[int, int], ...] = ()  # nonzero (row, col) blocks at compile time
+    nblocks: int = 0                          # blocks per row (n // block)
+
+    @property
+    def density(self) -> float:
+        return len(self.blocks) / self.nblocks ** 2 if self.nblocks else 1.0
+
+    def mask_text(self) -> str:
+        """The block mask as rows of '#' (nonzero) and '.'."""
+        nz = set(self.blocks)
+        return "\n".join("".join("#" if (r, c) in nz else "." for c in range(self.nblocks))
+                         for r in range(self.nblocks))
+
+
 @dataclasses.dataclass(frozen=True)
 class Region:
     """h_t = decay * h_{t-1} + drive over the state axes; outputs computed from h_t."""
@@ -218,6 +247,7 @@ class Region:
     init: int | None = None                   # input holding h_0 (laid out as the state); None: zeros
     state_dtype: str = "float32"
     reverse: bool = False
+    mix: Mix | None = None                    # non-diagonal transition (block-sparse A)
 
     # -- derived properties the strategies and targets look at -------------------------------
     def decay_axes(self) -> frozenset[str]:
@@ -226,7 +256,9 @@ class Region:
     @property
     def decay_kind(self) -> str:
         """"per-element" (Mamba-1), "shared" (constant over some state axis: Mamba-2),
-        or "lti" (constant in time, S4D)."""
+        or "lti" (constant in time, S4D); "matrix" with a non-diagonal transition."""
+        if self.mix is not None:
+            return "matrix"
         ax = self.decay_axes()
         if "t" not in ax:
             return "lti"
@@ -235,11 +267,13 @@ class Region:
     def key(self) -> str:
         import hashlib
         scalars = (self.name, self.axes, self.axis_size, self.length, self.inputs, self.init,
-                   self.state_dtype, self.reverse, tuple((o.kind, o.index, o.dtype) for o in self.outputs))
+                   self.state_dtype, self.reverse, tuple((o.kind, o.index, o.dtype) for o in self.outputs),
+                   (self.mix.block, self.mix.blocks) if self.mix else None)
         return hashlib.sha256((repr(scalars) + "\n" + str(self)).encode()).hexdigest()[:16]
 
     def __str__(self):
-        lines = [f"# region {self.name}: h_t = a_t * h_(t-1) + b_t over axes {list(self.axes)}"
+        mixed = " + M_t h_(t-1)" if self.mix is not None else ""
+        lines = [f"# region {self.name}: h_t = a_t * h_(t-1){mixed} + b_t over axes {list(self.axes)}"
                  f"{' (reverse time)' if self.reverse else ''}"]
         for i, s in enumerate(self.inputs):
             lines.append(f"in{i}: {s.dtype}[{s.ndim}d]  # {s.name}")
@@ -255,7 +289,14 @@ class Region:
             return text
         lines.append(f"a = {show(self.decay)}   # decay: {self.decay_kind}")
         lines.append(f"b = {show(self.drive)}")
-        lines.append("h[i] = a * h[i] + b")
+        if self.mix is None:
+            lines.append("h[i] = a * h[i] + b")
+        else:
+            last = self.axes[-1]
+            lines.append(f"m[{last}, {MIX_COL}] = {show(self.mix.expr)}   # transition along {last}"
+                         + (f", {self.mix.block}x{self.mix.block} blocks, {len(self.mix.blocks)}/"
+                            f"{self.mix.nblocks ** 2} nonzero" if self.mix.block else ""))
+            lines.append(f"h[i] = a * h[i] + sum_{MIX_COL}(m[{last}, {MIX_COL}] * h[..., {MIX_COL}]) + b")
         for o in self.outputs:
             text = show(o.expr)
             lines.append(f"out[{', '.join(map(str, o.index))}] = {text}   # {o.kind}, {o.dtype}")

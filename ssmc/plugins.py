@@ -21,6 +21,7 @@ _BUILTIN = {
         "detect_recurrence": "ssmc.passes.detect_recurrence:DetectRecurrence",
         "fuse_prologue": "ssmc.passes.fuse_prologue:FusePrologue",
         "fuse_epilogue": "ssmc.passes.fuse_epilogue:FuseEpilogue",
+        "block_sparse": "ssmc.passes.block_sparse:BlockSparse",
         "moe_grouping": "ssmc.passes.moe_grouping:MoeGrouping",
         "select_strategy": "ssmc.passes.select_strategy:SelectStrategy",
     },

@@ -57,8 +57,8 @@ def test_debug_dir(tmp_path):
     (gdir,) = list(tmp_path.iterdir())
     names = sorted(p.name for p in gdir.iterdir())
     assert names[:7] == ["000_input.py", "001_reroll.py", "002_detect_recurrence.py",
-                         "003_fuse_prologue.py", "004_fuse_epilogue.py", "005_moe_grouping.py",
-                         "006_select_strategy.py"]
+                         "003_fuse_prologue.py", "004_fuse_epilogue.py", "005_block_sparse.py", "006_moe_grouping.py",
+                         "007_select_strategy.py"]
     assert "999_lowered.py" in names
     assert "def forward" in (gdir / "001_reroll.py").read_text()
     assert "torch.ops.ssmc.region" in (gdir / "999_lowered.py").read_text()

@@ -133,6 +133,8 @@ def plan(region: Region) -> ScanPlan:
     r = region
     if r.reverse:
         raise Unsupported("reverse-time regions are not covered by the cuda kernel yet")
+    if r.mix is not None:
+        raise Unsupported("a non-diagonal transition (block-sparse A) has no CUDA kernel yet")
     if r.state_dtype not in ("float32", "float64"):
         raise Unsupported(f"state dtype {r.state_dtype} (fp32 or fp64 state only)")
     for i, s in enumerate(r.inputs):

@@ -5,7 +5,9 @@ Forward: time in chunks; in each chunk decay and drive are evaluated as broadcas
 scan (only products of decays, no division by cumulative products, so decays near 0 underflow
 to exact zeros and decays near 1 lose nothing); the carry passes between chunks. Outputs are
 evaluated per chunk, so no (L, *state) tensor exists beyond one chunk.
-Backward: the same forward re-run under autograd.
+Backward: the adjoint recurrence (ssmc.autodiff). Regions with a non-diagonal transition
+(`Region.mix`) run their steps sequentially in each chunk, h = a*h + M h + b, forward and
+adjoint (lam = direct + a*lam' + M^T lam').
 """
 from __future__ import annotations
 
@@ -97,10 +99,13 @@ def compute_dtype(region: Region, inputs) -> torch.dtype:
 class Evaluator:
     """Evaluates expressions over [t0, t1) as tensors laid out (time, *state axes)."""
 
-    def __init__(self, region: Region, inputs, t0: int, t1: int, cdt):
+    def __init__(self, region: Region, inputs, t0: int, t1: int, cdt, matrix: bool = False):
         self.r, self.inputs, self.t0, self.t1, self.cdt = region, inputs, t0, t1, cdt
         self.sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(region.axes, region.axis_size)}
         self.names = ["t", *region.axes]
+        if matrix:      # the transition's matrix: one more axis, its column
+            self.names.append(ir.MIX_COL)
+            self.sizes[ir.MIX_COL] = self.sizes[region.axes[-1]]
         self.memo = {}
         self.state = None
 
@@ -219,6 +224,23 @@ def chunk_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tens
     return H.reshape(m * s, *H.shape[2:])[:T]
 
 
+MIX_CHUNK_ELEMENTS = 1 << 24
+
+
+def mix_scan(a, M, b, h0):
+    """h_t = a_t * h_{t-1} + M_t h_{t-1} + b_t step by step (time at dim 0; M_t laid out
+    (*state, j), multiplying along the state's last dim)."""
+    T = max(a.shape[0], b.shape[0], M.shape[0])
+    a = a.expand(T, *h0.shape)
+    b = b.expand(T, *h0.shape)
+    M = M.expand(T, *h0.shape, h0.shape[-1])
+    hs, h = [], h0
+    for t in range(T):
+        h = a[t] * h + (M[t] @ h.unsqueeze(-1)).squeeze(-1) + b[t]
+        hs.append(h)
+    return torch.stack(hs)
+
+
 def _to_output(v: torch.Tensor, names, index, sizes):
     keep = [ix for ix in index if ix != 1]
     rest = [n for n in names if n not in keep]
@@ -241,10 +263,16 @@ def run(region: Region, inputs, chunk: int = 64):
     h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
     steps = {i: [] for i, o in enumerate(r.outputs) if o.kind == "steps"}
     names = ["t", *r.axes]
+    if r.mix is not None:       # a chunk's transition matrices: at most MIX_CHUNK_ELEMENTS
+        chunk = max(1, min(chunk, MIX_CHUNK_ELEMENTS // max(1, math.prod(state_shape) * state_shape[-1])))
     for t0 in range(0, L, chunk):
         t1 = min(L, t0 + chunk)
         ev = Evaluator(r, inputs, t0, t1, cdt)
-        H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
+        if r.mix is None:
+            H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
+        else:
+            M = Evaluator(r, inputs, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
+            H = mix_scan(ev.eval(r.decay).to(cdt), M, ev.eval(r.drive).to(cdt), h)
         ev.state = H
         for i in steps:
             o = r.outputs[i]
@@ -272,9 +300,10 @@ def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 64):
     the state at each chunk start, then chunks run in reverse: the forward states of the chunk
     are recomputed, the adjoint state lam runs the recurrence backwards in time, and the
     gradients of the decay, drive and output expressions are accumulated into the inputs."""
-    from ssmc.autodiff import GRAD_A, GRAD_B, region_adjoint
+    from ssmc.autodiff import GRAD_A, GRAD_B, GRAD_M, mix_loads, region_adjoint
     r = region
     adj = region_adjoint(r)
+    loads_mix = mix_loads(r)
     cdt = compute_dtype(r, inputs)
     dev = inputs[0].device
     sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
@@ -292,13 +321,25 @@ def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 64):
             if ld.input < len(acc) and acc[ld.input] is not None:
                 ev.accumulate(acc[ld.input], ld, ev.eval(e))
 
+    if r.mix is not None:
+        chunk = max(1, min(chunk, MIX_CHUNK_ELEMENTS // max(1, math.prod(state_shape) * state_shape[-1])))
+
+    def scan(ev, t0, t1, a, h0):
+        """(states of [t0, t1), the chunk's transition matrices or None)."""
+        if r.mix is None:
+            return chunk_scan(a, ev.eval(r.drive).to(cdt), h0), None
+        M = Evaluator(r, allin, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
+        M = M.expand(t1 - t0, *state_shape, state_shape[-1])
+        return mix_scan(a, M, ev.eval(r.drive).to(cdt), h0), M
+
     with torch.no_grad():
         h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
         starts = []
         for t0 in range(0, L, chunk):
             starts.append(h)
-            ev = Evaluator(r, allin, t0, min(L, t0 + chunk), cdt)
-            h = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)[-1]
+            t1 = min(L, t0 + chunk)
+            ev = Evaluator(r, allin, t0, t1, cdt)
+            h = scan(ev, t0, t1, ev.eval(r.decay).to(cdt), h)[0][-1]
         lam_next = torch.zeros(state_shape, dtype=cdt, device=dev)    # a_{t1} * lam_{t1}
         if adj.state_final is not None or adj.loads_final:
             ev = Evaluator(r, allin, max(L - 1, 0), max(L, 1) if L else 0, cdt)
@@ -310,20 +351,30 @@ def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 64):
             t0, t1 = c * chunk, min(L, (c + 1) * chunk)
             ev = Evaluator(r, allin, t0, t1, cdt)
             a = ev.eval(r.decay).to(cdt).expand(t1 - t0, *([-1] * len(state_shape)))
-            H = chunk_scan(a, ev.eval(r.drive).to(cdt), starts[c])
+            H, M = scan(ev, t0, t1, a, starts[c])
             ev.state = H
             direct = ev.eval(adj.state_steps).expand(t1 - t0, *state_shape) if adj.state_steps is not None \
                 else torch.zeros((t1 - t0, *state_shape), dtype=cdt, device=dev)
             put(ev, adj.loads_steps)
-            # lam_t = direct_t + a_{t+1} lam_{t+1}, reversed in time as a forward scan
-            alpha = torch.cat([torch.ones_like(a[:1]), a.flip(0)[:-1]])
-            lam = chunk_scan(alpha, direct.flip(0), lam_next).flip(0)
             H_prev = torch.cat([starts[c].unsqueeze(0), H[:-1]])
+            if M is None:
+                # lam_t = direct_t + a_{t+1} lam_{t+1}, reversed in time as a forward scan
+                alpha = torch.cat([torch.ones_like(a[:1]), a.flip(0)[:-1]])
+                lam = chunk_scan(alpha, direct.flip(0), lam_next).flip(0)
+                lam_next = a[0] * lam[0]                             # dL/dh before this chunk
+            else:
+                # lam_t = direct_t + a_{t+1} lam_{t+1} + M_{t+1}^T lam_{t+1}, step by step
+                lam = torch.empty_like(direct)
+                for s in reversed(range(t1 - t0)):
+                    lam[s] = direct[s] + lam_next
+                    lam_next = a[s] * lam[s] + (lam[s].unsqueeze(-2) @ M[s]).squeeze(-2)
+                evm = Evaluator(r, allin, t0, t1, cdt, matrix=True)
+                evm.memo[GRAD_M] = lam.unsqueeze(-1) * H_prev.unsqueeze(-2)
+                put(evm, loads_mix)
             ev.memo[GRAD_A] = lam * H_prev
             ev.memo[GRAD_B] = lam
             put(ev, adj.loads_decay)
             put(ev, adj.loads_drive)
-            lam_next = a[0] * lam[0]                                 # dL/dh before this chunk
         if r.init is not None and acc[r.init] is not None:
             acc[r.init] += lam_next.expand(state_shape).to(cdt)
     return [g.to(x.dtype) if g is not None else None for g, x in zip(acc, inputs)]

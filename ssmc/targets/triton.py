@@ -57,7 +57,7 @@ log = logging.getLogger("ssmc")
 
 TEMPLATE = "triton/selective_scan_fwd.py.j2"
 CONFIGS = "triton/selective_scan_fwd.configs.json"
-STRATEGIES = ("chunked_scan", "chunked_ssd", "step")
+STRATEGIES = ("chunked_scan", "chunked_ssd", "step", "block_sparse")
 MAX_BLOCK_N = 1024          # the register axis must fit in registers
 _INT32_MAX = 2 ** 31 - 1
 
@@ -88,6 +88,8 @@ def make_plan(r: Region) -> Plan | str:
     """The kernel's plan for `r`, or why the kernel cannot compute it."""
     if r.reverse:
         return "reverse-time recurrences are not generated yet"
+    if r.mix is not None:
+        return "a non-diagonal transition: only the block-sparse kernel (strategy block_sparse) runs it"
     if not r.axes:
         return "a scalar state (no state axes)"
     names = set(r.axes) | {"t"}
@@ -710,12 +712,25 @@ class TritonTarget:
             return f"no Triton kernels for device {device_type!r}"
         if strategy not in STRATEGIES:
             return f"strategy {strategy!r} has no Triton kernel"
-        plan = make_plan(region)
+        if strategy == "block_sparse":
+            from .triton_block_sparse import make_bsp_plan
+            plan = make_bsp_plan(region)
+        else:
+            plan = make_plan(region)
         return plan if isinstance(plan, str) else True
 
     def compile(self, region: Region, strategy: str, options) -> TritonKernel:
         if triton is None:
             raise RuntimeError(f"triton is not installed ({_TRITON_VERSION})")
+        arch = None
+        if not interpreting() and torch.cuda.is_available():
+            arch = _arch(torch.device("cuda"))
+        if strategy == "block_sparse":           # no other Triton kernel runs a matrix transition
+            from .triton_block_sparse import BlockSparseKernel, make_bsp_plan
+            got = make_bsp_plan(region)
+            if isinstance(got, str):
+                raise ValueError(f"triton target cannot compile region {region.name}: {got}")
+            return BlockSparseKernel(region, strategy, got, options, arch)
         plan = make_plan(region)
         if isinstance(plan, str):
             raise ValueError(f"triton target cannot compile region {region.name}: {plan}")

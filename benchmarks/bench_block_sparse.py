@@ -1,0 +1,204 @@
+"""Block-sparse transitions (issue 9), side by side in one run. Writes JSON as it goes.
+
+    python -m benchmarks.bench_block_sparse --out results.json          # GPU: the issue's shape
+    python -m benchmarks.bench_block_sparse --tiny --out tiny.json      # CPU smoke run
+
+The recurrence (tests/block_sparse_programs.py `euler_matmul`): h = h + dt * (h @ (A*mask).T)
++ B x, readout sum_n h*C; x, dt, B, C bf16, A and the state fp32. Shape: b32, L4096,
+256 channels, d_state 64, 8x8 blocks, 25% block density (the diagonal blocks and one more
+per block row). Rows:
+  ssmc block-sparse   the sparse mask through ssmc (strategy block_sparse, Triton)
+  ssmc dense A        the same program with an all-ones mask through ssmc (every block)
+  eager loop          the naive loop in eager PyTorch, at a smaller L (labelled)
+Each ssmc row is first checked against a float64 eager run at a small shape, then timed with
+triton.testing.do_bench (median; perf_counter medians on CPU). Time per nonzero block and
+step is reported against dense. A row that fails is recorded with its error; the JSON is
+rewritten after every row. Forward only: the backward of block-sparse regions runs the torch
+reference (not timed here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import ssmc  # noqa: E402
+from block_sparse_programs import euler_matmul  # noqa: E402
+
+FULL = dict(b=32, L=4096, d=256, n=64, bs=8, density=0.25, eager_L=512)
+TINY = dict(b=2, L=32, d=4, n=16, bs=4, density=0.25, eager_L=16)
+
+
+def say(msg):
+    print(msg, flush=True)
+
+
+def make_mask(n, bs, density, gen):
+    """Diagonal blocks plus random others up to `density` of the blocks."""
+    nb = n // bs
+    blocks = torch.eye(nb, dtype=torch.bool)
+    extra = max(0, round(density * nb * nb) - nb)
+    off = (~blocks).flatten().nonzero().flatten()
+    blocks.view(-1)[off[torch.randperm(len(off), generator=gen)[:extra]]] = True
+    return blocks.repeat_interleave(bs, 0).repeat_interleave(bs, 1).float()
+
+
+def make_inputs(b, L, d, n, mask, dev, gen, seq_dtype):
+    r = lambda *s: torch.randn(*s, generator=gen)
+    A = (-torch.eye(n) + 0.5 * r(n, n) / n ** 0.5)          # stable: I + dt*A contracts
+    dt = torch.rand(b, L, d, generator=gen) * 0.1
+    x, B, C = r(b, L, d), r(b, L, n), r(b, L, n)
+    seq = [t.to(dev, seq_dtype) for t in (x, dt)]
+    return (seq[0], seq[1], A.to(dev), mask.to(dev), B.to(dev, seq_dtype), C.to(dev, seq_dtype))
+
+
+def timer(dev):
+    if dev.type == "cuda":
+        import triton.testing
+
+        def bench(fn):
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return bench
+
+    def bench(fn, reps=5):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+    return bench
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--target", default=None, help="ssmc target (default: triton on CUDA, torch on CPU)")
+    args = ap.parse_args(argv)
+    cfg = dict(TINY if args.tiny else FULL)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = args.target or ("triton" if dev.type == "cuda" else "torch")
+    seq_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    from benchmarks.bench_gpu import lowered_graph
+    out = Path(args.out)
+    res = {"env": {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                   "torch": torch.__version__, "ssmc": ssmc.__version__, "target": target,
+                   "config": cfg, "seq_dtype": str(seq_dtype).replace("torch.", ""), "state_dtype": "float32"},
+           "rows": []}
+    try:
+        import subprocess
+        res["env"]["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                              capture_output=True, text=True).stdout.strip()
+        import triton
+        res["env"]["triton"] = triton.__version__
+    except Exception:
+        pass
+
+    def write():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+
+    gen = torch.Generator().manual_seed(0)
+    b, L, d, n, bs = cfg["b"], cfg["L"], cfg["d"], cfg["n"], cfg["bs"]
+    sparse = make_mask(n, bs, cfg["density"], gen)
+    nnz = int(sparse[::bs, ::bs].sum())
+    say(f"block-sparse benchmark on {res['env']['device']}: b{b} L{L} channels {d} d_state {n}, "
+        f"{bs}x{bs} blocks, {nnz}/{(n // bs) ** 2} nonzero, target {target}")
+    bench = timer(dev)
+    small = dict(b=2, L=16, d=min(d, 8))
+    check = dict(b=min(b, 4), L=min(L, 256), d=min(d, 32))
+    for label, mask in (("ssmc block-sparse", sparse), ("ssmc dense A", torch.ones(n, n))):
+        row = {"variant": label, "L": L, "b": b, "channels": d, "d_state": n}
+        try:
+            say(f"[{label}] compiling (captured at L{small['L']}, reused at any L)")
+            t0 = time.perf_counter()
+            fn, report = lowered_graph(euler_matmul, make_inputs(n=n, mask=mask, dev=dev, gen=gen,
+                                                                 seq_dtype=seq_dtype, **small), target=target)
+            row["compile_s"] = time.perf_counter() - t0
+            info = report.regions[0]
+            row.update(strategy=info.strategy, target=info.target, block=info.ir.mix.block,
+                       nonzero_blocks=len(info.ir.mix.blocks), density=info.ir.mix.density,
+                       strategy_reason=info.strategy_reason)
+            from ssmc.runtime.op import lookup
+            kern = lookup(info.key).kernel
+            say(f"[{label}] {info.strategy} on {info.target}: {info.strategy_reason}")
+            if "block_sparse" not in {p.name for p in report.passes}:
+                raise RuntimeError("the block_sparse pass is not registered: reinstall ssmc "
+                                   "(pip install -e .) so its entry point is found")
+            if info.target != target:
+                raise RuntimeError(f"the region runs on {info.target}, not {target}: {info.target_reasons}")
+            ins = make_inputs(n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype, **check)
+            got = fn(*ins)
+            got = got[0] if isinstance(got, (tuple, list)) else got
+            ref = euler_matmul(*[t.double() for t in ins])
+            row["rel_err_vs_float64"] = rel(got, ref)
+            row["check_shape"] = check
+            say(f"[{label}] rel err vs float64 at b{check['b']} L{check['L']}: {row['rel_err_vs_float64']:.3g}")
+            if getattr(kern, "fallback", None):
+                row["fallback"] = kern.fallback
+            ins = make_inputs(b=b, L=L, d=d, n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype)
+            row["ms"] = bench(lambda: fn(*ins))
+            if getattr(kern, "config", None):
+                row["config"] = kern.config
+            row["us_per_step"] = row["ms"] * 1e3 / L
+            steps = L * b * d                                  # (row, step) pairs
+            row["ns_per_nonzero_block_step_row"] = row["ms"] * 1e6 / (steps * row["nonzero_blocks"])
+            row["ps_per_nonzero_entry_step_row"] = row["ms"] * 1e9 / (steps * row["nonzero_blocks"] * row["block"] ** 2)
+            say(f"[{label}] {row['ms']:.3f} ms ({row['block']}x{row['block']} blocks, "
+                f"{row['nonzero_blocks']} nonzero)")
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            say(f"[{label}] FAILED: {row['error']}\n{traceback.format_exc()}")
+        res["rows"].append(row)
+        write()
+    row = {"variant": f"eager loop (L{cfg['eager_L']})", "L": cfg["eager_L"], "b": b, "channels": d, "d_state": n}
+    try:
+        say(f"[eager] timing the naive loop at L{cfg['eager_L']}")
+        ins = make_inputs(b=b, L=cfg["eager_L"], d=d, n=n, mask=sparse, dev=dev, gen=gen, seq_dtype=seq_dtype)
+        with torch.no_grad():
+            row["ms"] = bench(lambda: euler_matmul(*ins))
+        row["ms_scaled_to_L"] = row["ms"] * L / cfg["eager_L"]
+        say(f"[eager] {row['ms']:.2f} ms at L{cfg['eager_L']} (~{row['ms_scaled_to_L']:.1f} ms at L{L})")
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+        say(f"[eager] FAILED: {row['error']}")
+    res["rows"].append(row)
+    rows = {r["variant"]: r for r in res["rows"]}
+    sp, de = rows.get("ssmc block-sparse", {}), rows.get("ssmc dense A", {})
+    summary = {}
+    if sp.get("ms") and de.get("ms"):
+        summary["speedup_sparse_vs_dense"] = de["ms"] / sp["ms"]
+        summary["time_per_nonzero_block_sparse_over_dense"] = (
+            sp["ns_per_nonzero_block_step_row"] / de["ns_per_nonzero_block_step_row"])
+    if sp.get("ms") and row.get("ms"):
+        summary["speedup_sparse_vs_eager_scaled"] = row["ms_scaled_to_L"] / sp["ms"]
+    res["summary"] = summary
+    write()
+    say("variant                         ms        rel_err     block  nnz")
+    for r in res["rows"]:
+        say(f"{r['variant']:<30} {r.get('ms', float('nan')):>9.3f}  {r.get('rel_err_vs_float64', float('nan')):>9.2e}"
+            f"  {r.get('block', '')!s:>5}  {r.get('nonzero_blocks', '')!s:>4}  {r.get('error', '')}")
+    say(f"summary: {json.dumps(summary)}")
+    say(f"wrote {out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""The Triton kernel of strategy "block_sparse": a recurrence whose transition is a matrix along
+the last state axis, of which only the nonzero blocks are multiplied (templates/triton/
+block_sparse_fwd.py.j2).
+
+`make_bsp_plan` reads the region: the mixed axis (the last state axis) is held whole per row
+and summed by the readout; the other state axes are parallel (a channel axis blocked by BLOCK_D
+rows, one program per index of the rest), as in the selective-scan kernel. The transition's
+matrix m is split into factors: those free of the row and column (a step size per channel)
+form a row scale, the rest a matrix W shared by all rows, so each block is one small matmul
+(tl.dot for blocks of 16 and more, multiply-and-sum below); an m that mixes both is printed as
+a (rows, BS, BS) tile. Two paths in one kernel: the compiled mask unrolled (`render_static`:
+state tiles in registers, loop-invariant blocks loaded once), and a block-CSR loop over the
+pattern of the actual inputs (state blocks through an L1-resident scratch buffer). The pattern
+is recomputed from the inputs on the device (ssmc.sparsity) and a flag picks the unrolled path
+only when the compiled mask covers it, so the kernel is right for any mask, dense included.
+
+Backward: the torch reference's adjoint (sequential in time, in chunks); correct, not fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ssmc import ir
+from ssmc.ir import Const, Load, Reduce, Region, State
+from ssmc.sparsity import BLOCK_SIZES, block_csr, block_pattern, transition_pattern
+
+from . import triton as T
+from .triton_printer import Frame, TritonPrinter, unsupported
+from .triton_ssd import _Printer as _NamedPrinter
+from .triton_ssd import _table, factors, product
+
+TEMPLATE = "triton/block_sparse_fwd.py.j2"
+CONFIGS = "triton/block_sparse_fwd.configs.json"
+MAX_STATIC_BLOCKS = 64      # the compiled mask is unrolled into the kernel up to this many blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class BSPlan:
+    reg: str                        # the mixed state axis (held whole, summed by the readout)
+    block: str | None               # parallel axis blocked by BLOCK_D rows
+    scalars: tuple[str, ...]        # other parallel axes: one program per index
+    inputs: tuple[int, ...]
+    bs: int                         # block size
+    mode: str                       # "dot" | "fma2" | "fma3"
+    scale: ir.Expr | None           # row factor of m (fma2/dot)
+    matrix: ir.Expr | None          # shared factor of m (fma2/dot)
+
+
+def make_bsp_plan(r: Region) -> BSPlan | str:
+    if r.mix is None:
+        return "no non-diagonal transition"
+    base = T.make_plan(dataclasses.replace(r, mix=None))
+    if isinstance(base, str):
+        return base
+    last = r.axes[-1]
+    if base.reg not in (None, last):
+        return f"the readout sums over {base.reg}, not over the mixed axis {last}"
+    names = set(r.axes) | {"t", ir.MIX_COL}
+    for x in ir.walk(r.mix.expr):
+        why = unsupported(x)
+        if why:
+            return why
+        if isinstance(x, (Reduce, State)):
+            return "a reduction or the state inside the transition"
+        if isinstance(x, Load):
+            if len(x.index) != r.inputs[x.input].ndim:
+                return f"load {x} does not match input {x.input}'s rank"
+            if any(isinstance(ix, str) and ix not in names for ix in x.index):
+                return f"load {x} indexes an unknown axis"
+    parallel = [a for a in r.axes if a != last]
+    block = base.block if base.block in parallel else (parallel[-1] if parallel else None)
+    scalars = tuple(a for a in parallel if a != block)
+    used = set(base.inputs) | {ld.input for ld in ir.loads(r.mix.expr)}
+    bs = r.mix.block
+    if not bs:
+        return "the block_sparse pass did not run (no block size)"
+    if bs & (bs - 1):
+        return f"block size {bs} is not a power of two"
+    rowcol = {last, ir.MIX_COL}
+    fs = factors(r.mix.expr)
+    scale = [f for f in fs if not ir.axes_of(f, r.axes) & rowcol]
+    mat = [f for f in fs if f not in scale]
+    shared = all(not ir.axes_of(f, r.axes) & set(parallel) for f in mat) and mat
+    if shared:
+        mode = "dot" if bs >= 16 else "fma2"
+        return BSPlan(last, block, scalars, tuple(sorted(used)), bs, mode, product(scale), product(mat))
+    return BSPlan(last, block, scalars, tuple(sorted(used)), bs, "fma3", None, None)
+
+
+class _Printer(TritonPrinter):
+    """Prints inside the block loops: nothing is hoisted (values depend on the block)."""
+
+    def hoistable(self, e) -> bool:
+        return False
+
+
+def _contrib(plan: BSPlan, cdt: str, hj: str, m: str, scale: str | None) -> str:
+    if plan.mode == "fma3":
+        return f"_sum(({m}) * tl.expand_dims({hj}, 1), 2)"
+    if plan.mode == "dot":
+        prec = ', input_precision="tf32x3"' if cdt == "tl.float32" else ""
+        prod = f"tl.dot({hj}, tl.trans({m}){prec})"
+    else:
+        prod = f"_sum(tl.expand_dims({m}, 0) * tl.expand_dims({hj}, 1), 2)"
+    return prod if scale is None or scale == "1.0" else f"{scale} * {prod}"
+
+
+def render_static(r: Region, plan: BSPlan, cdt: str, codes: dict, codes3: dict) -> list[str] | None:
+    """The kernel body for the mask known at compile time, unrolled: the state is NB tiles
+    h_I of (BLOCK_D, BS) in registers, each step multiplies exactly the compiled nonzero blocks,
+    loop-invariant blocks of W are loaded once before the time loop; readouts over the mixed
+    axis are summed block by block. None when the region does not fit this form."""
+    m = r.mix
+    nb, blocks = m.nblocks, m.blocks
+    if not blocks or len(blocks) > MAX_STATIC_BLOCKS or nb > 32:
+        return None
+    reg = plan.reg
+    pre, body, post, final = [], [], [], []
+    idx = [f"sb{i} = {i} * BS + offs_b[None, :]" for i in range(nb)]
+    idx += [f"sr{i} = {i} * BS + offs_b[:, None]" for i in range(nb)]
+    if plan.mode == "fma3":
+        idx += [f"s3r{i} = {i} * BS + offs_b[None, :, None]" for i in range(nb)]
+        idx += [f"s3c{i} = {i} * BS + offs_b[None, None, :]" for i in range(nb)]
+    printers = []
+    shared = _NamedPrinter(r, cdt, "c_", "c_p")        # values the same for every block row
+    shared_frame = Frame({**codes, "t": ("t", None)}, None, None, None)
+    shared.set_prelude_frame(shared_frame)
+    shared.block(shared_frame)
+    shared.switch(body)
+    printers.append(shared)
+
+    def printer(prefix, frame, share=True):
+        p = _BlockPrinter(r, cdt, prefix, prefix + "p", shared if share else None, reg)
+        p.set_prelude_frame(frame)
+        p.block(frame)
+        printers.append(p)
+        return p
+    rows = []
+    for i in range(nb):
+        p = printer(f"r{i}_", Frame({**codes, reg: (f"sb{i}", None), "t": ("t", None)}, None, None, None))
+        rows.append(p)
+        init = f" + {p.expr(Load(r.init, tuple(r.axes)))}" if r.init is not None else ""
+        pre.append(f"h{i} = tl.full((BLOCK_D, BS), 0.0, {cdt}){init}")
+        p.switch(body)
+        terms = [f"tl.full((BLOCK_D, BS), 0.0, {cdt})"]
+        if not (isinstance(r.decay, Const) and r.decay.value == 0):
+            terms.append(f"{p.expr(r.decay)} * h{i}")
+        if not (isinstance(r.drive, Const) and r.drive.value == 0):
+            terms.append(p.expr(r.drive))
+        body.append(f"n{i} = " + " + ".join(terms))
+    for i, j in blocks:
+        scale = rows[i].expr(plan.scale) if plan.scale is not None else None
+        if plan.mode == "fma3":
+            f = Frame({**codes3, reg: (f"s3r{i}", None), ir.MIX_COL: (f"s3c{j}", None), "t": ("t", None)},
+                      None, None, None)
+            e = r.mix.expr
+        else:
+            f = Frame({reg: (f"sr{i}", None), ir.MIX_COL: (f"sb{j}", None), "t": ("t", None)}, None, None, None)
+            e = plan.matrix
+        p = printer(f"m{i}_{j}_", f, share=plan.mode != "fma3")     # fma3 tiles are 3-d
+        p.switch(body)
+        code = p.expr(e)
+        if plan.mode != "fma3":
+            (pre if code.startswith(f"m{i}_{j}_p") else body).append(f"w{i}_{j} = {code} + zbs")
+            code = f"w{i}_{j}"
+        body.append(f"n{i} += {_contrib(plan, cdt, f'h{j}', code, scale)}")
+    body.append(", ".join(f"h{i}" for i in range(nb)) + " = " + ", ".join(f"n{i}" for i in range(nb)))
+    for kind, lines, tcode in (("steps", post, "t"), ("final", final, "t_last")):
+        for k, o in enumerate(r.outputs):
+            if o.kind != kind:
+                continue
+            if reg in o.index:          # stored block by block
+                for i in range(nb):
+                    p = printer(f"o{k}_{i}_", Frame({**codes, reg: (f"sb{i}", None), "t": (tcode, None)},
+                                                    f"h{i}", 1, None), share=False)
+                    p.switch(lines)
+                    lines.append(T._store(p, k, o, p.expr(o.expr)))
+                continue
+            reduces = [x for x in ir.walk(o.expr) if isinstance(x, Reduce)]
+            if any(reg not in ir.axes_of(x.arg, r.axes) for x in reduces) or _state_outside(o.expr):
+                return None
+            whole = printer(f"o{k}_", Frame({**codes, "t": (tcode, None)}, None, None, None), share=False)
+            for q, red in enumerate(reduces):
+                parts = []
+                for i in range(nb):
+                    p = printer(f"o{k}_{q}_{i}_", Frame({**codes, reg: (f"sb{i}", None), "t": (tcode, None)},
+                                                        f"h{i}", 1, None), share=False)
+                    p.switch(lines)
+                    parts.append(f"tl.expand_dims(_sum({p.expr(red.arg)}, 1), 1)")
+                lines.append(f"red{k}_{q} = " + " + ".join(parts))
+                whole.bind(red, f"red{k}_{q}")
+            whole.switch(lines)
+            lines.append(T._store(whole, k, o, whole.expr(o.expr)))
+    prelude = [line for p in printers for line in p.prelude]
+    out = idx + prelude + pre
+    out.append("for t in range(0, L):")
+    out += ["    " + l for l in body + post]
+    return out + final
+
+
+class _BlockPrinter(_NamedPrinter):
+    """Prints for one block; what does not vary along the mixed axis or the column (a step
+    size, an input per channel) goes to the printer shared by all blocks, printed once."""
+
+    def __init__(self, region, cdt, prefix, hoist_prefix, shared, axis):
+        super().__init__(region, cdt, prefix, hoist_prefix)
+        self.shared, self.axis = shared, axis
+
+    def expr(self, e):
+        if self.shared is not None and not isinstance(e, (Const, State)) and not ir.uses_state(e) \
+                and not self.axes(e) & {self.axis, ir.MIX_COL}:
+            return self.shared.expr(e)
+        return super().expr(e)
+
+
+def _state_outside(e) -> bool:
+    """The state appears in `e` other than under a Reduce."""
+    if isinstance(e, State):
+        return True
+    if isinstance(e, Reduce):
+        return False
+    return any(_state_outside(c) for c in ir.children(e))
+
+
+def render_bsp(r: Region, plan: BSPlan, cdt: str) -> str:
+    codes = {a: (f"idx_{a}", None) for a in plan.scalars}
+    if plan.block:
+        codes[plan.block] = ("od", "md")
+    out = TritonPrinter(r, cdt, "v")
+    pre = Frame({**codes, plan.reg: ("on", "mn")}, None, 1, "mn")
+    out.set_prelude_frame(pre)
+    out.block(pre)
+    init = out.expr(Load(r.init, tuple(r.axes))) if r.init is not None else None
+    blk = _Printer(r, cdt, "w")
+    row = blk.block(Frame({**codes, plan.reg: ("oi", None), "t": ("t", None)}, None, None, None))
+    row.append("hi = tl.load(src + od * BLOCK_N + oi)")
+    diag = [f"tl.full((BLOCK_D, BS), 0.0, {cdt})"]
+    if not (isinstance(r.decay, Const) and r.decay.value == 0):
+        diag.append(f"{blk.expr(r.decay)} * hi")
+    if not (isinstance(r.drive, Const) and r.drive.value == 0):
+        diag.append(blk.expr(r.drive))
+    scale = blk.expr(plan.scale) if plan.scale is not None else None
+    codes3 = {a: (f"idx_{a}", None) for a in plan.scalars}
+    if plan.block:
+        codes3[plan.block] = ("od3", "md3")
+    mat = []
+    if plan.mode == "fma3":
+        blk.block(Frame({**codes3, plan.reg: ("oi3", None), ir.MIX_COL: ("oj3", None), "t": ("t", None)},
+                        None, None, None))
+        blk.switch(mat)
+        contrib = _contrib(plan, cdt, "hj", blk.expr(r.mix.expr), None)
+    else:
+        blk.block(Frame({plan.reg: ("oi2", None), ir.MIX_COL: ("oj2", None), "t": ("t", None)}, None, None, None))
+        blk.switch(mat)
+        mat.append(f"wij = {blk.expr(plan.matrix)} + zbs")
+        contrib = _contrib(plan, cdt, "hj", "wij", scale)
+    post = out.block(Frame({**codes, plan.reg: ("on", "mn"), "t": ("t", None)}, "h", 1, "mn"))
+    for k, o in enumerate(r.outputs):
+        if o.kind == "steps":
+            post.append(T._store(out, k, o, out.expr(o.expr)))
+    final = out.block(Frame({**codes, plan.reg: ("on", "mn"), "t": ("t_last", None)}, "h", 1, "mn"))
+    for k, o in enumerate(r.outputs):
+        if o.kind == "final":
+            final.append(T._store(out, k, o, out.expr(o.expr)))
+    static = render_static(r, plan, cdt, codes, codes3)
+    base = T.Plan(plan.reg, plan.block, plan.scalars, plan.inputs)
+    return T._env().get_template(TEMPLATE).render(static=static,
+        region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
+        mode=plan.mode, plan=base, args=T._arg_lines(r, base), prelude=list(out.prelude), init=init,
+        row=row, diag=" + ".join(diag), mat=mat, contrib=contrib, post=post, final=final)
+
+
+class BlockSparseKernel(T.TritonKernel):
+    """Forward of a block-sparse recurrence; the block pattern from the inputs at each call."""
+    kind = "block-sparse recurrence"
+    template = TEMPLATE
+    configs_file = CONFIGS
+    make_plan = staticmethod(make_bsp_plan)
+
+    def __init__(self, *args, **kwargs):
+        self._compiled_bp: dict = {}
+        self._struct = None
+        super().__init__(*args, **kwargs)
+
+    def table(self) -> dict:
+        return _table(CONFIGS)
+
+    def _render(self, cdt: str) -> str:
+        return render_bsp(self.region, self.plan, cdt)
+
+    def plan_text(self) -> str:
+        p = self.plan
+        return (f"mixed axis {p.reg} in {p.bs}x{p.bs} blocks ({p.mode}), channel axis {p.block}, "
+                f"one program per index of {list(p.scalars)}")
+
+    def bucket(self, inputs) -> tuple:
+        sizes, L = self.sizes(inputs)
+        p = self.plan
+        return (tuple(str(x.dtype).replace("torch.", "") for x in inputs), sizes[p.reg],
+                min(T._pow2(sizes[p.block]), 4096) if p.block else 1,
+                min(T._pow2(math.prod(sizes[a] for a in p.scalars)), 1 << 16))
+
+    def candidates(self, inputs, arch) -> list[dict]:
+        sizes, _ = self.sizes(inputs)
+        lo = 16 if self.plan.mode == "dot" else 1
+        bd = max(lo, T._pow2(sizes[self.plan.block]) if self.plan.block else 1)
+        out = []
+        for c in self.table()[T.arch_key(arch)]:
+            c = {**c, "BLOCK_D": max(lo, min(int(c["BLOCK_D"]), bd))}
+            if c not in out:
+                out.append(c)
+        return out
+
+    def constexprs(self, inputs, config) -> dict:
+        sizes, _ = self.sizes(inputs)
+        return {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": T._pow2(sizes[self.plan.reg]), "BS": self.plan.bs}
+
+    def launch(self, inputs, config, outs=None) -> list[torch.Tensor]:
+        outs = self.outputs(inputs) if outs is None else outs
+        sizes, _ = self.sizes(inputs)
+        n, bs = sizes[self.plan.reg], self.plan.bs
+        cols, cnt, flag = self._structure(inputs, n, bs)
+        grid = self.grid(inputs, config)
+        cdt = self._cdt(inputs)
+        scratch = torch.empty(grid[0] * 2 * config["BLOCK_D"] * T._pow2(n), device=inputs[0].device,
+                              dtype=torch.float64 if cdt == "tl.float64" else torch.float32)
+        fn = self._fn(self._module(cdt), config["variant"])
+        extra = {} if inputs[0].device.type == "cpu" else {
+            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        fn[grid](*self.launch_args(inputs, outs), cols, cnt, scratch, flag, n // bs,
+                 **self.constexprs(inputs, config), **extra)
+        return outs
+
+    def _structure(self, inputs, n: int, bs: int):
+        """(block CSR columns, counts, flag) of the inputs' block pattern. Reused while the
+        tensors the pattern reads are the same ones, unmodified: the cache holds them (their
+        memory cannot be reused by another tensor) and compares storage, shape, strides and the
+        version counter (an in-place update of a mask, through any view, bumps it)."""
+        rowcol = {self.plan.reg, ir.MIX_COL}
+        used = sorted({ld.input for ld in ir.loads(self.region.mix.expr) if rowcol & set(ld.index)})
+        xs = [inputs[i] for i in used]
+        key = None
+        if not any(x.is_inference() for x in xs):
+            key = (n, bs) + tuple((x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.device) for x in xs)
+            if self._struct is not None and self._struct[0] == key:
+                return self._struct[2]
+        bp = block_pattern(transition_pattern(self.region, inputs, n, diag=False), bs)
+        got = (*block_csr(bp), self._flag(bp, n))
+        self._struct = (key, xs, got) if key is not None else None
+        return got
+
+    def _flag(self, bp: torch.Tensor, n: int) -> torch.Tensor:
+        """0 when the compiled mask covers the inputs' block pattern (the unrolled path runs),
+        1 otherwise (the block-CSR path); computed on the device, no synchronisation."""
+        m = self.region.mix
+        if m.nblocks * m.block != n or m.block != self.plan.bs:
+            return torch.ones(1, dtype=torch.int32, device=bp.device)
+        key = bp.device
+        if key not in self._compiled_bp:
+            c = torch.zeros(m.nblocks, m.nblocks, dtype=torch.bool)
+            for i, j in m.blocks:
+                c[i, j] = True
+            self._compiled_bp[key] = c.to(bp.device)
+        return (bp & ~self._compiled_bp[key]).any().to(torch.int32).reshape(1)
+
+    def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None):
+        fn, sig, _ = super().signature({**config, "CHUNK": 1}, block_n, dtypes)
+        del sig["CHUNK"]
+        sig.update({"cols_ptr": "*i32", "cnt_ptr": "*i32", "scratch_ptr": "*fp32", "flag_ptr": "*i32", "NB": "i32"})
+        cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n, "BS": self.plan.bs}
+        sig.update({k: "constexpr" for k in cx})
+        return fn, sig, cx
+
+    def _why_not(self, inputs, sizes: dict, L: int) -> str | None:
+        n = sizes[self.plan.reg]
+        if n % self.plan.bs:
+            return f"the mixed axis has {n} elements, not a multiple of the block size {self.plan.bs}"
+        return super()._why_not(inputs, sizes, L)
+
+    def backward(self, inputs, grads, needs):
+        return self._reference().backward(inputs, grads, needs)
+
+
+def block_size_for(n: int) -> int | None:
+    return next((b for b in BLOCK_SIZES if n % b == 0), None)
