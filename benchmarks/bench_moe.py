@@ -240,7 +240,13 @@ def run(args) -> dict:
             row["traceback"] = traceback.format_exc()
             print(f"[bench_moe]   FAILED: {row['error']}", flush=True)
         print(f"[bench_moe]   row: {json.dumps({k: v for k, v in row.items() if k != 'traceback'})}", flush=True)
+        write(args.out, res)                   # after every row: a run cut short keeps its rows
     return res
+
+
+def write(path, res):
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
 
 
 def env_info(gpu: bool) -> dict:
@@ -290,8 +296,7 @@ def main(argv=None):
     except Exception as e:   # still write what there is
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(), "rows": []}
         print(f"[bench_moe] FAILED: {res['error']}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    write(args.out, res)
     print(f"[bench_moe] wrote {args.out}", flush=True)
     return res
 
