@@ -133,7 +133,15 @@ def test_gradients_match_float64_autograd():
             check(g, w, 1e-9)
 
 
-def test_routing_inside_the_graph(monkeypatch):
+@pytest.fixture
+def dynamic_output_shapes():
+    """Dynamo captures data-dependent sizes (nonzero, boolean masks) in the graph. Through
+    config.patch: monkeypatching the attribute breaks Dynamo's config module on torch 2.13."""
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        yield
+
+
+def test_routing_inside_the_graph(dynamic_output_shapes):
     """``nonzero`` in the compiled function: one graph with capture_dynamic_output_shape_ops,
     a graph per expert (each correct, not grouped) without."""
     def fn(x, dt, route, params):
@@ -145,7 +153,6 @@ def test_routing_inside_the_graph(monkeypatch):
         return out
     x, dt, params = inputs(seed=5)
     route = torch.tensor([0, 2, 2, 0, 1, 3])
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
     out, report = ssmc_run(fn, (x, dt, route, params))
     check(out, fn(x, dt, route, params), 1e-10)
     assert len(report.graphs) == 1 and report.groups and report.groups[0].status.startswith("grouped")
@@ -181,11 +188,10 @@ class MoE(torch.nn.Module):
         return out
 
 
-def test_module_with_router_and_masks_trains(monkeypatch):
+def test_module_with_router_and_masks_trains(dynamic_output_shapes):
     torch.manual_seed(0)
     m = MoE(4, STATES).double()
     x, dt = torch.randn(6, 5, 4, dtype=torch.float64), torch.randn(6, 5, 4, dtype=torch.float64) * 0.5
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
     torch._dynamo.reset()
     fast = torch.compile(m, backend="ssmc")
     got = fast(x, dt)
