@@ -26,6 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.naive_lm import NaiveMambaLM, batch  # noqa: E402
 
 
+def _free_port() -> int:
+    """A port nobody listens on (one process without torchrun: nothing else needs to find it)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50)
@@ -42,7 +50,7 @@ def main(argv=None):
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                            init_method=None if "MASTER_ADDR" in os.environ else "tcp://127.0.0.1:29511")
+                            init_method=None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}")
     torch.manual_seed(0)                                   # same initial weights on every rank
     model = NaiveMambaLM().to(device)
     if args.backend != "eager":

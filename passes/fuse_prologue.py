@@ -10,7 +10,7 @@ once before the region. Leaves a re-assembled plan with the prologue fused.
 """
 from __future__ import annotations
 
-from ssmc.assemble import AssembleError, assemble
+from ssmc.assemble import AssembleError, assemble, elementwise_closure
 
 from .base import Pass
 
@@ -23,7 +23,12 @@ class FusePrologue(Pass):
 
     def run(self, ctx) -> bool:
         changed = False
-        for cand in ctx.live():
+        live = ctx.live()
+        owned = {id(c): elementwise_closure([m for r in c.loop.results for m in r.replace]) | set(c.loop.erase)
+                 for c in live}
+        for cand in live:   # another loop's results, and work it may pull as its epilogue, stay outside
+            cand.loop.foreign = frozenset().union(*(owned[id(o)] for o in live if o is not cand))
+        for cand in live:
             try:
                 plan = assemble(cand.loop, cand.rec, True, cand.fuse_epilogue)
             except AssembleError as e:

@@ -220,6 +220,8 @@ class _Builder:
         sequences before the loop (``dA = exp(dt[..., None] * A)``) is pulled into the kernel so
         the big tensor is never materialised."""
         c = _outer_fusable(node) if self.expand_outer and tdim is not None else None
+        if c is not None and node in self.loop.foreign:
+            c = None          # work on another loop's result: that loop may pull it as its epilogue
         if c is None:
             return Load(self.source(("outer", node, tdim, start)), index)
         out = shape(node)
@@ -326,6 +328,18 @@ def _outer_fusable(node) -> Canon | None:
     if not all(_float(dtype(a)) for a in c.tensor_args()):
         return None
     return c
+
+
+def elementwise_closure(nodes) -> set:
+    """`nodes` and every node computed from them by elementwise or view work alone: what a
+    loop whose results are `nodes` may pull into its region as epilogue."""
+    seen, stack = set(nodes), list(nodes)
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen and _outer_fusable(u) is not None:
+                seen.add(u)
+                stack.append(u)
+    return seen
 
 
 def _time_dependent(loop) -> set:

@@ -46,6 +46,7 @@ class Loop:
     erase: list[fx.Node]               # outer nodes the region replaces
     anchor: fx.Node | None = None      # insert the region before this outer node
     origin: str = "unrolled"           # "unrolled" | "scan"
+    foreign: frozenset = frozenset()   # outer nodes other loops replace (fusion stops at them)
 
     @property
     def n_carry(self) -> int:

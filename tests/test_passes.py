@@ -34,6 +34,33 @@ def test_reroll_finds_each_loop_once():
     assert rep.graphs[0].nodes_out < 20 < rep.graphs[0].nodes_in
 
 
+def residual_layers(x, a1, a2):
+    """The second loop reads the first's output through elementwise work (a residual add, a
+    gate): the first may pull that work as its epilogue, the second must not also take it as
+    its prologue (it would read a tensor the first region replaces)."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = a1[:, t] * h + x[:, t]
+        ys.append(h)
+    y = torch.stack(ys, 1)
+    x1 = x + 0.5 * y
+    g = torch.zeros_like(x[:, 0])
+    zs = []
+    for t in range(x.shape[1]):
+        g = a2[:, t] * g + x1[:, t]
+        zs.append(g)
+    return torch.stack(zs, 1)
+
+
+def test_loop_fed_by_elementwise_work_on_another_loop():
+    ins = (torch.randn(2, 6, 3), torch.rand(2, 6, 3), torch.rand(2, 6, 3))
+    out, rep = ssmc_run(residual_layers, ins)
+    assert not rep.graphs[0].fallbacks, rep.graphs[0].fallbacks
+    assert [r.name for r in rep.regions] == ["loop0", "loop1"]
+    assert rel_err(out, reference(residual_layers, ins)[0]) < TOL[torch.float32]
+
+
 def affine(x, c):
     h = torch.zeros_like(x[:, 0])
     ys = []
