@@ -257,6 +257,12 @@ def _lines(items, indent: int, sep: str = "") -> str:
     return (sep + "\n").join(pad + s for s in items)
 
 
+def tensor_args(tensors) -> list:
+    """Kernel arguments for these tensors: the tensors, then each one's strides (0 along a
+    size-1 dim, so a broadcast dim never moves the pointer)."""
+    return list(tensors) + [0 if x.shape[d] == 1 else x.stride(d) for x in tensors for d in range(x.dim())]
+
+
 def call_signature(inputs) -> tuple:
     """What a launch depends on besides the data: shapes, strides, dtypes, devices, and whether
     Triton interprets (tests switch it per test)."""
@@ -462,14 +468,9 @@ class TritonKernel:
                             dtype=ir.to_dtype(o.dtype), device=dev) for o in self.region.outputs]
 
     def launch_args(self, inputs, outs) -> list:
-        r, p = self.region, self.plan
+        p = self.plan
         sizes, L = self.sizes(inputs)
-        args = [inputs[i] for i in p.inputs] + list(outs)
-        for i in p.inputs:
-            x = inputs[i]
-            args += [0 if x.shape[d] == 1 else x.stride(d) for d in range(x.dim())]
-        for o in outs:
-            args += [0 if o.shape[d] == 1 else o.stride(d) for d in range(o.dim())]
+        args = tensor_args([inputs[i] for i in p.inputs] + list(outs))
         args += [sizes[a] for a in p.scalars]
         args += [sizes[p.block] if p.block else 1, sizes[p.reg] if p.reg else 1, L]
         return args

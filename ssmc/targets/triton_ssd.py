@@ -432,12 +432,7 @@ class SSDKernel(T.TritonKernel):
     def launch_args(self, inputs, outs) -> list:
         p = self.plan
         sizes, L = self.sizes(inputs)
-        args = [inputs[i] for i in p.inputs] + list(outs)
-        for i in p.inputs:
-            x = inputs[i]
-            args += [0 if x.shape[d] == 1 else x.stride(d) for d in range(x.dim())]
-        for o in outs:
-            args += [0 if o.shape[d] == 1 else o.stride(d) for d in range(o.dim())]
+        args = T.tensor_args([inputs[i] for i in p.inputs] + list(outs))
         args += [sizes[a] for a in p.programs]
         return args + [sizes[p.p], sizes[p.n], L]
 
