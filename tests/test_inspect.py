@@ -56,7 +56,7 @@ def test_debug_dir(tmp_path):
     ssmc.explain(P.mamba1("stack"), *P.mamba1_inputs(seed=52), debug_dir=str(tmp_path))
     (gdir,) = list(tmp_path.iterdir())
     names = sorted(p.name for p in gdir.iterdir())
-    assert names[:7] == ["000_input.py", "001_reroll.py", "002_detect_recurrence.py",
+    assert names[:8] == ["000_input.py", "001_reroll.py", "002_detect_recurrence.py",
                          "003_fuse_prologue.py", "004_fuse_epilogue.py", "005_block_sparse.py", "006_moe_grouping.py",
                          "007_select_strategy.py"]
     assert "999_lowered.py" in names

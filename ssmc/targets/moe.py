@@ -176,6 +176,7 @@ class GroupedTritonKernel(GroupedKernel):
         self.chosen: dict = {}
         self.config: dict | None = None
         self.ran: str | None = None            # the entry kernel of the last launch
+        self.timings: dict = {}                # bucket -> {config json: ms} of the last search
         self.fallback: str | None = None
         self.sources: dict = {}                # (cdt, tiles) -> (source, path)
         self._table_key = None
@@ -270,7 +271,7 @@ class GroupedTritonKernel(GroupedKernel):
         return None
 
     def _layout(self, groups, outs, config):
-        """(base tensors, table rows, number of programs, tiles, block_d) for one launch."""
+        """(base tensors, table rows, number of programs, tiles, tile -> (BD, CH)) for one launch."""
         r, p = self.region, self.plan
         from .triton import kernel_args
         live = [i for i, g in enumerate(groups) if _rows(r, g)]
@@ -404,6 +405,7 @@ class GroupedTritonKernel(GroupedKernel):
                 times[json.dumps(c, sort_keys=True)] = t0.elapsed_time(t1) / 5
             except Exception as e:  # a config out of registers: the next one
                 self.fallback = f"config {c} failed: {type(e).__name__}: {e}"
+        self.timings[bucket] = times
         if not times:
             raise RuntimeError(f"every grouped Triton config failed: {self.fallback}")
         best = json.loads(min(times, key=times.get))
