@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_moe --out benchmarks/results/h200_moe.json     # GPU: the shapes
     python -m benchmarks.bench_moe --tiny --out /tmp/moe.json                  # CPU, tiny shapes
+    python -m benchmarks.bench_moe --variant scan --out h200_moe_scan.json    # only the scan configs
 
 8 experts with d_state 8, 8, 16, 16, 32, 32, 64, 64 (each its own A, B/C projections, D, bias),
 b64 d1536 L2048, bf16 activations, fp32 state; routing "balanced" (a random permutation cut
@@ -198,6 +199,8 @@ def run(args) -> dict:
             row["padded_over_useful_if_padded_to_max"] = stats["wasted_fraction_if_padded_to_max"]
             row["padding"] = describe_padding(stats)
             row["grouped_kernel"] = entry.kernel.kind
+            row["grouped_config"] = getattr(entry.kernel, "config", None)
+            row["grouped_config_ms"] = {str(k): v for k, v in getattr(entry.kernel, "timings", {}).items()}
             member = entry.kernel.member
             times = {}
             ts = {"ssm_grouped": lambda: entry.kernel.forward(groups),
@@ -283,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--rest", default="eager", help="how the rest of the layer runs: eager | inductor | auto")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per row on CPU")
     ap.add_argument("--skip", default="", help="rows to leave out: layer_grouped,layer_per_expert,eager")
+    ap.add_argument("--variant", default=None, choices=["loop", "scan"],
+                    help="only the grouped kernel's configs of this variant (default: all, autotuned)")
     args = ap.parse_args(argv)
     args.skip = set(filter(None, args.skip.split(",")))
     args.form = args.form or ("loop" if args.tiny else "scan")
@@ -291,11 +296,18 @@ def main(argv=None):
         args.eager_L = min(args.eager_L, 8)
         args.states = "2,3,4,5"
     print(f"[bench_moe] {vars(args)}", flush=True)
+    if args.variant:
+        from ssmc.targets import moe as M
+        table = {k: [c for c in v if c.get("variant", "loop") == args.variant] if isinstance(v, list) else v
+                 for k, v in M.load_configs().items()}
+        restore, M.load_configs = M.load_configs, lambda: table
     try:
         res = run(args)
     except Exception as e:   # still write what there is
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(), "rows": []}
         print(f"[bench_moe] FAILED: {res['error']}", flush=True)
+    if args.variant:
+        M.load_configs = restore
     write(args.out, res)
     print(f"[bench_moe] wrote {args.out}", flush=True)
     return res

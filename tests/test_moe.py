@@ -6,7 +6,8 @@
 - gradients of every input through the grouped op, against float64 autograd of the loop;
 - the report: groups, their sizes, padding and wasted work; what is not grouped, and why;
 - routing inside the graph (``nonzero``) with capture_dynamic_output_shape_ops;
-- the grouped Triton kernel under TRITON_INTERPRET=1 (one launch for all experts);
+- the grouped Triton kernel under TRITON_INTERPRET=1 (one launch for all experts), every
+  config of each variant (sequential loop, chunked associative scan) pinned in turn;
 - the benchmark in tiny mode; on a GPU (marker gpu): bf16 and fp32 against float64.
 """
 from __future__ import annotations
@@ -98,7 +99,8 @@ def test_report_shows_groups_padding_and_waste():
     idxs = split([0, 2, 2, 0, 1, 2], 3)                       # 2, 1 and 3 sequences
     report = ssmc.explain(moe(), x, dt, idxs, params[:3])
     names = [p.name for p in report.passes]
-    assert names.index("fuse_epilogue") < names.index("moe_grouping") < names.index("select_strategy")
+    assert names.index("fuse_epilogue") < names.index("block_sparse") < names.index("moe_grouping") \
+        < names.index("select_strategy")
     (grp,) = report.groups
     assert len(grp.members) == 3 and grp.scatter == "setitem" and grp.source == "l_x_"
     pad = grp.padding()
@@ -253,6 +255,58 @@ def test_triton_grouped_kernel_interpreted(monkeypatch, tmp_path):
         assert set(int(t) for t in re.findall(r"BLOCK_N=(\d+),", src)) >= tiles   # a branch per tile
 
 
+def pin_grouped(monkeypatch, keep):
+    """Only the grouped configs for which keep(config) holds are candidates."""
+    from ssmc.targets import moe as M
+    table = {k: [c for c in v if keep(c)] if isinstance(v, list) else v for k, v in M.load_configs().items()}
+    monkeypatch.setattr(M, "load_configs", lambda: table)
+
+
+def _interp_configs():
+    table = json.loads((importlib.resources.files("ssmc.templates") / "triton/moe_scan_fwd.configs.json").read_text())
+    return table["interpreter"]
+
+
+@pytest.mark.parametrize("cfg", _interp_configs(), ids=lambda c: f"{c['variant']}-T{c['TILE']}-C{c['CHUNK']}")
+def test_triton_grouped_every_config_interpreted(cfg, monkeypatch, tmp_path):
+    """Each interpreter config pinned in turn: the entry kernel of its variant runs (one launch),
+    against float64 for random routings (experts with no sequence and with one among them), a
+    state larger than the scan config's TILE (its chunk shortened) and a length that is not a
+    multiple of the chunk."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    pytest.importorskip("triton")
+    pin_grouped(monkeypatch, lambda c: c == cfg)
+    states = (2, 9, 3, 1)
+    x, dt, params = inputs(b=5, L=7, d=3, states=states, dtype=torch.float32, seed=21)
+    fn = moe()
+    gen = torch.Generator().manual_seed(4)
+    routes = [[0, 0, 2, 0, 1]] + [torch.randint(0, 4, (5,), generator=gen).tolist() for _ in range(2)]
+    assert sorted(len(i) for i in split(routes[0], 4)) == [0, 1, 1, 3]     # empty and single
+    for route in routes:
+        idxs = split(route, 4)
+        out, report = ssmc_run(fn, (x, dt, idxs, params), target="triton")
+        (grp,) = report.groups
+        entry = lookup(grp.key)
+        kern = entry.kernel
+        assert entry.failure is None and kern.fallback is None, (entry.failure, kern.fallback)
+        assert kern.launches == 1 and kern.config == cfg, kern.describe()
+        assert kern.ran.endswith(f"_moe_grouped_{cfg['variant']}"), kern.ran
+        ref = fn(x.double(), dt.double(), idxs, [tuple(p.double() for p in ps) for ps in params])
+        check(out, ref, 1e-5)
+
+
+def test_grouped_tile_params():
+    from ssmc.targets.moe import tile_params
+    scan = {"variant": "scan", "TILE": 128, "CHUNK": 16}
+    # states up to TILE: BD * tile == TILE and the full chunk; beyond: BD 1, the chunk shortened
+    assert tile_params(scan, (8, 64, 128, 512, 1024), 1536, 2048) == \
+        {8: (16, 16), 64: (2, 16), 128: (1, 16), 512: (1, 4), 1024: (1, 2)}
+    assert tile_params(scan, (8,), 3, 5) == {8: (4, 8)}          # few channels, a short sequence
+    loop = {"variant": "loop", "TILE": 128, "CHUNK": 8}
+    assert tile_params(loop, (8, 1024), 1536, 2048) == {8: (16, 8), 1024: (1, 8)}
+
+
 def test_failing_grouped_kernel_falls_back_to_the_reference(monkeypatch, tmp_path):
     from ssmc.targets.moe import GroupedTritonKernel
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -268,7 +322,8 @@ def test_failing_grouped_kernel_falls_back_to_the_reference(monkeypatch, tmp_pat
     assert "out of resources" in lookup(report.groups[0].key).failure
 
 
-def test_grouped_kernel_compiles_for_sm90_without_gpu(monkeypatch, tmp_path):
+@pytest.mark.parametrize("variant", ["loop", "scan"])
+def test_grouped_kernel_compiles_for_sm90_without_gpu(variant, monkeypatch, tmp_path):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from ssmc.targets.moe import GroupedTritonKernel
@@ -279,11 +334,12 @@ def test_grouped_kernel_compiles_for_sm90_without_gpu(monkeypatch, tmp_path):
     kern = GroupedTritonKernel(region, None, ssmc.make_options(cache_dir=str(tmp_path)))
     seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if s.ndim >= 3 and i != region.init}
     cfg = next(c for c in json.loads(
-        (importlib.resources.files("ssmc.templates") / "triton/moe_scan_fwd.configs.json").read_text())["sm_90"])
+        (importlib.resources.files("ssmc.templates") / "triton/moe_scan_fwd.configs.json").read_text())["sm_90"]
+        if c["variant"] == variant)
     consts = tuple((n, 4) if k == "offset" else (n, 1) for n, k in kern.fields
                    if k == "offset" or n.endswith("_s2"))       # aligned rows, unit inner strides
     fn, sig, cx = kern.signature(cfg, (8, 64), seq, consts)
-    assert "*bf16" in sig.values() and sig["table_ptr"] == "*i64"
+    assert "*bf16" in sig.values() and sig["table_ptr"] == "*i64" and fn.__name__.endswith(f"_grouped_{variant}")
     try:
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx)
     except TypeError:           # older Triton spelled it `constants`

@@ -5,8 +5,11 @@ group. `GroupedKernel` is the portable one: it runs the member kernel (any targe
 group; on CPU that is the torch reference. `GroupedTritonKernel` runs all groups in one launch
 of templates/triton/moe_scan_fwd.py.j2: programs are (group, sequence, block of channels), each
 group's state tile is the next power of two of its own state size (a static branch per tile
-present), so padding never reaches beyond a group's own tile. Backward runs the member kernel's
-backward per group (the generated Triton backward on a GPU, the IR adjoint on CPU).
+present), so padding never reaches beyond a group's own tile. The body per tile is the
+single-expert kernel's (the same macros and printed variants as ssmc/targets/triton.py):
+config "variant" "loop" (sequential steps) or "scan" (tl.associative_scan over chunks of
+steps), autotuned with the rest of the config. Backward runs the member kernel's backward per
+group (the generated Triton backward on a GPU, the IR adjoint on CPU).
 
 `padding(stats)` is what ``ssmc.explain`` shows: per group its sequences, state size and tile,
 and the work computed on padding against the useful work.
@@ -132,6 +135,33 @@ def load_configs() -> dict:
     return json.loads((importlib.resources.files("ssmc.templates") / CONFIGS).read_text())
 
 
+def entry_name(r: Region, config: dict) -> str:
+    """The grouped template's entry kernel for a config's variant ("loop" when it names none)."""
+    from .triton import kernel_name
+    return f"{kernel_name(r)}_moe_grouped_{config.get('variant', 'loop')}"
+
+
+def tile_params(config: dict, tiles, d_max: int | None = None, L_max: int | None = None) -> dict:
+    """tile -> (BD, CH): channels per program and time steps per chunk for that state tile.
+    BD = TILE / tile (a power of two, at least 1, at most the channel count rounded up); CH =
+    CHUNK, at most the longest length rounded up; for the scan variant, whose chunk is a
+    (BD, tile, CH) tile of registers, CH is halved until that tile is at most TILE * CHUNK
+    (states larger than TILE, where BD is already 1)."""
+    out = {}
+    for t in tiles:
+        bd = max(1, _pow2(max(1, config["TILE"] // t)))
+        if d_max is not None:
+            bd = min(bd, _pow2(d_max))
+        ch = max(1, int(config["CHUNK"]))
+        if L_max is not None:
+            ch = min(ch, _pow2(max(1, L_max)))
+        if config.get("variant", "loop") == "scan":
+            while ch > 1 and bd * t * ch > config["TILE"] * config["CHUNK"]:
+                ch //= 2
+        out[t] = (bd, ch)
+    return out
+
+
 class GroupedTritonKernel(GroupedKernel):
     """All groups in one launch of the grouped Triton template (see the module docstring)."""
     kind = "one Triton launch"
@@ -145,6 +175,8 @@ class GroupedTritonKernel(GroupedKernel):
         self.plan, self.options, self.arch = plan, options, arch
         self.chosen: dict = {}
         self.config: dict | None = None
+        self.ran: str | None = None            # the entry kernel of the last launch
+        self.timings: dict = {}                # bucket -> {config json: ms} of the last search
         self.fallback: str | None = None
         self.sources: dict = {}                # (cdt, tiles) -> (source, path)
         self._table_key = None
@@ -177,7 +209,7 @@ class GroupedTritonKernel(GroupedKernel):
             kname=kernel_name(r) + "_moe", plan=p, tiles=list(tiles),
             args=[", ".join(args) + ","], bases=[", ".join(ptrs) + ","], fields=fields,
             row=3 + len(fields), call=", ".join(args), consts=dict(consts),
-            loop=_print_variant(r, p, cdt, False))
+            loop=_print_variant(r, p, cdt, False), scan=_print_variant(r, p, cdt, True))
 
     def module(self, cdt: str, tiles: tuple, consts: tuple = ()):
         """The kernel module for a compute dtype, the tiles present and `consts`: strides that
@@ -199,7 +231,7 @@ class GroupedTritonKernel(GroupedKernel):
         """(jit function, signature, constexprs) for a compile-only ``triton.compile`` (no GPU
         needed): base pointers typed by the region's dtypes (`dtypes`: input index -> torch
         dtype overrides), the table int64, the group count int32."""
-        from .triton import _TL_PTR, kernel_name
+        from .triton import _TL_PTR
         r = self.region
         dts = {i: ir.to_dtype(s.dtype) for i, s in enumerate(r.inputs)}
         dts.update(dtypes or {})
@@ -209,13 +241,14 @@ class GroupedTritonKernel(GroupedKernel):
                 k = name[:-4]
                 dt = dts[int(k[2:])] if k.startswith("in") else ir.to_dtype(r.outputs[int(k[3:])].dtype)
                 sig[name] = "*" + _TL_PTR[dt]
-        sig.update({"table_ptr": "*i64", "G": "i32", "CHUNK": "constexpr"})
-        cx = {"CHUNK": config["CHUNK"]}
-        for t in tiles:
-            sig[f"BD_{t}"] = "constexpr"
-            cx[f"BD_{t}"] = max(1, config["TILE"] // t)
+        sig.update({"table_ptr": "*i64", "G": "i32"})
+        cx = {}
+        for t, (bd, ch) in tile_params(config, tiles).items():
+            sig[f"BD_{t}"] = sig[f"CH_{t}"] = "constexpr"
+            cx[f"BD_{t}"], cx[f"CH_{t}"] = bd, ch
         cdt = "tl.float64" if torch.float64 in dts.values() else "tl.float32"
-        return getattr(self.module(cdt, tuple(tiles), tuple(consts)), kernel_name(r) + "_moe_grouped"), sig, cx
+        mod = self.module(cdt, tuple(tiles), tuple(consts))
+        return getattr(mod, entry_name(r, config)), sig, cx
 
     # -- launching ---------------------------------------------------------------------------------
     def _why_not(self, groups) -> str | None:
@@ -237,17 +270,16 @@ class GroupedTritonKernel(GroupedKernel):
                 return f"a state of {sizes[self.plan.reg]} > {MAX_BLOCK_N} elements"
         return None
 
-    def block_d(self, config, tiles, d_max) -> dict:
-        return {t: max(1, min(_pow2(max(1, config["TILE"] // t)), _pow2(d_max))) for t in tiles}
-
     def _layout(self, groups, outs, config):
-        """(base tensors, table rows, number of programs, tiles, block_d) for one launch."""
+        """(base tensors, table rows, number of programs, tiles, tile -> (BD, CH)) for one launch."""
         r, p = self.region, self.plan
         from .triton import kernel_args
         live = [i for i, g in enumerate(groups) if _rows(r, g)]
         tiles = tuple(sorted({_pow2(group_sizes(r, groups[i])[0][p.reg]) if p.reg else 1 for i in live}))
         d_max = max(group_sizes(r, groups[i])[0][p.block] if p.block else 1 for i in live)
-        bd = self.block_d(config, tiles, d_max)
+        L_max = max(group_sizes(r, groups[i])[1] for i in live)
+        tp = tile_params(config, tiles, d_max, L_max)
+        bd = {t: b for t, (b, _) in tp.items()}
         tensors = {}
         for i in live:
             ins, os_ = groups[i], outs[i]
@@ -295,12 +327,12 @@ class GroupedTritonKernel(GroupedKernel):
                     raise ValueError(f"unknown table field {name}")
             rows.append(row)
             start += nrows * nblk
-        return bases, rows, start, tiles, bd
+        return bases, rows, start, tiles, tp
 
     def launch(self, groups, config, outs=None):
         r = self.region
         outs = [_empty(r, g) for g in groups] if outs is None else outs
-        bases, rows, nprog, tiles, bd = self._layout(groups, outs, config)
+        bases, rows, nprog, tiles, tp = self._layout(groups, outs, config)
         if nprog == 0:
             return outs
         dev = next(iter(bases.values())).device
@@ -321,14 +353,16 @@ class GroupedTritonKernel(GroupedKernel):
                 consts.append((name, col[0]))
         consts = tuple(consts)
         mod = self.module(cdt, tiles, consts)
-        from .triton import kernel_name
-        fn = getattr(mod, kernel_name(r) + "_moe_grouped")
+        fn = getattr(mod, entry_name(r, config))
         extra = {} if dev.type == "cpu" else {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
         names = [n for n, k in self.fields if k == "offset"]
-        fn[(nprog,)](*[bases[n] for n in names], self._table, len(rows), CHUNK=config["CHUNK"],
-                     **{f"BD_{t}": bd[t] for t in tiles}, **extra)
-        self.stats = padding(r, groups, bd)
+        cx = {}
+        for t, (bd, ch) in tp.items():
+            cx[f"BD_{t}"], cx[f"CH_{t}"] = bd, ch
+        fn[(nprog,)](*[bases[n] for n in names], self._table, len(rows), **cx, **extra)
+        self.stats = padding(r, groups, {t: bd for t, (bd, _) in tp.items()})
         self.launches = 1
+        self.ran = entry_name(r, config)
         return outs
 
     def forward(self, groups):
@@ -371,6 +405,7 @@ class GroupedTritonKernel(GroupedKernel):
                 times[json.dumps(c, sort_keys=True)] = t0.elapsed_time(t1) / 5
             except Exception as e:  # a config out of registers: the next one
                 self.fallback = f"config {c} failed: {type(e).__name__}: {e}"
+        self.timings[bucket] = times
         if not times:
             raise RuntimeError(f"every grouped Triton config failed: {self.fallback}")
         best = json.loads(min(times, key=times.get))
