@@ -1,18 +1,33 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])
-# Everything lands under $OUT (pytest log, benchmark JSON).
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
+# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp); each step has a time limit
+# and writes under $OUT, at most 8 files come back: logs go to one file, results to JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ssmc_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LOG="$OUT/gpu_check.log"
 python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARNING | tail -2
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-STEPS=${SSMC_GPU_STEPS:-tests,bench}
-if [[ $STEPS == *tests* ]]; then
-  timeout ${SSMC_TEST_TIMEOUT:-300} python -m pytest -m gpu -q -x -p no:cacheprovider ${SSMC_TEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$LOG"
+STEPS=${SSMC_GPU_STEPS:-tests,region,moe,bsp}
+if [[ $STEPS == *tests* ]]; then      # one file at a time: a fault in one cannot hide the others' results
+  for f in tests/test_ssd.py tests/test_streams.py tests/test_triton_bwd.py tests/test_moe.py \
+           tests/test_block_sparse.py tests/test_cuda_codegen.py tests/test_triton.py tests/test_robustness.py; do
+    echo "== $f" >> "$LOG"
+    timeout ${SSMC_TEST_TIMEOUT:-120} python -m pytest -m gpu -q -p no:cacheprovider -rf "$f" 2>&1 | tail -15 >> "$LOG"
+  done
 fi
-if [[ $STEPS == *bench* ]]; then
-  python -m benchmarks.bench_gpu --out "$OUT/bench_gpu.json" --workloads "${SSMC_WORKLOADS:-mamba1,block,compile}" \
-    --lengths "${SSMC_LENGTHS:-2048,4096}" --targets "${SSMC_TARGETS:-triton,cuda,torch}" 2>&1 | tee "$OUT/bench.log" | tail -40
+if [[ $STEPS == *region* ]]; then     # mamba-ssm baselines in the same run; no eager at these lengths
+  timeout ${SSMC_BENCH_TIMEOUT:-240} python -m benchmarks.run --preset h200 --workloads mamba1,mamba2,decode \
+    --lengths "${SSMC_LENGTHS:-4096}" --targets "${SSMC_TARGETS:-triton,cuda,auto}" --eager-max-len 0 \
+    --out /tmp/ssmc_run --name h200_regions >> "$LOG" 2>&1
+  cp /tmp/ssmc_run/h200_regions.json "$OUT/" 2>/dev/null
 fi
+if [[ $STEPS == *moe* ]]; then
+  timeout 200 python -m benchmarks.bench_moe --out "$OUT/h200_moe.json" >> "$LOG" 2>&1
+fi
+if [[ $STEPS == *bsp* ]]; then
+  timeout 150 python -m benchmarks.bench_block_sparse --out "$OUT/h200_block_sparse.json" >> "$LOG" 2>&1
+fi
+tail -40 "$LOG"
