@@ -2,9 +2,9 @@
 
 On ``target="auto"`` with several generated targets supporting a region (cuda and triton on a
 GPU), `MeasuredChoice` runs each once on the first real inputs of a shape bucket, times them
-(wall clock between device synchronisations), and keeps the fastest. The decision is stored in the kernel cache, keyed by
-the region, the arch, the shape bucket and the targets' versions, so a second process decides
-nothing. `describe()` says which won and by how much, for ssmc.explain.
+(wall clock between device synchronisations), and keeps the fastest. The decision is stored in
+the kernel cache, keyed by the region, the arch, the shape bucket and the targets' versions,
+so a second process decides nothing. `describe()` says which won and by how much, for ssmc.explain.
 """
 from __future__ import annotations
 
