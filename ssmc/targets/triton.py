@@ -30,6 +30,7 @@ import functools
 import importlib.resources
 import importlib.util
 import json
+import re
 import logging
 import math
 import os
@@ -236,14 +237,18 @@ def kernel_args(r: Region, plan: Plan) -> list[str]:
     return args
 
 
-def _arg_lines(r: Region, plan: Plan) -> list[str]:
-    """`kernel_args` one group a line: pointers, each tensor's strides, sizes."""
+def arg_lines(names: list[str]) -> list[str]:
+    """Kernel arguments one group a line: pointers, each tensor's strides (``in0_s*``,
+    ``out1_s*``, ``g2_s*``), slot strides, sizes."""
     def group(n):
         if n.endswith("_ptr"):
             return "ptr"
-        return n.split("_")[0] if "_s" in n and n[:2] in ("in", "ou") else "sizes"
+        if n.endswith("_slot"):
+            return "slot"
+        m = re.fullmatch(r"([a-z]+\d+)_s\d+", n)
+        return m.group(1) if m else "sizes"
     lines, last = [], None
-    for n in kernel_args(r, plan):
+    for n in names:
         g = group(n)
         if g != last:
             lines.append([])
@@ -293,7 +298,7 @@ def render(r: Region, plan: Plan, cdt: str = "tl.float32") -> str:
     env = _env()
     return env.get_template(TEMPLATE).render(
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=kernel_name(r),
-        plan=plan, args=_arg_lines(r, plan),
+        plan=plan, args=arg_lines(kernel_args(r, plan)),
         loop=_print_variant(r, plan, cdt, False), scan=_print_variant(r, plan, cdt, True))
 
 

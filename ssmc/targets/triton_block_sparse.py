@@ -269,7 +269,7 @@ def render_bsp(r: Region, plan: BSPlan, cdt: str) -> str:
     base = T.Plan(plan.reg, plan.block, plan.scalars, plan.inputs)
     return T._env().get_template(TEMPLATE).render(static=static,
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
-        mode=plan.mode, plan=base, args=T._arg_lines(r, base), prelude=list(out.prelude), init=init,
+        mode=plan.mode, plan=base, args=T.arg_lines(T.kernel_args(r, base)), prelude=list(out.prelude), init=init,
         row=row, diag=" + ".join(diag), mat=mat, contrib=contrib, post=post, final=final)
 
 

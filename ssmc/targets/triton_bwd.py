@@ -37,7 +37,6 @@ import importlib.resources
 import json
 import logging
 import math
-import re
 import threading
 
 import torch
@@ -278,25 +277,6 @@ def kernel_args(r: Region, bp: BwdPlan) -> list[str]:
     return args
 
 
-def _arg_lines(names: list[str]) -> list[str]:
-    """One group a line: pointers, each tensor's strides, slot strides, sizes."""
-    def group(n):
-        if n.endswith("_ptr"):
-            return "ptr"
-        if n.endswith("_slot"):
-            return "slot"
-        m = re.fullmatch(r"(in\d+|g\d+)_s\d+", n)
-        return m.group(1) if m else "sizes"
-    lines, last = [], None
-    for n in names:
-        g = group(n)
-        if g != last:
-            lines.append([])
-            last = g
-        lines[-1].append(n)
-    return [", ".join(g) + "," for g in lines]
-
-
 def render_bwd(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> str:
     p = AdjointPrinter(with_grad_inputs(r), cdt)
     em = _Emitter(r, bp, p)
@@ -349,7 +329,7 @@ def render_bwd(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> str:
     needs = [f"NEED_{i}: tl.constexpr" for i in bp.grad_inputs(r)]
     return T._env().get_template(TEMPLATE).render(
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
-        plan=bp.fwd, args=_arg_lines(kernel_args(r, bp)), needs=needs, slots=slots,
+        plan=bp.fwd, args=T.arg_lines(kernel_args(r, bp)), needs=needs, slots=slots,
         prelude=list(p.prelude), init=init, fwd_pre=fwd_pre, fwd_a=fwd_a, fwd_b=fwd_b,
         acc_init=acc_init, final=final, mu_final=mu_final, pre=pre, a=a, b=b, mid=mid,
         direct=direct, post=post, end=end)

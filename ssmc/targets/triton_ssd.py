@@ -253,22 +253,6 @@ def ssd_args(r: Region, plan: SSDPlan) -> list[str]:
     return args
 
 
-def _arg_lines(names: list[str]) -> list[str]:
-    """Kernel arguments one group a line: pointers, each tensor's strides, sizes."""
-    def group(n):
-        if n.endswith("_ptr"):
-            return "ptr"
-        return n.split("_")[0] if "_s" in n and n[:2] in ("in", "ou") else "sizes"
-    lines, last = [], None
-    for n in names:
-        g = group(n)
-        if g != last:
-            lines.append([])
-            last = g
-        lines[-1].append(n)
-    return [", ".join(g) + "," for g in lines]
-
-
 def render_ssd(r: Region, plan: SSDPlan, opd: str) -> str:
     cdt = "tl.float32"
     progs = {a: (f"idx_{a}", None) for a in plan.programs}
@@ -309,7 +293,7 @@ def render_ssd(r: Region, plan: SSDPlan, opd: str) -> str:
         region_name=r.name, region_key=r.key(), region_text=str(r) + "\n# SSD plan: " + plan.describe(),
         kname=T.kernel_name(r), opd=opd, prec=prec,
         prec_kw=f', input_precision="{prec}"' if prec else "", log2e=repr(LOG2E),
-        programs=plan.programs, args=_arg_lines(ssd_args(r, plan)),
+        programs=plan.programs, args=T.arg_lines(ssd_args(r, plan)),
         prelude=pm.prelude + pf.prelude, init=init, decay_lines=decay_lines, decay=decay,
         n_lines=n_lines, g=g, c=c, readout=plan.readout is not None, p_lines=p_lines, x=x,
         post=post, final=final, w=w)
@@ -347,7 +331,7 @@ def render_step(r: Region, plan: T.Plan, cdt: str) -> str:
     v = T.Variant(list(p.prelude), init, pre, a, b, post, final)
     return T._env().get_template(STEP_TEMPLATE).render(
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
-        plan=plan, args=T._arg_lines(r, plan), v=v)
+        plan=plan, args=T.arg_lines(T.kernel_args(r, plan)), v=v)
 
 
 # -- kernels ----------------------------------------------------------------------------------------
