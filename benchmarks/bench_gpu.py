@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import ssmc  # noqa: E402
 from benchmarks import baselines  # noqa: E402
+from benchmarks.run import Lowered, mamba1_loop as mamba1_naive  # noqa: E402  (one naive loop for both)
 
 H200_BW = 4.3e12          # measured device-to-device copy, bytes/s (read + write)
 
@@ -66,20 +66,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-# -- the naive Mamba-1 loop, in mamba-ssm's layout ----------------------------------------------
-
-def mamba1_naive(u, delta, A, B, C, D, z, delta_bias):          # (b, d, L) layout, as mamba-ssm
-    b, d, L = u.shape
-    f = torch.promote_types(u.dtype, torch.float32)              # fp32 math (fp64 for the oracle)
-    h = torch.zeros(b, d, A.shape[1], device=u.device, dtype=f)
-    ys = []
-    for t in range(L):
-        dt = F.softplus(delta[:, :, t].to(f) + delta_bias)
-        h = torch.exp(dt[..., None] * A) * h + (dt * u[:, :, t].to(f))[..., None] * B[:, None, :, t].to(f)
-        y = (h * C[:, None, :, t].to(f)).sum(-1) + D * u[:, :, t].to(f)
-        ys.append((y * F.silu(z[:, :, t].to(f))).to(u.dtype))
-    return torch.stack(ys, dim=-1)
-
+# -- inputs of the naive Mamba-1 loop (benchmarks.run.mamba1_loop), in mamba-ssm's layout -----------
 
 def mamba1_inputs(b, d, n, L, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -107,23 +94,6 @@ def lowered_graph(fn, small_inputs, **options):
     torch._dynamo.reset()
     torch.compile(fn, backend=backend)(*small_inputs)
     return Lowered(holder["gm"], fn), holder["report"]
-
-
-class Lowered:
-    """Calls a lowered graph with the arguments of the function it was captured from (Dynamo
-    orders graph inputs by first use, not by the signature)."""
-
-    def __init__(self, gm, fn):
-        import inspect
-        names = list(inspect.signature(fn).parameters)
-        order = []
-        for n in gm.graph.nodes:
-            if n.op == "placeholder":
-                order.append(names.index(n.target[2:-1]))   # "L_delta_" -> "delta"
-        self.gm, self.order = gm, order
-
-    def __call__(self, *args):
-        return self.gm(*[args[i] for i in self.order])
 
 
 def mamba1_floors(b, d, n, L, dtype):
