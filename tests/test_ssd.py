@@ -33,6 +33,7 @@ from conftest import TOL, as_tuple, reference, rel_err, ssmc_run
 from ssmc import ir
 from ssmc.ir import Load, Op
 from ssmc.runtime.op import lookup
+from test_triton import interp, poison_outputs  # noqa: F401  (interp: a fixture used by name)
 
 triton = pytest.importorskip("triton")
 T = pytest.importorskip("ssmc.targets.triton")
@@ -88,23 +89,6 @@ def tokens(args, t0, t1):
 
 # -- helpers --------------------------------------------------------------------------------------
 
-def poison_outputs(monkeypatch):
-    orig = T.TritonKernel.outputs
-
-    def poisoned(self, ins):
-        return [o.fill_(float("nan")) if o.is_floating_point() else o for o in orig(self, ins)]
-    monkeypatch.setattr(T.TritonKernel, "outputs", poisoned)
-
-
-@pytest.fixture
-def interp(monkeypatch, tmp_path):
-    """Triton's CPU interpreter on, a fresh kernel cache, outputs poisoned."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path / "cache"))
-    poison_outputs(monkeypatch)
-    return tmp_path
-
-
 def pin(monkeypatch, **config):
     """The SSD kernel's interpreter configs are this one."""
     table = dict(S._table(S.SSD_CONFIGS))
@@ -117,7 +101,8 @@ def region_of(fn, args) -> ir.Region:
 
 
 def region_inputs(region, fn, args) -> list:
-    """The region's inputs for fn(*args), by the names Dynamo gave them ("l_x_" for x)."""
+    """The region's inputs for fn(*args), by the names Dynamo gave them ("l_x_" for x); every
+    input here is an argument (test_triton's version also makes the zeros of an inner state)."""
     params = {n.lower(): a for n, a in zip(inspect.signature(fn).parameters, args)}
     return [params[s.name.split(" ")[0][2:-1]] for s in region.inputs]
 
