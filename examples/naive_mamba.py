@@ -100,7 +100,7 @@ def main(argv=None):
     import ssmc
     report = ssmc.backend.LAST_REPORT
     print(f"compile (Dynamo capture + ssmc): {compile_s:.1f} s; relative error vs eager: {err:.2e}")
-    print(f"eager {t_eager * 1e3:.2f} ms, ssmc {t_ssmc * 1e3:.2f} ms: {t_eager / t_ssmc:.1f}x faster")
+    print(f"eager {t_eager * 1e3:.2f} ms, ssmc {t_ssmc * 1e3:.2f} ms: speedup {t_eager / t_ssmc:.2f}x")
     for r in report.regions:
         print(f"region {r.name}: strategy {r.strategy}, target {r.target}")
     for where, why in report.fallbacks:
