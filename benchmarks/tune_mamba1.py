@@ -2,7 +2,12 @@
 per-arch tables next to the templates. Writes JSON; `--ncu` adds an Nsight Compute summary of
 the fastest CUDA config (run under `ncu`, see gpu notes).
 
-    python -m benchmarks.tune_mamba1 --out tune.json [--lengths 4096]
+    python -m benchmarks.tune_mamba1 --out tune.json [--lengths 4096] [--layouts bdl,bld] [--baseline]
+
+--layouts: "bdl" times the (b, d, L) tensors mamba-ssm takes (time contiguous); "bld" the same
+values stored (b, L, d) / (b, L, n) and viewed as (b, d, L), the layout a naive block's
+projections produce (lanes along rows). --baseline adds mamba-ssm's CUDA selective_scan forward
+(built from the sdist under .carry/) on the same inputs, in the same run.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ def main():
     ap.add_argument("--lengths", default="4096")
     ap.add_argument("--only", default="cuda,triton")
     ap.add_argument("--profile-once", default="", help="target: run its default pick once (under ncu)")
+    ap.add_argument("--layouts", default="bdl")
+    ap.add_argument("--baseline", action="store_true", help="mamba-ssm's CUDA selective_scan forward too")
     args = ap.parse_args()
     if args.profile_once:
         b, d, n = 8, 1536, 16
@@ -39,12 +46,28 @@ def main():
     b, d, n = 8, 1536, 16
     small = mamba1_inputs(b, d, n, 16, torch.bfloat16, 0)
     gm64, _ = lowered_graph(mamba1_naive, [x.double() if x.is_floating_point() else x for x in small], target="torch")
-    for target in args.only.split(","):
+    if args.baseline:
+        try:
+            from benchmarks import baselines as BL
+            ext = BL.build_selective_scan_fwd()
+            for L in map(int, args.lengths.split(",")):
+                ins = mamba1_inputs(b, d, n, L, torch.bfloat16, L)
+                ref = gm64(*[x.double() for x in ins])[0]
+                f = lambda: ext.fwd(ins[0], ins[1], ins[2], ins[3].unsqueeze(1), ins[4].unsqueeze(1),
+                                    ins[5], ins[6], ins[7], True)[2]
+                res[f"mamba_ssm_L{L}"] = {"ms": bench(f), "rel_err": rel(f(), ref)}
+                print("mamba-ssm", L, res[f"mamba_ssm_L{L}"], flush=True)
+        except Exception as e:
+            res["mamba_ssm_error"] = f"{type(e).__name__}: {e}"[:500]
+            print(res["mamba_ssm_error"], flush=True)
+    for target, layout in [(t, lay) for t in args.only.split(",") for lay in args.layouts.split(",")]:
         gm, rep = lowered_graph(mamba1_naive, small, target=target)
         entry = lookup(rep.regions[0].key)
         k = entry.kernel
         for L in map(int, args.lengths.split(",")):
             ins = mamba1_inputs(b, d, n, L, torch.bfloat16, L)
+            if layout == "bld":      # same values, stored time-major-outside: (b, L, d) viewed as (b, d, L)
+                ins = [x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() == 3 else x for x in ins]
             ref = gm64(*[x.double() for x in ins])[0]
             out = {}
             if target == "cuda":
@@ -66,9 +89,10 @@ def main():
                 out["timings"] = {str(bk): v for bk, v in k.timings.items()}
                 out["failed"] = {str(bk): v for bk, v in k.failed_configs.items()}
                 out["ms"] = bench(lambda: gm(*ins))
-            res[f"{target}_L{L}"] = out
+            res[f"{target}_{layout}_L{L}"] = out
             best = sorted((v["ms"], kk) for kk, v in out.items() if isinstance(v, dict) and v.get("ms"))
-            print(target, L, best[:4] if best else out.get("ms"), flush=True)
+            print(target, layout, L, best[:6] if best else out.get("ms"), flush=True)
+            Path(args.out).write_text(json.dumps(res, indent=1, default=str) + "\n")
     Path(args.out).write_text(json.dumps(res, indent=1, default=str) + "\n")
 
 

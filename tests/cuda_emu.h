@@ -83,6 +83,17 @@ inline T __shfl_sync(unsigned, T v, int src) {
   return out;
 }
 
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) {
+  const unsigned t = threadIdx.x;
+  auto& bar = *ssmc_emu::warp_barriers[t / 32];
+  ssmc_emu::shfl_buf[t] = static_cast<double>(v);
+  bar.arrive_and_wait();
+  const T out = static_cast<T>(ssmc_emu::shfl_buf[(t & ~31u) + ((t & 31u) ^ unsigned(mask))]);
+  bar.arrive_and_wait();
+  return out;
+}
+
 inline void __syncwarp(unsigned = 0xffffffffu) { ssmc_emu::warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
 #define SSMC_DYNAMIC_SMEM(T, name) \

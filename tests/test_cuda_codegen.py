@@ -270,11 +270,11 @@ def test_every_variant_builds_through_the_cache(regions, arch, tmp_path):
 def test_compile_error_carries_log_and_source_path(regions, tmp_path):
     _toolchain()
     r = regions["gated"]
-    kernel = cuda.CudaKernel(r, plan(r), get_cache(str(tmp_path / "cache")), extra_flags=("-D__syncthreads=no_such_fn",))
+    kernel = cuda.CudaKernel(r, plan(r), get_cache(str(tmp_path / "cache")), extra_flags=("-DSSMC_NS=no_such_fn",))
     with pytest.raises(cuda.CudaCompileError) as e:
         kernel.built(90)
     msg = str(e.value)
-    assert "sm_90" in msg and "-D__syncthreads=no_such_fn" in msg and "no_such_fn" in msg.split("log:")[1]
+    assert "sm_90" in msg and "-DSSMC_NS=no_such_fn" in msg and "no_such_fn" in msg.split("log:")[1]
     path = re.search(r"source: (\S+)", msg).group(1)
     assert Path(path).read_text() == kernel.rendered(90).source
 
@@ -303,6 +303,13 @@ SMALL = {   # small blocks so that short sequences span several chunks; every sc
               "row_major": [{"max_len": 100, "warps": 2, "items": 4, "group": 2},
                             {"kernel": "time_major", "threads": 32, "rows": 2, "items": 4, "group": 2}],
               "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}},
+    # the sequential kernel: a thread per (row, share of the state elements), lanes along rows;
+    # several rows a block (spare rows), the shares' sums added across lanes
+    "seq": {"time_major": [{"max_len": 8, "kernel": "seq", "rows": 32, "items": 2},
+                           {"kernel": "seq", "rows": 16, "split": 2, "items": 4, "group": 2}],
+            "row_major": [{"max_len": 8, "kernel": "seq", "rows": 8, "split": 4, "items": 2, "group": 2},
+                          {"kernel": "seq", "rows": 32, "items": 4, "group": 3, "poly": 2}],
+            "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}},
 }
 
 
@@ -397,6 +404,31 @@ def test_emulated_non_contiguous(regions, emu_dir, how):
 def test_emulated_dtypes(regions, emu_dir, name, dtype, layout):
     # 520: two whole chunks of 256 (16-byte loads of 8 bf16/fp16 items where time is contiguous) and a tail
     _emu_case(regions, emu_dir, name, 520, dtype, layout, variant="split", seed=3)
+
+
+@pytest.mark.parametrize("name", ["mamba1", "mamba1_bdl", "mamba2", "gated", "s4d", "scan"])
+def test_emulated_seq(regions, emu_dir, name):
+    """The sequential kernel: short and long sequences, both data layouts, N fixed at compile
+    time (groups of 2 or 3 state elements, shares of 2 or 4 threads a row) and read at run time."""
+    for L in (5, 37):
+        for layout in ("time_major", "row_major"):
+            for static_n in (True, False):
+                k = _emu_case(regions, emu_dir, name, L, torch.float32, layout, variant="seq", seed=7,
+                              n=6, static_n=static_n)
+                assert k.last_launch["algorithm"] == "seq", k.last_launch
+
+
+def test_emulated_seq_bf16(regions, emu_dir):
+    """16-byte loads of 8 bf16 items per run where time is contiguous, a partial last chunk."""
+    variant = {"time_major": [{"kernel": "seq", "rows": 16, "split": 2, "items": 8, "group": 2}],
+               "row_major": [], "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}}
+    r = with_dtype(regions["mamba1_bdl"], "bfloat16")
+    kernel = cuda.CudaKernel(r, plan(r), get_cache(str(emu_dir / "cache")), variants=variant)
+    kernel.poison, kernel.force_layout = True, "time_major"
+    xs = region_inputs("mamba1_bdl", r, 53, torch.bfloat16, 8)
+    outs = emulate(kernel, xs, emu_dir)
+    check_close(outs, reference_run(r, [x.double() for x in xs]), torch.bfloat16, "seq bf16")
+    assert kernel.last_launch["kernel"].endswith("sq16x2x8g2")
 
 
 def every_op_region(gated: ir.Region) -> ir.Region:
@@ -607,7 +639,7 @@ def test_gpu_end_to_end(tmp_path, dtype):
 
 @pytest.mark.gpu
 def test_gpu_failed_nvrtc_compile_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setattr(cuda, "EXTRA_FLAGS", ("-D__syncthreads=no_such_fn",))   # every kernel fails to compile
+    monkeypatch.setattr(cuda, "EXTRA_FLAGS", ("-DSSMC_NS=no_such_fn",))   # every kernel fails to compile
     fn = P.mamba1("stack")
     xs = [x.cuda() for x in P.mamba1_inputs(L=16, seed=8)]
     out, rep = ssmc_run(fn, xs, target="cuda", cache_dir=str(tmp_path), rest="eager")

@@ -59,6 +59,7 @@ STRATEGIES = ("chunked_scan", "chunked_ssd", "step")   # one kernel, numerically
 MIN_ARCH = 80
 SMEM_DEFAULT = 48 * 1024        # dynamic shared memory without opting in
 NS_MAX = 64                     # state sizes up to this get an instance with N fixed at compile time
+SMEM_SEQ_MAX = 96 * 1024        # the sequential kernel's carry above this: a chunked scan instead
 
 
 class CudaCompileError(RuntimeError):
@@ -231,11 +232,16 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
                 if not 1 <= w <= 32 or it < 1:
                     raise ValueError(f"row_major variant {c}: warps must be in [1, 32]")
                 name, block, per_block, targs = f"{prefix}_rm{w}x{it}", 32 * w, 32, f"{w}"
+            elif algo == "seq":
+                rows, split = int(c.get("rows", 32)), int(c.get("split", 1))
+                if split not in (1, 2, 4, 8, 16, 32) or (rows * split) % 32 or not 32 <= rows * split <= 1024 or it < 1:
+                    raise ValueError(f"seq variant {c}: split a power of 2 <= 32, rows * split a multiple of 32, <= 1024")
+                name, block, per_block, targs = f"{prefix}_sq{rows}x{split}x{it}", rows * split, rows, f"{rows}, {split}"
             else:
                 raise ValueError(f"variant {c}: unknown kernel {algo!r}")
             if grp < 1:
                 raise ValueError(f"variant {c}: group must be >= 1")
-            vec = not c.get("strided", algo == "row_major")
+            vec = not c.get("strided", algo == "row_major" or (algo == "seq" and data_layout == "row_major"))
             name += (f"g{grp}" if grp > 1 else "") + ("" if vec == (algo != "row_major") else "s" if not vec else "v")
             name += f"p{poly}" if poly != poly0 else ""
             mb = int(c.get("min_blocks", mins.get(block, 1)))
@@ -460,8 +466,9 @@ class CudaKernel:
         esize = 8 if p.compute == "double" else 4
         if not self.force_kernel and cfg["layout"] == "row_major" and 2 * N * 32 * esize > SMEM_DEFAULT:
             cfg = _pick(rend.configs, "time_major", L, rows)   # the row-major carry [2][N][32] would not fit
-        per_block = cfg["rows_per_block"]
-        grid, smem = -(-rows // per_block), 2 * N * per_block * esize   # the carry: [rows of the block][2][N]
+        if not self.force_kernel and cfg["layout"] == "seq" and _carry_bytes(cfg, N, esize) > SMEM_SEQ_MAX:
+            cfg = _pick([c for c in rend.configs if c["layout"] != "seq"], "time_major", L, rows)
+        grid, smem = -(-rows // cfg["rows_per_block"]), _carry_bytes(cfg, N, esize)
         if grid >= 2**31:
             raise ValueError(f"{rows} rows exceed the grid limit")
         ns = N if (self.static_n and N <= NS_MAX) else 0
@@ -573,6 +580,14 @@ def _loads(p: ScanPlan):
     for o in p.outputs:
         out += ir.loads(o.expr)
     return out
+
+
+def _carry_bytes(cfg, N: int, esize: int) -> int:
+    """Dynamic shared memory of one block: the carried state. Chunked scans: [rows][2][N] (double
+    buffered by chunk); the sequential kernel: [N][threads], each thread's own elements."""
+    if cfg["layout"] == "seq":
+        return N * cfg["block"] * esize
+    return 2 * N * cfg["rows_per_block"] * esize
 
 
 def _pick(configs, layout: str, L: int, rows: int) -> dict:

@@ -567,7 +567,7 @@ def emit(p: ScanPlan) -> Code:
             v = name + "[i]"
         td = o.spec.index.index("t")
         off = em.offset(o.spec.index, f"os{o.k}", None)
-        c.epi.append(f"ssmc_store_run<ITEMS, MODE>(out{o.k} + ({off}), os{o.k}_{td}, t_begin, row_ok ? L : 0, "
+        c.epi.append(f"ssmc_store_run<ITEMS, MODE>(out{o.k} + ({off}), os{o.k}_{td}, t_begin, row_out ? L : 0, "
                      f"{v[:-3]});  // output {o.k}")
     # when the whole chunk may use unchecked vector loads and stores (uniform over the grid)
     conds = []
