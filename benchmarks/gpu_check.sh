@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
-# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp); each step has a time limit
-# and writes under $OUT, at most 8 files come back: logs go to one file, results to JSON.
+# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz" only when named); each
+# step has a time limit and writes under $OUT, at most 8 files come back: logs go to one file,
+# results to JSON.
+#   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
+#   $OUT/fuzz_gpu.json (SSMC_FUZZ_* as in tests/fuzz_harness.py; defaults below fit one call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ssmc_out}; mkdir -p "$OUT"
@@ -29,5 +32,14 @@ if [[ $STEPS == *moe* ]]; then
 fi
 if [[ $STEPS == *bsp* ]]; then
   timeout 150 python -m benchmarks.bench_block_sparse --out "$OUT/h200_block_sparse.json" >> "$LOG" 2>&1
+fi
+if [[ $STEPS == *fuzz* ]]; then      # workers share the GPU: compiling (Dynamo, Triton, NVRTC) is CPU-bound
+  echo "== fuzz" >> "$LOG"
+  SSMC_FUZZ_DEVICE=cuda SSMC_FUZZ_TARGETS=${SSMC_FUZZ_TARGETS:-triton,cuda,auto} \
+  SSMC_FUZZ_EXAMPLES=${SSMC_FUZZ_EXAMPLES:-2000} SSMC_FUZZ_SECONDS=${SSMC_FUZZ_SECONDS:-220} \
+  SSMC_FUZZ_WORKERS=${SSMC_FUZZ_WORKERS:-$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))} \
+  SSMC_FUZZ_OUT="$OUT/fuzz_gpu.json" \
+    timeout ${SSMC_FUZZ_TIMEOUT:-330} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_fuzz.py \
+      -k gpu_programs 2>&1 | tail -30 >> "$LOG"
 fi
 tail -40 "$LOG"

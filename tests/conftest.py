@@ -60,3 +60,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"ssmc fuzz: {t['tried']} programs tried ({t['linear']} linear, {t['nonlinear']} not), "
             f"{t['wrong']} wrong, {t['crashed']} crashed")
+    if test_fuzz.GPU_RESULT:
+        import fuzz_harness
+        terminalreporter.write_line(fuzz_harness.summary_line(test_fuzz.GPU_RESULT))

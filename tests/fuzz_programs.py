@@ -4,7 +4,11 @@ traces them exactly as it would a user's code.
 A program has a state of random rank (b, d[, n[, m]]), per-step inputs with random broadcast
 patterns, random decay / drive / epilogue expressions, a random capture form, and is either a
 linear recurrence (ssmc must compile it and match eager) or deliberately not one (ssmc must
-leave it alone).
+leave it alone). Tensors it creates live on its first input's device, so the same program runs
+on CPU or CUDA inputs. `programs(dtypes=...)` picks the dtypes drawn from (default fp32, fp32,
+fp64, the CPU test's); bf16 programs either run in bf16 throughout or read bf16 inputs with
+`.float()` and keep an fp32 state (drawn per program). Lengths are 2..6 (`max_len` > 6: half
+of them 7..max_len, so that kernels working in chunks of time carry state across chunks).
 """
 from __future__ import annotations
 
@@ -31,30 +35,41 @@ class Program:
     form: str
     dtype: torch.dtype
     L: int
+    state_dtype: torch.dtype | None = None   # dtype of the state and an h0 input (None: dtype)
 
-    def make(self, seed: int):
+    def make(self, seed: int, device="cpu"):
         g = torch.Generator().manual_seed(seed)
         out = []
         for name, shp in self.shapes.items():
             x = torch.randn(*shp, generator=g)
             if name == "A":
                 x = -x.abs() - 0.1
-            out.append(x.to(self.dtype))
+            dt = (self.state_dtype or self.dtype) if name == "h0" else self.dtype
+            out.append(x.to(dt).to(device))
         return out
 
-    def fn(self):
+    def fn(self, source: str | None = None):
         ns = {"torch": torch, "F": F}
-        exec(self.source, ns)
+        exec(source or self.source, ns)
         return ns["program"]
+
+    def ref_fn(self):
+        """The program with its explicit fp32 casts and fp32 tensors made fp64: called on fp64
+        inputs, every step runs in fp64 (the reference)."""
+        return self.fn(self.source.replace(".float()", ".double()").replace("torch.float32", "torch.float64"))
 
 
 @st.composite
-def programs(draw, linear=None):
+def programs(draw, linear=None, dtypes=None, max_len=6):
     rank = draw(st.integers(2, 4))
     sizes = [2, 3, 4, 2][:rank]                      # (b, d, n, m)
-    L = draw(st.integers(2, 6))
+    if max_len <= 6:
+        L = draw(st.integers(2, max_len))
+    else:                                            # half short, half long enough for several chunks
+        L = draw(st.one_of(st.integers(2, 6), st.integers(7, max_len)))
     form = draw(st.sampled_from(FORMS))
-    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float64]))
+    dtype = draw(st.sampled_from(dtypes or [torch.float32, torch.float32, torch.float64]))
+    cast = dtype == torch.bfloat16 and draw(st.booleans())   # bf16 inputs, fp32 state
     is_linear = draw(st.booleans()) if linear is None else linear
     n_in = draw(st.integers(1, 3))
     shapes, names = {}, []
@@ -69,7 +84,7 @@ def programs(draw, linear=None):
     shapes["A"] = tuple(sizes[1:rank]) if rank > 1 else (1,)
 
     def step(name):                                   # the value of input `name` at step t
-        return f"{name}[:, t]"
+        return f"{name}[:, t]" + (".float()" if cast else "")
 
     def leaf():
         return step(draw(st.sampled_from(names)))
@@ -98,7 +113,8 @@ def programs(draw, linear=None):
         readout = "h"
     state = ", ".join(["u0.shape[0]"] + [str(s) for s in sizes[1:rank]])
     body = f"{update}\ny = {readout}"
-    zeros = f"torch.zeros({state}, dtype=u0.dtype)"
+    sdt = "torch.float32" if cast else "u0.dtype"
+    zeros = f"torch.zeros({state}, dtype={sdt}, device=u0.device)"
     if form == "scan":
         upd = update.replace("[:, t]", "")
         ro = readout.replace("[:, t]", "")
@@ -122,7 +138,7 @@ def programs(draw, linear=None):
         lines = [f"h = {init}"]
         if form == "setitem":
             ysz = sizes[1:rank] if ".sum(-1)" not in readout else sizes[1:rank - 1]
-            lines.append(f"out = torch.empty(u0.shape[0], u0.shape[1], {', '.join(map(str, ysz))}, dtype=u0.dtype)")
+            lines.append(f"out = torch.empty(u0.shape[0], u0.shape[1], {', '.join(map(str, ysz))}, dtype={sdt}, device=u0.device)")
         else:
             lines.append(head)
         lines.append(loop)
@@ -149,4 +165,4 @@ def programs(draw, linear=None):
         src = "def program(" + ", ".join(args) + "):\n" + textwrap.indent("\n".join(lines), "    ")
         if form == "h0":
             shapes["h0"] = (sizes[0], *sizes[1:rank])
-    return Program(src, shapes, is_linear, form, dtype, L)
+    return Program(src, shapes, is_linear, form, dtype, L, torch.float32 if cast else None)
