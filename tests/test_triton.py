@@ -359,6 +359,26 @@ def test_mamba1_fp64_computes_in_fp64(interp):
     assert "compute dtype tl.float64" in kern.source
 
 
+def fp64_constants(u0, u1):
+    """From the GPU fuzzer: constants fp32 cannot hold (0.9, log2 e inside silu) in fp64 code."""
+    h = torch.zeros(u0.shape[0], 3, 4, dtype=u0.dtype)
+    ys = []
+    for t in range(u0.shape[1]):
+        h = 0.9 * (h - u0[:, t]) + torch.nn.functional.silu(u1[:, t]) * 0.3
+        ys.append((h * u1[:, t]).sum(-1))
+    return torch.stack(ys, 1), h
+
+
+@pytest.mark.parametrize("variant", ["loop", "scan"])
+def test_fp64_constants_stay_fp64(variant, interp, monkeypatch):
+    pin(monkeypatch, variant)
+    g = torch.Generator().manual_seed(35)
+    u0, u1 = torch.randn(2, 19, 3, 4, generator=g, dtype=torch.float64), torch.randn(2, 19, 3, 4, generator=g,
+                                                                                    dtype=torch.float64)
+    rep, kern = check(fp64_constants, [u0, u1], variant, tol=1e-12)
+    assert "tl.full((), 0.9, tl.float64)" in kern.source
+
+
 def test_mamba1_bf16_casts(interp):
     check(P.mamba1_cast(), P.mamba1_inputs(L=6, dtype=torch.bfloat16, seed=34))
 

@@ -27,7 +27,8 @@ from ssmc.ir import Const, Load, Op, Reduce, State
 
 LOG2E = 1.4426950408889634
 
-# op -> format string over the printed operands {0}, {1}, {2}. {cdt}: the compute dtype.
+# op -> format string over the printed operands {0}, {1}, {2}. {cdt}: the compute dtype; {nl2e}:
+# the constant -log2(e) in it.
 _FORMAT = {
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "gt": "({0} > {1})", "lt": "({0} < {1})", "ge": "({0} >= {1})", "le": "({0} <= {1})",
@@ -37,9 +38,9 @@ _FORMAT = {
     "where": "tl.where({0}, {1}, {2})",
     "neg": "(-{0})", "exp2": "tl.exp2({0})", "expm1": "_expm1({0})", "log": "tl.log({0})",
     "log1p": "_log1p({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})",
-    "tanh": "_tanh({0})", "sigmoid": f"(1.0 / (1.0 + tl.exp2({{0}} * {-LOG2E!r})))",
-    "logsigmoid": f"(tl.minimum({{0}}, 0.0) - _log1p(tl.exp2(tl.abs({{0}}) * {-LOG2E!r})))",
-    "silu": f"({{0}} / (1.0 + tl.exp2({{0}} * {-LOG2E!r})))", "relu": "tl.where({0} < 0.0, 0.0, {0})",
+    "tanh": "_tanh({0})", "sigmoid": "(1.0 / (1.0 + tl.exp2({0} * {nl2e})))",
+    "logsigmoid": "(tl.minimum({0}, 0.0) - _log1p(tl.exp2(tl.abs({0}) * {nl2e})))",
+    "silu": "({0} / (1.0 + tl.exp2({0} * {nl2e})))", "relu": "tl.where({0} < 0.0, 0.0, {0})",
     "abs": "tl.abs({0})", "reciprocal": "(1.0 / {0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})",
 }
 # ops printed by code below rather than by a format string
@@ -51,13 +52,17 @@ _TL_INT = {"int8": "tl.int8", "int16": "tl.int16", "int32": "tl.int32", "int64":
 _INFIX_BINARY = {"add", "sub", "mul", "div", "gt", "lt", "ge", "le", "eq", "ne"}
 
 
-def literal(v: float) -> str:
-    """A Python literal Triton accepts as a constant (inf and nan included)."""
+def literal(v: float, cdt: str = "tl.float32") -> str:
+    """A constant Triton accepts (inf and nan included). Triton types a Python float literal as
+    fp32, so in fp64 code a value that fp32 cannot hold exactly (0.9, log2 e) is made an fp64
+    scalar instead; otherwise fp64 kernels would be off by fp32's rounding (seen by the GPU fuzzer)."""
     v = float(v)
     if math.isnan(v):
         return 'float("nan")'
     if math.isinf(v):
         return 'float("inf")' if v > 0 else '(-float("inf"))'
+    if cdt == "tl.float64" and torch.tensor(v, dtype=torch.float32).item() != v:
+        return f"tl.full((), {v!r}, tl.float64)"
     return repr(v)
 
 
@@ -112,6 +117,9 @@ class TritonPrinter:
         self._memo: dict = {}
 
     # -- blocks --------------------------------------------------------------------------------
+    def lit(self, v: float) -> str:
+        return literal(v, self.cdt)
+
     def set_prelude_frame(self, frame: Frame):
         """How axes read before the time loop (where hoisted values are printed)."""
         self._pre_frame = frame
@@ -148,7 +156,7 @@ class TritonPrinter:
     def expr(self, e: ir.Expr) -> str:
         """The code (a temporary's name or a literal) of `e` in the current block."""
         if isinstance(e, Const):
-            return literal(e.value)
+            return self.lit(e.value)
         hoisted = self.hoistable(e)
         memo = self._pre_memo if hoisted else self._memo
         if e in memo:
@@ -177,7 +185,7 @@ class TritonPrinter:
             return None
         if not v.is_floating_point():
             return None
-        return literal(v.item())
+        return self.lit(v.item())
 
     def _code(self, e) -> str:
         if isinstance(e, Load):
@@ -220,7 +228,7 @@ class TritonPrinter:
     def _arg(self, a, other: str) -> str:
         """An operand of a @jit helper: a constant becomes a tensor shaped like `other`."""
         if isinstance(a, Const):
-            c = literal(a.value)
+            c = self.lit(a.value)
             return f"tl.where({other} == {other}, {c}, {c})"
         return self.expr(a)
 
@@ -233,11 +241,11 @@ class TritonPrinter:
         if n == "softplus":
             x = self.expr(e.args[0])
             beta, thr = float(e.attr("beta", 1.0)), float(e.attr("threshold", 20.0))
-            bx = x if beta == 1.0 else f"({x} * {literal(beta)})"
-            soft = f"_log1p(tl.exp2({bx} * {LOG2E!r}))"
+            bx = x if beta == 1.0 else f"({x} * {self.lit(beta)})"
+            soft = f"_log1p(tl.exp2({bx} * {self.lit(LOG2E)}))"
             if beta != 1.0:
-                soft = f"({soft} / {literal(beta)})"
-            return f"tl.where({bx} > {literal(thr)}, {x}, {soft})"
+                soft = f"({soft} / {self.lit(beta)})"
+            return f"tl.where({bx} > {self.lit(thr)}, {x}, {soft})"
         if n == "cast":
             x = self.expr(e.args[0])
             dt = e.attr("dtype")
@@ -247,7 +255,7 @@ class TritonPrinter:
                 return f"{x}.to({_TL_INT[dt]})"
             return f"{x}.to({self.cdt})"
         args = [self.expr(a) for a in e.args]
-        return _FORMAT[n].format(*args, cdt=self.cdt)
+        return _FORMAT[n].format(*args, cdt=self.cdt, nl2e=self.lit(-LOG2E))
 
     def exp(self, u) -> str:
         """exp(u) as exp2; log2(e) is folded into a loop-invariant factor of u = p * q."""
@@ -255,13 +263,13 @@ class TritonPrinter:
             p, q = u.args
             for inv, var in ((q, p), (p, q)):
                 if isinstance(inv, Const):
-                    return f"tl.exp2({self.expr(var)} * {literal(inv.value * LOG2E)})"
+                    return f"tl.exp2({self.expr(var)} * {self.lit(inv.value * LOG2E)})"
                 if self.hoistable(inv) and not self.hoistable(var):
                     key = ("log2e", inv)
                     if key not in self._pre_memo:
-                        self._emit(key, f"{self.expr(inv)} * {LOG2E!r}", True)
+                        self._emit(key, f"{self.expr(inv)} * {self.lit(LOG2E)}", True)
                     return f"tl.exp2({self.expr(var)} * {self._pre_memo[key]})"
-        return f"tl.exp2({self.expr(u)} * {LOG2E!r})"
+        return f"tl.exp2({self.expr(u)} * {self.lit(LOG2E)})"
 
     def pow(self, x, y) -> str:
         if isinstance(y, Const):
@@ -272,10 +280,10 @@ class TritonPrinter:
                      0.0: "tl.where({0} == {0}, 1.0, 1.0)"}
             if c in small:
                 return small[c].format(px)
-            return f"_pow({px}, {literal(c)})"
+            return f"_pow({px}, {self.lit(c)})"
         py = self.expr(y)
         if isinstance(x, Const):
             if x.value > 0:
-                return f"tl.exp2({py} * {literal(math.log2(x.value))})"
+                return f"tl.exp2({py} * {self.lit(math.log2(x.value))})"
             return f"_pow({self._arg(x, py)}, {py})"
         return f"_pow({self.expr(x)}, {py})"
