@@ -9,7 +9,9 @@ The recurrence (tests/block_sparse_programs.py `euler_matmul`): h = h + dt * (h 
 per block row). Rows:
   ssmc block-sparse   the sparse mask through ssmc (strategy block_sparse, Triton)
   ssmc dense A        the same program with an all-ones mask through ssmc (every block)
-  eager loop          the naive loop in eager PyTorch, at a smaller L (labelled)
+  eager loop          the naive loop in eager PyTorch, at a smaller L (labelled), on fp32 copies
+                      of the bf16 inputs (eager PyTorch cannot multiply the program's bf16 state
+                      by the fp32 A; ssmc keeps the state in fp32)
 Each ssmc row is first checked against a float64 eager run at L256 (same b and d), then timed with
 triton.testing.do_bench (median; perf_counter medians on CPU). Time per nonzero block and
 step is reported against dense. A row that fails is recorded with its error; the JSON is
@@ -91,11 +93,13 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--target", default=None, help="ssmc target (default: triton on CUDA, torch on CPU)")
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+                    help="x, dt, B, C dtype (default: bf16 on CUDA, fp32 on CPU); A and the state are fp32")
     args = ap.parse_args(argv)
     cfg = dict(TINY if args.tiny else FULL)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = args.target or ("triton" if dev.type == "cuda" else "torch")
-    seq_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    seq_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dev.type == "cuda" else "fp32")]
     from benchmarks.bench_gpu import lowered_graph
     out = Path(args.out)
     res = {"env": {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -171,10 +175,11 @@ def main(argv=None):
             say(f"[{label}] FAILED: {row['error']}\n{traceback.format_exc()}")
         res["rows"].append(row)
         write()
-    row = {"variant": f"eager loop (L{cfg['eager_L']})", "L": cfg["eager_L"], "b": b, "channels": d, "d_state": n}
+    row = {"variant": f"eager loop (L{cfg['eager_L']})", "L": cfg["eager_L"], "b": b, "channels": d, "d_state": n,
+           "input_dtype": "float32"}
     try:
-        say(f"[eager] timing the naive loop at L{cfg['eager_L']}")
-        ins = make_inputs(b=b, L=cfg["eager_L"], d=d, n=n, mask=sparse, dev=dev, gen=gen, seq_dtype=seq_dtype)
+        say(f"[eager] timing the naive loop at L{cfg['eager_L']} on fp32 inputs")
+        ins = make_inputs(b=b, L=cfg["eager_L"], d=d, n=n, mask=sparse, dev=dev, gen=gen, seq_dtype=torch.float32)
         with torch.no_grad():
             row["ms"] = bench(lambda: euler_matmul(*ins))
         row["ms_scaled_to_L"] = row["ms"] * L / cfg["eager_L"]

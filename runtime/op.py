@@ -135,12 +135,23 @@ def region_bwd(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor],
                needs: list[bool]) -> list[torch.Tensor]:
     entry = lookup(key)
     out = _run(entry, "backward", list(inputs), list(grads), list(needs))
-    return [g if (need and g is not None) else x.new_empty(0) for g, x, need in zip(out, inputs, needs)]
+    return _grads_out(out, inputs, needs)
+
+
+def _grads_out(out, inputs, needs):
+    """Input gradients as the fake kernels describe them: contiguous, whatever the input's
+    strides (a transposed weight's gradient would otherwise come back with other strides than
+    Inductor was told, and its stride assertion fails), empty where not needed."""
+    return [g.contiguous() if (need and g is not None) else x.new_empty(0) for g, x, need in zip(out, inputs, needs)]
+
+
+def _grads_fake(inputs, needs):
+    return [x.new_empty(x.shape) if need else x.new_empty(0) for x, need in zip(inputs, needs)]
 
 
 @region_bwd.register_fake
 def _region_bwd_fake(key, inputs, grads, needs):
-    return [torch.empty_like(x) if need else x.new_empty(0) for x, need in zip(inputs, needs)]
+    return _grads_fake(inputs, needs)
 
 
 def _setup(ctx, inputs, output):
@@ -220,13 +231,12 @@ def grouped_bwd(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor],
     k, n = entry.arity, len(entry.region.outputs)
     out = run_grouped(entry, "backward", entry.split(list(inputs), k), entry.split(list(grads), n),
                       entry.split(list(needs), k))
-    flat = [g for grp in out for g in grp]
-    return [g if (need and g is not None) else x.new_empty(0) for g, x, need in zip(flat, inputs, needs)]
+    return _grads_out([g for grp in out for g in grp], inputs, needs)
 
 
 @grouped_bwd.register_fake
 def _grouped_bwd_fake(key, inputs, grads, needs):
-    return [torch.empty_like(x) if need else x.new_empty(0) for x, need in zip(inputs, needs)]
+    return _grads_fake(inputs, needs)
 
 
 def _grouped_backward(ctx, grads):
