@@ -15,6 +15,11 @@ h_t = a_t * h_{t-1} + M_t h_{t-1} + b_t, still linear, and associative (composit
 matrix product). M_t is built as one body node laid out (*state, j): M[.., i, j] multiplies
 h[.., j] into h[.., i]; matrix products in sequence (``h @ W1 @ W2``) compose into it. A
 product along another dim than the state's last declines.
+
+Complex states (LRU-style, h = lam * h + u over complex64/complex128): the step is first
+rewritten to carry view_as_real(h), with each complex channel's multiplication by lam a 2x2
+rotation-scale block along the pair axis (`ssmc.complex_state`); the proof then runs on that
+real step and finds the block-diagonal transition as above.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch.fx as fx
 
 from ssmc.assemble import AssembleError, Recurrence, assemble
 from ssmc.capture import _Builder, _fake_mode
+from ssmc.complex_state import ComplexError, is_complex_loop, split_complex
 from ssmc.ops import canonical, dtype, shape
 
 from .base import Decline, Pass
@@ -41,9 +47,14 @@ class DetectRecurrence(Pass):
         changed = False
         for cand in ctx.live():
             try:
+                if is_complex_loop(cand.loop):
+                    cand.loop, note = split_complex(ctx.gm, cand.loop, _fake_mode_outer(cand.loop))
+                    cand.notes.append(note)
                 cand.rec = detect(cand.loop)
                 cand.plan = assemble(cand.loop, cand.rec, False, False)
                 changed = True
+            except ComplexError as e:
+                cand.decline(self.name, f"complex state not split into real pairs: {e}")
             except (Decline, AssembleError) as e:
                 cand.decline(self.name, str(e))
         return changed
@@ -67,9 +78,7 @@ def detect(loop) -> Recurrence:
     if shape(new) != sshape:
         raise Decline(f"the state changes shape within a step: {sshape} -> {shape(new)}")
     if dtype(prev) is not None and dtype(prev).is_complex:
-        raise Decline(f"the state is complex ({dtype(prev)}); complex recurrences are not lowered to "
-                      "real 2x2 blocks yet (write the state as real pairs (..., 2) to get the "
-                      "block-sparse kernel)")
+        raise Decline(f"the state is complex ({dtype(prev)}) and was not split into real pairs")
     if not dtype(prev) or not dtype(prev).is_floating_point:
         raise Decline(f"the state has dtype {dtype(prev)}; ssmc handles floating-point states")
     dep = {prev}
@@ -112,6 +121,15 @@ def _fake_mode_outer(loop):
         if mode is not None:
             return mode
     return None
+
+
+def compose(w, m):
+    """W' applied after an earlier matrix M of the step (``h @ W1 @ W2``, ``lam * conj(h)``).
+    A function of its own, outside ssmc's op vocabulary: the product is computed before the
+    region, and the assembler never ties the dims of its factors to each other's axes (a factor
+    may also be a term of the transition on its own, its rows on the state's last axis, while
+    here its rows are summed over)."""
+    return torch.matmul(w, m)
 
 
 class _Mat:
@@ -257,7 +275,7 @@ class _Linear:
             else:      # scale the columns: W'[.., i, k] * d1[.., k]
                 m = self.mul(wt, self._call(torch.unsqueeze, d1, -2))
             if m1 is not None:     # a second matrix product in the step: W' composed with it
-                m = self.add(m, self._call(torch.matmul, wt, m1))
+                m = self.add(m, self._call(compose, wt, m1))
             bm = None if b1 is None else self._call(torch.matmul, wt, self._call(torch.unsqueeze, b1, -1))
             if bm is not None:
                 bm = self._call(torch.squeeze, bm, -1)

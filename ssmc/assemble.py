@@ -196,6 +196,10 @@ class _Builder:
                 if s != 1:
                     raise AssembleError(f"{n.name} has a dim of size {s} that is not a state axis")
                 lbl = 0
+            elif lbl in idx:
+                # one value with two dims on one axis would be read along its diagonal: a matrix
+                # that is also used elsewhere with its rows on the axis of its columns here
+                raise AssembleError(f"{n.name} has two dims on state axis {lbl}")
             idx.append(lbl)
         if extra_t_at is not None:
             idx.insert(extra_t_at, "t")

@@ -47,6 +47,9 @@ class Loop:
     anchor: fx.Node | None = None      # insert the region before this outer node
     origin: str = "unrolled"           # "unrolled" | "scan"
     foreign: frozenset = frozenset()   # outer nodes other loops replace (fusion stops at them)
+    complex_results: frozenset = frozenset()   # results the body gives as real (..., 2) pairs of
+                                               # complex values (ssmc.complex_state); lowering
+                                               # turns them back with view_as_complex
 
     @property
     def n_carry(self) -> int:
@@ -86,6 +89,8 @@ class Loop:
             lines.append(f"#   {ph.name} = {inv.name if isinstance(inv, fx.Node) else inv!r}")
         for i, r in enumerate(self.results):
             where = f"{r.sink} along dim {r.dim}" if r.kind == "steps" else "value after the last step"
+            if i in self.complex_results:
+                where += ", complex: the body gives view_as_real of it"
             lines.append(f"#   result {i}: {where}")
         lines.append(self.body.code.strip())
         return "\n".join(lines)

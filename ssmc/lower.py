@@ -101,6 +101,8 @@ class Lowering:
                         v = g.call_function(torch.flatten, (v, how[2], how[2] + 1))
                 else:
                     v = self._post(r, how[1], outs)
+                if len(vals) in lp.complex_results:     # real (..., 2) pairs -> complex
+                    v = g.call_function(torch.view_as_complex, (g.call_method("contiguous", (v,)),))
                 vals.append(v)
         pulled = []
         for r, how, v in zip(lp.results, plan.results, vals):

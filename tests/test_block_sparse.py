@@ -1,6 +1,8 @@
 """Block-sparse transitions (issue 9): capture of h = a*h + M h + b from naive loops, the block
 mask read by the block_sparse pass, the torch reference and the Triton block-sparse kernel
-against float64 eager, gradients, and a mask that changes between calls."""
+against float64 eager, gradients, and a mask that changes between calls. Complex diagonal decays
+(LRU-style loops over complex tensors) run as real pairs with 2x2 rotation-scale blocks, against
+complex128 eager."""
 import dataclasses
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 import block_sparse_programs as P
 import ssmc
 from conftest import TOL, as_tuple, reference, rel_err, ssmc_run
+from ssmc import ir
 from ssmc.runtime.op import lookup
 from ssmc.sparsity import BLOCK_OVERHEAD, block_pattern, choose_block, transition_pattern
 
@@ -77,25 +80,6 @@ def test_rotary_state():
            torch.randn(b, L, m, generator=g))
     info = check(P.rotary, ins)
     assert info.ir.mix.block == 2
-
-
-def test_complex_decay_falls_back_correctly():
-    """LRU-style complex diagonal decay: not lowered to 2x2 blocks yet; the loop runs as
-    written (correct) and the report says why."""
-    def lru(x, lam, B):
-        h = torch.zeros(x.shape[0], lam.shape[0], dtype=torch.complex64)
-        ys = []
-        for t in range(x.shape[1]):
-            h = lam * h + B * x[:, t, None]
-            ys.append(h.real.sum(-1))
-        return torch.stack(ys, 1)
-    g = torch.Generator().manual_seed(4)
-    lam = torch.polar(torch.rand(8, generator=g) * 0.5 + 0.4, torch.randn(8, generator=g))
-    B = torch.randn(8, generator=g).to(torch.complex64)
-    x = torch.randn(2, 5, generator=g)
-    out, report = ssmc_run(lru, (x, lam, B))
-    assert torch.allclose(out, lru(x, lam, B), atol=1e-5)
-    assert not report.regions and "complex" in report.fallbacks[0][1], str(report)
 
 
 def test_gradcheck_float64():
@@ -364,3 +348,240 @@ def test_gradients_match_eager(form):
     ref = grads(False, [x.double() for x in ins])
     for i, (a, b) in enumerate(zip(got, ref)):
         assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}"
+
+
+def test_matrix_used_in_two_roles():
+    """A matrix that is a term of the transition and also a factor of a composed product
+    (h @ W then W's result through V), and one the readout adds to the state: each must not be
+    read along its diagonal (they ran right, or fall back; never a wrong or crashing region)."""
+    def reused(x, W, V):
+        h = x.new_zeros(x.shape[0], W.shape[0])
+        ys = []
+        for t in range(x.shape[1]):
+            g = h @ W
+            h = 0.5 * g + g @ V + x[:, t]
+            ys.append(h.sum(-1))
+        return torch.stack(ys, 1)
+
+    def epilogue(x, a, W):
+        h = x.new_zeros(x.shape[0], W.shape[0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = a * h + x[:, t]
+            ys.append(h + h @ W)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(15)
+    W, V = torch.randn(4, 4, generator=g) / 3, torch.randn(4, 4, generator=g) / 3
+    x = torch.randn(2, 5, 4, generator=g)
+    info = check(reused, (x, W, V))
+    assert info.ir.mix is not None
+    ins = (x, torch.rand(4, generator=g), W)
+    out, report = ssmc_run(epilogue, ins)
+    assert rel_err(out, reference(epilogue, ins)[0]) < TOL[torch.float32], str(report)
+
+
+# -- complex diagonal decays (LRU): real pairs, 2x2 rotation-scale blocks --------------------------
+
+def _c128(x):
+    return x.to(torch.complex128) if x.is_complex() else x.double() if x.is_floating_point() else x
+
+
+def crel_err(out, ref) -> float:
+    """rel_err for real or complex outputs (complex compared as (re, im) pairs)."""
+    if out.is_complex() or ref.is_complex():
+        assert out.is_complex() and ref.is_complex(), (out.dtype, ref.dtype)
+        out, ref = torch.view_as_real(out.resolve_conj()), torch.view_as_real(ref.resolve_conj())
+    return rel_err(out, ref)
+
+
+CTOL = {torch.complex64: 1e-5, torch.complex128: 1e-10}
+
+
+def check_complex(fn, inputs, cdt=torch.complex64, **options):
+    """Compile with ssmc and compare every output against complex128 eager; returns the
+    region's info."""
+    out, report = ssmc_run(fn, inputs, **options)
+    assert len(report.regions) == 1, str(report)
+    ref = as_tuple(fn(*[_c128(x) for x in inputs]))
+    for o, r in zip(as_tuple(out), ref):
+        assert o.shape == r.shape and o.is_complex() == r.is_complex()
+        err = crel_err(o, r)
+        assert err <= CTOL[cdt], f"rel err {err:.3g}\n{report}"
+    return report.regions[0]
+
+
+def _assert_rotation_region(info, d):
+    r = info.ir
+    assert info.strategy == "block_sparse" and r.decay_kind == "matrix"
+    assert r.mix.block == 2 and r.mix.nblocks == 1 and r.mix.blocks == ((0, 0),)
+    assert any("rotation-scale block" in n and "carried as real pairs" in n for n in info.notes), info.notes
+
+
+@pytest.mark.parametrize("cdt", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("b,L,d,n", [(1, 3, 2, 1), (2, 6, 5, 3), (3, 8, 16, 4)])
+def test_lru_lti(b, L, d, n, cdt):
+    g = torch.Generator().manual_seed(20 + b * 7 + d)
+    info = check_complex(P.lru, P.lru_inputs(b, L, d, n, g, cdt), cdt)
+    _assert_rotation_region(info, d)
+    r = info.ir
+    assert "t" not in ir.axes_of(r.decay, r.axes) and "t" not in ir.axes_of(r.mix.expr, r.axes)   # LTI
+    assert len(r.axes) == 3      # (b, d, 2): complex channels as (re, im) pairs
+    kinds = sorted(o.kind for o in r.outputs)
+    assert kinds == ["final", "steps"]                          # readout fused; final complex state
+
+
+@pytest.mark.parametrize("b,L,d", [(1, 4, 3), (2, 7, 8)])
+def test_lru_input_dependent(b, L, d):
+    g = torch.Generator().manual_seed(30 + d)
+    ins = (torch.randn(b, L, generator=g), torch.rand(b, L, generator=g) + 0.1, torch.randn(d, generator=g) - 1,
+           torch.randn(d, generator=g), torch.randn(d, generator=g, dtype=torch.complex64),
+           torch.randn(d, generator=g, dtype=torch.complex64))
+    info = check_complex(P.lru_input_dependent, ins)
+    _assert_rotation_region(info, d)
+    r = info.ir
+    assert "t" in ir.axes_of(r.decay, r.axes) and "t" in ir.axes_of(r.mix.expr, r.axes)   # per step
+    # lam_t is fused: computed in the region from dt, nu_log and theta, not materialised
+    assert {"exp", "cos", "sin"} <= {x.name for x in ir.walk(r.mix.expr) if isinstance(x, ir.Op)} | \
+        {x.name for x in ir.walk(r.decay) if isinstance(x, ir.Op)}
+
+
+def test_lru_given_lambda_initial_state_and_complex_outputs():
+    g = torch.Generator().manual_seed(40)
+    b, L, d = 2, 6, 5
+    lam = torch.polar(torch.rand(b, L, d, generator=g) * 0.5 + 0.45, torch.randn(b, L, d, generator=g))
+    ins = (torch.randn(b, L, generator=g), lam, torch.randn(d, generator=g, dtype=torch.complex64),
+           torch.randn(b, d, generator=g, dtype=torch.complex64))
+    info = check_complex(P.lru_given_lambda, ins)
+    _assert_rotation_region(info, d)
+    assert info.ir.init is not None
+
+
+def test_lru_readouts():
+    g = torch.Generator().manual_seed(41)
+    d = 6
+    lam = torch.polar(torch.rand(d, generator=g) * 0.5 + 0.45, torch.randn(d, generator=g))
+    ins = (torch.randn(3, 7, generator=g), lam, torch.randn(d, generator=g, dtype=torch.complex64),
+           torch.randn(d, generator=g, dtype=torch.complex64), torch.randn(4, d, generator=g, dtype=torch.complex64))
+    info = check_complex(P.lru_readouts, ins)
+    _assert_rotation_region(info, d)
+    ins128 = tuple(_c128(x) for x in ins)
+    check_complex(P.lru_readouts, ins128, torch.complex128)
+
+
+def test_lru_conj_in_update():
+    """conj(h) in the update is a matrix product along the pair axis, composed with the rotation."""
+    g = torch.Generator().manual_seed(42)
+    d = 5
+    ins = (torch.randn(2, 6, generator=g), torch.rand(d, generator=g) * 0.5 + 0.45, torch.randn(d, generator=g),
+           torch.randn(d, generator=g, dtype=torch.complex64))
+    info = check_complex(P.lru_conj, ins)
+    assert info.ir.mix.block == 2
+
+
+def test_lru_explain():
+    g = torch.Generator().manual_seed(43)
+    ins = P.lru_inputs(2, 5, 4, 3, g)
+    report = ssmc.explain(P.lru, *ins)
+    text = str(report)
+    assert len(report.regions) == 1 and not report.fallbacks, text
+    assert "strategy block_sparse (non-diagonal transition along i2: 2x2 blocks, 1/1 nonzero" in text
+    assert "complex state complex64[2, 4] carried as real pairs float32[2, 4, 2]" in text
+    assert "rotation-scale block [[re lam, -im lam], [im lam, re lam]] per complex channel" in text
+    assert "m[i2, j] = " in text and "sum_j(m[i2, j] * h[..., j])" in text
+    assert "complex: the body gives view_as_real of it" in text      # the final state comes back complex
+
+
+@pytest.mark.parametrize("kind,why", [("tanh", "`tanh`"), ("abs", "`abs`"), ("square", "by itself"),
+                                      ("real", "`.real`")])
+def test_complex_nonlinear_falls_back(kind, why):
+    fn = P.complex_nonlinear(kind)
+    g = torch.Generator().manual_seed(44)
+    lam = torch.polar(torch.rand(4, generator=g) * 0.5 + 0.3, torch.randn(4, generator=g))
+    ins = (torch.randn(2, 5, generator=g), lam, torch.randn(4, generator=g, dtype=torch.complex64) * 0.3)
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions
+    (where, reason), = report.fallbacks
+    assert "complex state not split into real pairs" in reason and why in reason, reason
+    assert "the loop runs as written" in reason
+    assert rel_err(out, fn(*ins)) < 1e-6          # the loop as written, not a wrong region
+    assert "fallback" in str(ssmc.explain(fn, *ins))
+
+
+def test_complex_state_needs_the_split():
+    """With the split impossible (a complex op ssmc does not split) the reason names the op."""
+    def fn(x, lam):
+        h = torch.zeros(x.shape[0], lam.shape[0], dtype=lam.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            h = lam * h + x[:, t, None]
+            ys.append(torch.sigmoid(h).real)
+        return torch.stack(ys, 1)
+    ins = (torch.randn(2, 4), torch.polar(torch.rand(3), torch.randn(3)))
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions and "`sigmoid` of a complex value" in report.fallbacks[0][1], str(report)
+    assert rel_err(out, fn(*ins)) < 1e-6
+
+
+@pytest.mark.parametrize("form", ["lru", "lru_input_dependent"])
+def test_lru_gradients_match_eager(form):
+    """Gradients through the region's adjoint and back through the complex views (torch.real,
+    view_as_real, view_as_complex) reach the original parameters, real and complex."""
+    g = torch.Generator().manual_seed(45)
+    if form == "lru":
+        ins = P.lru_inputs(2, 7, 4, 3, g)
+    else:
+        ins = (torch.randn(2, 7, generator=g), torch.rand(2, 7, generator=g) + 0.1, torch.randn(4, generator=g) - 1,
+               torch.randn(4, generator=g), torch.randn(4, generator=g, dtype=torch.complex64),
+               torch.randn(4, generator=g, dtype=torch.complex64))
+    fn = getattr(P, form)
+
+    def grads(compiled, xs):
+        xs = [x.detach().clone().requires_grad_() for x in xs]
+        out = as_tuple(ssmc_run(fn, xs, chunk=3)[0] if compiled else fn(*xs))
+        loss = 0
+        for o in out:
+            o = torch.view_as_real(o) if o.is_complex() else o
+            w = torch.cos(torch.arange(o.numel(), dtype=torch.float64)).view(o.shape)
+            loss = loss + (o.double() * w).sum()
+        return torch.autograd.grad(loss, xs)
+    got = grads(True, ins)
+    ref = grads(False, [_c128(x) for x in ins])
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert crel_err(a, b) < 1e-4, f"input {i}: {crel_err(a, b):.3g}"
+
+
+def test_lru_triton_declines_a_readout_summed_over_channels(interp):
+    """Re(h * C).sum(-1) sums over the channels and the pair axis: the block-sparse Triton kernel
+    sums over the mixed (pair) axis only, so the torch target runs the region, with the reason."""
+    g = torch.Generator().manual_seed(46)
+    ins = (torch.randn(2, 4, generator=g), torch.rand(2, 4, generator=g) + 0.1, torch.randn(3, generator=g) - 1,
+           torch.randn(3, generator=g), torch.randn(3, generator=g, dtype=torch.complex64),
+           torch.randn(3, generator=g, dtype=torch.complex64))
+    info = check_complex(P.lru_input_dependent, ins, target="triton")
+    assert info.target == "torch" and "nested" in info.target_reasons["triton"], info.target_reasons
+
+
+@pytest.mark.parametrize("form", ["lru", "lru_given_lambda"])
+def test_triton_kernel_lru(form, interp):
+    g = torch.Generator().manual_seed(47)
+    if form == "lru":
+        ins = P.lru_inputs(2, 3, 3, 2, g)
+    else:
+        lam = torch.polar(torch.rand(2, 3, 3, generator=g) * 0.5 + 0.45, torch.randn(2, 3, 3, generator=g))
+        ins = (torch.randn(2, 3, generator=g), lam, torch.randn(3, generator=g, dtype=torch.complex64),
+               torch.randn(2, 3, generator=g, dtype=torch.complex64))
+    info = check_complex(getattr(P, form), ins, target="triton")
+    entry = lookup(info.key)
+    assert entry.target == "triton" and entry.failure is None, entry.failure
+    kern = entry.kernel
+    assert kern.fallback is None, kern.fallback
+    assert kern.plan.mode == "fma2" and kern.plan.bs == 2 and kern.plan.reg == "i2", kern.plan_text()
+
+
+@pytest.mark.gpu
+def test_gpu_lru_triton():
+    g = torch.Generator().manual_seed(48)
+    ins = tuple(x.cuda() for x in P.lru_inputs(4, 64, 32, 16, g))
+    info = check_complex(P.lru, ins, target="triton")
+    assert info.target == "triton" and info.strategy == "block_sparse", info.target_reasons
+    assert lookup(info.key).kernel.fallback is None
