@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
-# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz" only when named); each
-# step has a time limit and writes under $OUT, at most 8 files come back: logs go to one file,
-# results to JSON.
+# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz" and "ssdseg" only when
+# named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
+# one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
 #   $OUT/fuzz_gpu.json (SSMC_FUZZ_* as in tests/fuzz_harness.py; defaults below fit one call)
+#   run(command="SSMC_GPU_STEPS=ssdseg bash benchmarks/gpu_check.sh", carry=[".carry"])   the SSD
+#   kernel at b4 L16384: time split auto against one segment against mamba-ssm, per table config
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ssmc_out}; mkdir -p "$OUT"
@@ -26,6 +28,11 @@ if [[ $STEPS == *region* ]]; then     # mamba-ssm baselines in the same run; no 
     --lengths "${SSMC_LENGTHS:-4096}" --targets "${SSMC_TARGETS:-triton,cuda,auto}" --eager-max-len 0 \
     --out /tmp/ssmc_run --name h200_regions >> "$LOG" 2>&1
   cp /tmp/ssmc_run/h200_regions.json "$OUT/" 2>/dev/null
+fi
+if [[ $STEPS == *ssdseg* ]]; then    # per table config, each count in its own process
+  timeout ${SSMC_SEG_TIMEOUT:-540} python -m benchmarks.tune_ssd --out "$OUT/h200_ssd_segments.json" --configs table \
+    --shape '{"b": 4, "h": 24, "p": 64, "n": 128, "L": 16384}' --segments "${SSMC_SEGMENTS:-auto,1,2,3,4}" \
+    --baseline >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *moe* ]]; then
   timeout 200 python -m benchmarks.bench_moe --out "$OUT/h200_moe.json" >> "$LOG" 2>&1

@@ -34,6 +34,7 @@ from ssmc import ir
 from ssmc.ir import Load, Op
 from ssmc.runtime.op import lookup
 from test_triton import interp, poison_outputs  # noqa: F401  (interp: a fixture used by name)
+from test_triton import region_inputs as zeros_region_inputs
 
 triton = pytest.importorskip("triton")
 T = pytest.importorskip("ssmc.targets.triton")
@@ -150,13 +151,19 @@ def test_ssd_plan_of_mamba2():
     assert ir.axes_of(plan.c, r.axes) == {"i0", "i3", "t"} and plan.y_scale is None   # C(t, n)
 
 
+def kernel_text(src: str, name: str) -> str:
+    """One @triton.jit function of a rendered module, by the end of its name ("_ssd", ...)."""
+    body = src[src.index(f"{name}(\n"):]
+    return body[:body.index("@triton.jit")] if "@triton.jit" in body else body
+
+
 def test_ssd_source():
     r = region_of(mamba2, inputs(L=4, seed=2))
     plan = S.make_ssd_plan(r)
     for opd in ("tl.bfloat16", "tl.float32"):
         src = S.render_ssd(r, plan, opd)
         compile(src, "<kernel>", "exec")
-        body = src[src.index("_ssd(\n"):]
+        body = kernel_text(src, "_ssd")
         before, inside = body.split("for t0 in range(0, L, CHUNK):")
         assert inside.count("tl.dot(") == 4                    # C h^T, C G^T, (L o CG) X, X^T G
         assert "tl.associative_scan(u, 0, _add)" in inside     # the log decay's prefix sum
@@ -167,6 +174,14 @@ def test_ssd_source():
         assert re.search(r"tl\.store\(out0_ptr.*mask=mq & mp_", inside)  # y per chunk, fused epilogue
         assert re.search(r"tl\.store\(out1_ptr", body.split("# after the last step")[1])
         assert ('input_precision="tf32x3"' in inside) == (opd == "tl.float32")
+        # time split: segment end states (the state update only), then the outputs per segment
+        states = kernel_text(src, "_ssd_states")
+        assert states.count("tl.dot(") == 1 and "out0_ptr" not in states and "in4_ptr" not in states   # no C
+        assert "tl.store(st_ptr" in states and "tl.store(dec_ptr" in states
+        seg = kernel_text(src, "_ssd_seg")
+        assert seg.count("tl.dot(") == 4 and "tl.load(st_ptr" in seg
+        assert re.search(r"if seg == NSEG - 1:\n\s+tl\.store\(out1_ptr", seg)     # the final state: last segment
+        assert "_ssd_combine(st_ptr, dec_ptr, NSEG, SIZE_PN" in src
 
 
 def _mamba1_region():
@@ -322,9 +337,149 @@ def gla(x, g, k, q):
 def test_ssd_sigmoid_decay(interp):
     gen = torch.Generator().manual_seed(13)
     r = lambda *s: torch.randn(*s, generator=gen)
-    report, kern = check_run(gla, (r(2, 19, 2, 16), r(2, 19, 2) + 2, r(2, 19, 2, 8), r(2, 19, 2, 8)),
-                             "chunked_ssd", S.SSDKernel)
+    args = (r(2, 19, 2, 16), r(2, 19, 2) + 2, r(2, 19, 2, 8), r(2, 19, 2, 8))
+    report, kern = check_run(gla, args, "chunked_ssd", S.SSDKernel)
     assert "log decay logsigmoid(" in report.regions[0].kernel_source
+    kern.force_segments = 3                      # time split: chunks of 8, 8 and 3, one a segment
+    got = kern.forward(zeros_region_inputs(report.regions[0].ir, gla, args))
+    assert kern.last_launch["segments"] == 3
+    assert rel_err(got[0], reference(gla, args)[0]) <= TOL[torch.float32]
+
+
+# -- time split into segments (grids too small for the device) ---------------------------------------
+
+def mamba2_y(x, dt, A, B, C, D, z):
+    """mamba2 without the final state out."""
+    return mamba2(x, dt, A, B, C, D, z)[0]
+
+
+def mamba2_h0_y(x, dt, A, B, C, D, z, h0):
+    """mamba2_h0 without the final state out."""
+    return mamba2_h0(x, dt, A, B, C, D, z, h0)[0]
+
+
+# case -> (program, h0 passed in, dt scale); "none": the region built without an initial state
+SPLIT_CASES = {
+    "zeros": (mamba2, False, 1.0), "zeros_y": (mamba2_y, False, 1.0),
+    "h0": (mamba2_h0, True, 1.0), "h0_y": (mamba2_h0_y, True, 1.0),
+    "none": (mamba2, False, 1.0), "none_y": (mamba2_y, False, 1.0),
+    "h0_slow": (mamba2_h0, True, 0.05),       # decays near 1: every segment's start state matters
+}
+
+
+def _split_kernel(fn, h0, dtype=torch.float32, L=37, scale=1.0, seed=20, init=True):
+    """The SSD kernel of fn's region (captured at 4 tokens) and its inputs at L tokens."""
+    args = inputs(L=L, dtype=dtype, seed=seed, h0=h0)
+    args = (args[0], (args[1].float() * scale).to(dtype)) + args[2:]
+    region = region_of(fn, inputs(L=4, dtype=dtype, seed=seed, h0=h0))
+    rin = (region_inputs if h0 else zeros_region_inputs)(region, fn, args)
+    if not init:
+        region = dataclasses.replace(region, init=None)
+    kern = T.TritonTarget().compile(region, "chunked_ssd", ssmc.make_options())
+    assert type(kern) is S.SSDKernel
+    return kern, rin, args
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES) + ["h0_bf16"])
+def test_ssd_split_numerics(case, interp):
+    """Time in 2 and 3 segments (forced) equals float64 eager and the one-segment kernel. L=37:
+    chunks of 8, 8, 8, 8 and a partial 5; 2 segments of 24 and 13 steps, 3 of 16, 16 and 5 (the
+    last segment and its last chunk partial); p=16 in two row blocks. Replays follow the knob."""
+    dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
+    fn, h0, scale = SPLIT_CASES[case.replace("_bf16", "")]
+    kern, rin, args = _split_kernel(fn, h0, dtype, scale=scale, init=not case.startswith("none"))
+    ref = reference(fn, args)
+    one = kern.forward(rin)                              # no SM count on CPU: one segment
+    ll = kern.last_launch
+    assert (ll["segments"], ll["seg_len"], ll["programs"]) == (1, 37, 8) and "not on a GPU" in ll["reason"]
+    assert len(one) == len(ref)
+    for n, seg_len in ((2, 24), (3, 16)):
+        kern.force_segments = n
+        got = kern.forward(rin)
+        assert kern.fallback is None
+        ll = kern.last_launch
+        assert (ll["segments"], ll["seg_len"], ll["grid"]) == (n, seg_len, (8, n)), ll
+        assert "forced" in ll["reason"] and f"time in {n} segments of {seg_len} steps" in kern.describe()
+        for g, o, w in zip(got, one, ref):
+            assert g.shape == w.shape and g.dtype == o.dtype
+            assert rel_err(g, w) <= TOL[dtype], f"{n} segments: rel err {rel_err(g, w):.3g} of {tuple(g.shape)}"
+            if dtype == torch.float32:
+                assert rel_err(g, o) <= 1e-6
+    kern.force_segments = None
+    kern.forward(rin)
+    assert kern.last_launch["segments"] == 1
+
+
+def test_ssd_split_policy(tmp_path, monkeypatch):
+    """Segments from the grid and the SM count (shapes only: meta tensors): b4 L16384 h24 p64
+    n128 on 132 SMs gives 96 programs, so 3 segments; b8 fills the SMs; short L keeps one."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    region = region_of(mamba2_h0, inputs(L=4, H=3, Pd=8, N=8, seed=21, h0=True))
+    kern = T.TritonTarget().compile(region, "chunked_ssd", ssmc.make_options(cache_dir=str(tmp_path)))
+    cfg = {"variant": "ssd", "CHUNK": 64, "BLOCK_P": 64, "num_warps": 4, "num_stages": 2}
+
+    def split(b, L, H=24, Pd=64, N=128):
+        m = lambda *s: torch.empty(*s, device="meta")
+        args = (m(b, L, H, Pd), m(b, L, H), m(H), m(b, L, N), m(b, L, N), m(H), m(b, L, H, Pd), m(b, H, Pd, N))
+        got = kern.split(region_inputs(region, mamba2_h0, args), cfg)
+        return got.segments, got.seg_len, got.programs, got.reason
+
+    assert split(4, 16384)[:3] == (1, 16384, 96) and "not on a GPU" in split(4, 16384)[3]
+    kern.sm_count = 132
+    n, seg_len, progs, why = split(4, 16384)
+    assert (n, seg_len, progs) == (3, 86 * 64, 96) and why == "96 programs for 132 SMs: 3 segments for 2 per SM"
+    assert split(8, 4096)[:3] == (1, 4096, 192)                      # the grid fills the SMs
+    n, _, _, why = split(4, 1024)                                    # 16 chunks: at least 16 per segment
+    assert n == 1 and "capped at 1" in why
+    assert split(1, 16384)[:2] == (11, 24 * 64)                      # 24 programs: 11 segments
+    assert split(1, 16384, H=1)[:2] == (16, 16 * 64)                 # 1 program: at most 256 / 16 chunks
+    kern.force_segments = 5
+    n, seg_len, _, why = split(4, 16384)
+    assert (n, seg_len) == (5, 52 * 64) and why.startswith("forced")
+    kern.force_segments = 2
+    assert split(4, 64)[:2] == (1, 64)                               # one chunk: one segment
+
+
+def test_ssd_split_end_to_end(interp, monkeypatch):
+    """Through the backend with the policy choosing (16 SMs given, at least one chunk per
+    segment): 8 programs -> 4 segments wanted, 3 of whole 8-step chunks at L=37; explain's
+    notes and the source header say so."""
+    from ssmc.explain import refresh
+    table = dict(S._table(S.SSD_CONFIGS))
+    table["segments"] = {**table["segments"], "min_chunks": 1}
+    monkeypatch.setattr(S.SSDKernel, "table", lambda self: table)
+    monkeypatch.setattr(S.SSDKernel, "sm_count", 16)
+    report, kern = check_run(mamba2_h0, inputs(L=37, seed=22, h0=True), "chunked_ssd", S.SSDKernel)
+    ll = kern.last_launch
+    assert (ll["segments"], ll["seg_len"], ll["programs"], ll["sms"]) == (3, 16, 8, 16), ll
+    assert ll["reason"] == "8 programs for 16 SMs: 4 segments for 2 per SM; 3 of whole 8-step chunks"
+    refresh(report)
+    assert any("time in 3 segments of 16 steps" in n for n in report.regions[0].notes), report.regions[0].notes
+    head = T.TritonTarget().source(kern).split("\n# ssmc:")[0]
+    assert "# launch: time split into segments when the grid has fewer than 1 programs per SM" in head
+    assert "time in 3 segments of 16 steps" in head
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_ssd_split_kernels_compile_for_sm80_sm90(cc, monkeypatch, tmp_path):
+    """The segment-state, combine and per-segment kernels at the benchmark shape, bf16, with the
+    arch's first config: tensor-core matmuls in both region kernels."""
+    from triton.backends.compiler import GPUTarget
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    r = region_of(mamba2_h0, inputs(b=2, L=4, H=24, Pd=64, N=128, dtype=torch.bfloat16, seed=23, h0=True))
+    kern = T.TritonTarget().compile(r, "chunked_ssd", ssmc.make_options(cache_dir=str(tmp_path)))
+    cfg = kern.table()[f"sm_{cc}"][0]
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    for name in ("ssd_states", "ssd_seg", "ssd_combine"):
+        fn, sig, cx = kern.signature(cfg, 128, kernel=name)
+        ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
+                            options=opts if name != "ssd_combine" else {"num_warps": 4})
+        ptx = ck.asm["ptx"]
+        assert f".target sm_{cc}" in ptx and ck.asm.get("cubin"), name
+        mma = re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.\S+", ptx)
+        if name != "ssd_combine":
+            assert mma and all("bf16" in m for m in mma), (name, sorted(set(mma)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -428,6 +583,40 @@ def test_gpu_ssd(dtype, L, monkeypatch, tmp_path):
     for cfg in kern.candidates(rin, kern.arch):            # every candidate, not only the tuner's pick
         for g, w in zip(kern.launch(rin, cfg), ref):
             assert rel_err(g, w) <= tol, f"config {cfg}: rel err {rel_err(g, w):.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_ssd_split_long(monkeypatch, tmp_path):
+    """b4 L16384 h24 p64 n128 bf16: b * heads * p / BLOCK_P = 96 programs leave SMs idle on a
+    132-SM H200, so time is split (3 segments there); outputs and final state against float64
+    eager, and the one-segment kernel (forced) against it too. dt is scaled down so that decays
+    stay near 1 across a segment and every segment's start state matters."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    poison_outputs(monkeypatch)
+    table = {k: (v[:1] if isinstance(v, list) else v) for k, v in S._table(S.SSD_CONFIGS).items()}
+    monkeypatch.setattr(S.SSDKernel, "table", lambda self: table)     # one config: nothing to autotune
+    shape = dict(H=24, Pd=64, N=128)
+    region, kern = _gpu_kernel(mamba2_h0, "chunked_ssd", torch.bfloat16, tmp_path, **shape)
+    assert type(kern) is S.SSDKernel
+    args = inputs(b=4, L=16384, dtype=torch.bfloat16, seed=16384, h0=True, device="cuda", **shape)
+    args = (args[0], (args[1].float() * 0.05).to(torch.bfloat16)) + args[2:]
+    rin = region_inputs(region, mamba2_h0, args)
+    got = kern.forward(rin)
+    torch.cuda.synchronize()
+    assert kern.fallback is None, kern.fallback
+    ll = kern.last_launch
+    if ll["programs"] < ll["sms"]:
+        assert ll["segments"] > 1, ll
+    ref = reference(mamba2_h0, args)
+    for g, w in zip(got, ref):
+        assert g.is_cuda and torch.isfinite(g).all()
+        assert rel_err(g, w) <= 1e-2, f"rel err {rel_err(g, w):.3g}: {kern.describe()}"
+    kern.force_segments = 1
+    one = kern.forward(rin)
+    torch.cuda.synchronize()
+    assert kern.last_launch["segments"] == 1
+    for g, w in zip(one, ref):
+        assert rel_err(g, w) <= 1e-2, f"one segment: rel err {rel_err(g, w):.3g}"
 
 
 @pytest.mark.gpu

@@ -529,6 +529,10 @@ class TritonKernel:
         return (f"register axis {p.reg}, channel axis {p.block}, "
                 f"one program per index of {list(p.scalars)}")
 
+    def launch_text(self) -> str | None:
+        """A line for the kernel source header about how calls are launched (None: nothing to add)."""
+        return None
+
     def launch(self, inputs, config, outs=None) -> list[torch.Tensor]:
         """Run one config (tests use this to check every variant)."""
         outs = self.outputs(inputs) if outs is None else outs
@@ -586,9 +590,14 @@ class TritonKernel:
         except Exception as e:   # ssmc.runtime.op falls back to the reference and reports this
             raise RuntimeError(f"Triton kernel {self.path} with config {config} failed: "
                                f"{type(e).__name__}: {e}") from e
-        if type(self).launch is TritonKernel.launch:     # a subclass's own launch is not replayed
+        if self._replayable(inputs, config):
             self._replays[sig] = self._replay(inputs, config, outs)
         return outs
+
+    def _replayable(self, inputs, config) -> bool:
+        """Whether this call's launch is the one kernel launch that `_replay` prepares (a
+        subclass's own launch is not replayed unless it says so)."""
+        return type(self).launch is TritonKernel.launch
 
     def _replay(self, inputs, config, outs):
         """The launch of this call with everything that depends only on the inputs' shapes,
@@ -773,6 +782,9 @@ class TritonTarget:
                         f"configs ({kernel.configs_file})")
         for (arch, bucket), errors in kernel.failed_configs.items():
             head.extend(f"# config failed for {arch}: {e}" for e in errors)
+        launch = kernel.launch_text()
+        if launch:
+            head.append(f"# launch: {launch}")
         if kernel.fallback:
             head.append(f"# fallback: {kernel.fallback}")
         return "\n".join(head) + "\n" + kernel.source
