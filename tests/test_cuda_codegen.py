@@ -480,6 +480,19 @@ def test_layout_follows_strides(regions, emu_dir):
         assert k.last_launch["layout"] == want, name
 
 
+def test_table_picks_and_duplicates():
+    """The sm_90 picks for Mamba-1-sized calls are the measured ones (see variants.j2), and a
+    kernel declared twice in one list is an error (its second rule would silently replace the
+    first)."""
+    cs = cuda.configs_of(cuda.variant_for(90)[1], "k")
+    assert cuda._pick(cs, "time_major", 4096, 12288)["kernel"] == "k_tm64x16"
+    assert cuda._pick(cs, "row_major", 4096, 12288)["kernel"] == "k_rm4x8g4"
+    assert cuda._pick(cs, "time_major", 4096, 64)["kernel"] == "k_tm64x16g2"     # few rows: 2 warps a row, 2 in flight
+    twice = {"time_major": [{"threads": 32, "items": 4, "max_len": 8}, {"threads": 32, "items": 4}], "row_major": []}
+    with pytest.raises(ValueError, match="declared twice"):
+        cuda.configs_of(twice, "k")
+
+
 def test_emulated_production_variants(regions, emu_dir):
     """The sm_90 table itself: every kernel instance, forced in turn, over several chunks; and
     the one chosen for these shapes (few rows, L > 1024: 128 threads x 16 items)."""

@@ -255,7 +255,10 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
             else:
                 same["layouts"] = tuple(dict.fromkeys((*same["layouts"], data_layout)))
             # where this entry stands in the list of its data layout, and when it applies
-            (same or cfg).setdefault("rules", {})[data_layout] = (pos, c.get("max_len"), int(c.get("min_rows") or 0))
+            rules = (same or cfg).setdefault("rules", {})
+            if data_layout in rules:
+                raise ValueError(f"{data_layout} variant {c}: kernel {name} is declared twice in that list")
+            rules[data_layout] = (pos, c.get("max_len"), int(c.get("min_rows") or 0))
     return out
 
 
