@@ -105,3 +105,25 @@ def test_strided_and_expanded_inputs():
     out, rep = ssmc_run(fn, ins)
     assert len(rep.regions) == 1
     assert rel_err(out, reference(fn, ins)[0]) < TOL[torch.float32]
+
+
+def test_missing_cupy_and_old_arch_are_declined_with_reasons(monkeypatch):
+    """No CuPy, or a GPU older than sm_80: the targets decline the region with the reason (the
+    backend then falls back, and the report carries it), never crash; on CPU a CUDA target is
+    declined too, and the model runs right."""
+    import sys
+    from conftest import TOL, reference, rel_err, ssmc_run
+    import programs as P
+    from ssmc.targets import cuda as C
+    from ssmc.targets import triton as T
+    ins = P.mamba1_inputs(seed=82)
+    out, rep = ssmc_run(P.mamba1("stack"), ins, target="cuda")
+    region = rep.regions[0]
+    assert region.target == "torch" and "target cuda declined: runs on CUDA devices only" in str(rep), str(rep)
+    assert rel_err(out, reference(P.mamba1("stack"), ins)[0]) <= TOL[torch.float32]
+    monkeypatch.setitem(sys.modules, "cupy", None)               # `import cupy` raises ImportError
+    why = C.toolchain_problem()
+    assert why and "cupy" in why
+    assert C.CudaTarget().supports(region.ir, "chunked_scan", 90, "cuda") == why
+    assert "sm_80" in C.CudaTarget().supports(region.ir, "chunked_scan", 75, "cuda")
+    assert "sm_80" in T.TritonTarget().supports(region.ir, "chunked_scan", 75, "cuda")
