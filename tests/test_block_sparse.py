@@ -168,6 +168,19 @@ def test_triton_kernel(bs, mode, interp):
     check_triton(P.euler_matmul, P.euler_inputs(2, 3, 3, 2 * bs, mask, g), mode)
 
 
+def test_small_blocks_coarsened_to_tensor_core_tiles(interp):
+    """8x8 blocks of a 32x32 shared transition run as 16x16 tiles on tl.dot: a tile is nonzero
+    when any of its blocks is (the diagonal blocks and one more); results equal float64 eager."""
+    g = torch.Generator().manual_seed(12)
+    mask = torch.zeros(32, 32)
+    for i in range(4):
+        mask[8 * i:8 * i + 8, 8 * i:8 * i + 8] = 1
+    mask[0:8, 24:32] = 1                                  # block (0, 3): tile (0, 1)
+    kern = check_triton(P.euler_matmul, P.euler_inputs(2, 3, 3, 32, mask, g), "dot")
+    assert kern.plan.bs == 16 and set(kern.region.mix.blocks) == {(0, 0), (1, 1), (0, 1)}
+    assert "8x8 blocks (5 nonzero) run as 16x16 tiles on tl.dot (3 nonzero)" in kern.plan_text()
+
+
 @pytest.mark.parametrize("form", ["einsum", "matmul"])
 def test_triton_kernel_changed_mask(form, interp):
     """The compiled mask runs unrolled; a denser mask in the same compiled graph takes the
@@ -203,13 +216,20 @@ def test_triton_kernel_compiles_for_gpu(cc, monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     g = torch.Generator().manual_seed(11)
-    for bs, has_mma in ((8, False), (16, True)):
-        mask = P.block_mask(4, bs, 0.25, g)
-        _, report = ssmc_run(P.euler_matmul, P.euler_inputs(2, 2, 2, 4 * bs, mask, g))
+    from ssmc.targets import triton_block_sparse as TB
+    coarsen = TB.coarsened
+    # 8x8 blocks of a shared matrix run as 16x16 tiles on tensor cores; kept at 8x8 (as for a
+    # d_state that is no multiple of 16), they are multiplied and summed
+    for nb, bs, has_mma in ((4, 8, True), (4, 16, True), (4, 8, False)):
+        monkeypatch.setattr(TB, "coarsened", coarsen if has_mma else (lambda r, p: None))
+        mask = P.block_mask(nb, bs, 0.25, g)
+        _, report = ssmc_run(P.euler_matmul, P.euler_inputs(2, 2, 2, nb * bs, mask, g))
         region = report.regions[0].ir
         kern = T.TritonTarget().compile(region, "block_sparse", ssmc.make_options(cache_dir=str(tmp_path)))
+        assert (kern.coarsened_from is not None) == (region.mix.block < 16 and has_mma), (bs, kern.coarsened_from)
+        assert kern.plan.mode == ("dot" if has_mma else "fma2")
         cfg = kern.table()[f"sm_{cc}"][0]
-        fn, sig, cx = kern.signature(cfg, 4 * bs, {0: torch.bfloat16, 1: torch.bfloat16})
+        fn, sig, cx = kern.signature(cfg, nb * bs, {0: torch.bfloat16, 1: torch.bfloat16})
         ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
                             options={"num_warps": cfg["num_warps"]})
         assert f".target sm_{cc}" in ck.asm["ptx"]
