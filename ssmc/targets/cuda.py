@@ -10,7 +10,8 @@ instance is its own NVRTC build of it (``-DSSMC_ONE_KERNEL -DSSMC_KERNEL_<name>`
 made on first launch; ``compile()`` builds the long-sequence one for the current GPU, so a
 failure shows at compile time. Each call picks the layout from the inputs' strides (lanes along
 time when time is contiguous, lanes along rows otherwise) and the instance from the sequence
-length and the number of rows; ``kernel.last_launch`` says which ran.
+length and the number of rows; ``kernel.last_launch`` says which ran. A third algorithm, "seq"
+(a thread per row, no scan), is in the tables for tuning; on the H200 it measured slower.
 
 Toolchain, found at run time:
 - NVRTC: CuPy's low-level ``cupy_backends.cuda.libs.nvrtc`` (needs no GPU, so CPU CI compiles
