@@ -33,10 +33,14 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch._higher_order_ops.scan import scan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from programs import mamba1_expert  # noqa: E402   (the naive per-expert loop the tests use)
 
 STATES = (8, 8, 16, 16, 32, 32, 64, 64)
 SKEW = (0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05)
@@ -57,18 +61,6 @@ def expert(x, dt, A, B, C, D, bias):
     return (ys + D * x).to(x.dtype)
 
 
-def expert_loop(x, dt, A, B, C, D, bias):
-    """The same expert as a Python loop over time (Dynamo unrolls it: short lengths only)."""
-    h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=torch.float64 if x.dtype == torch.float64
-                    else torch.float32, device=x.device)
-    ys = []
-    for t in range(x.shape[1]):
-        delta = F.softplus(dt[:, t] + bias)
-        h = torch.exp(delta[..., None] * A) * h + (delta * x[:, t])[..., None] * B[:, t, None]
-        ys.append((h * C[:, t, None]).sum(-1))
-    return (torch.stack(ys, 1) + D * x).to(x.dtype)
-
-
 def make_layer(run_expert):
     def moe_layer(x, dt, idxs, params):
         """The naive mixture: gather each expert's sequences, run it, scatter back."""
@@ -80,7 +72,7 @@ def make_layer(run_expert):
     return moe_layer
 
 
-LAYERS = {"scan": make_layer(expert), "loop": make_layer(expert_loop)}
+LAYERS = {"scan": make_layer(expert), "loop": make_layer(mamba1_expert)}   # loop: Dynamo unrolls it
 moe_layer = LAYERS["scan"]
 
 

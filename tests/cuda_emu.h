@@ -61,37 +61,32 @@ inline void launch(unsigned grid, unsigned block, unsigned smem, const std::func
 
 inline void __syncthreads() { ssmc_emu::block_barrier->arrive_and_wait(); }
 
+namespace ssmc_emu {
+// every lane of the warp publishes v, then reads lane `src`'s value (its own when src < 0)
 template <typename T>
-inline T __shfl_up_sync(unsigned, T v, int delta) {
-  const unsigned t = threadIdx.x, lane = t & 31;
-  auto& bar = *ssmc_emu::warp_barriers[t / 32];
-  ssmc_emu::shfl_buf[t] = static_cast<double>(v);
+inline T warp_exchange(T v, int src) {
+  const unsigned t = threadIdx.x;
+  auto& bar = *warp_barriers[t / 32];
+  shfl_buf[t] = static_cast<double>(v);
   bar.arrive_and_wait();
-  const T out = lane >= unsigned(delta) ? static_cast<T>(ssmc_emu::shfl_buf[t - delta]) : v;
+  const T out = src < 0 ? v : static_cast<T>(shfl_buf[(t & ~31u) + unsigned(src)]);
   bar.arrive_and_wait();
   return out;
+}
+}  // namespace ssmc_emu
+
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, int delta) {
+  const int lane = int(threadIdx.x & 31);
+  return ssmc_emu::warp_exchange(v, lane >= delta ? lane - delta : -1);
 }
 
 template <typename T>
-inline T __shfl_sync(unsigned, T v, int src) {
-  const unsigned t = threadIdx.x;
-  auto& bar = *ssmc_emu::warp_barriers[t / 32];
-  ssmc_emu::shfl_buf[t] = static_cast<double>(v);
-  bar.arrive_and_wait();
-  const T out = static_cast<T>(ssmc_emu::shfl_buf[(t & ~31u) + unsigned(src)]);
-  bar.arrive_and_wait();
-  return out;
-}
+inline T __shfl_sync(unsigned, T v, int src) { return ssmc_emu::warp_exchange(v, src); }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int mask) {
-  const unsigned t = threadIdx.x;
-  auto& bar = *ssmc_emu::warp_barriers[t / 32];
-  ssmc_emu::shfl_buf[t] = static_cast<double>(v);
-  bar.arrive_and_wait();
-  const T out = static_cast<T>(ssmc_emu::shfl_buf[(t & ~31u) + ((t & 31u) ^ unsigned(mask))]);
-  bar.arrive_and_wait();
-  return out;
+  return ssmc_emu::warp_exchange(v, int(threadIdx.x & 31) ^ mask);
 }
 
 inline void __syncwarp(unsigned = 0xffffffffu) { ssmc_emu::warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }

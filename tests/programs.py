@@ -178,6 +178,19 @@ def mamba1_scan_as_loop():
 
 # -- Mamba-2: decay shared per head, state (b, h, p, n) ------------------------------------------
 
+def mamba1_expert(x, dt, A, B, C, D, bias):
+    """One mixture-of-experts expert: Mamba-1's selective scan as the naive loop, fp32 state
+    (fp64 for fp64 inputs). x, dt: (b, L, d); A: (d, n); B, C: (b, L, n)."""
+    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=sdt, device=x.device)
+    ys = []
+    for t in range(x.shape[1]):
+        delta = F.softplus(dt[:, t] + bias)
+        h = torch.exp(delta[..., None] * A) * h + (delta * x[:, t])[..., None] * B[:, t, None]
+        ys.append((h * C[:, t, None]).sum(-1))
+    return (torch.stack(ys, 1) + D * x).to(x.dtype)
+
+
 def mamba2_inputs(b=2, L=8, H=2, P=4, N=3, dtype=torch.float32, seed=0, with_h0=False):
     g = _gen(seed)
     r = lambda *s: torch.randn(*s, generator=g)

@@ -18,8 +18,8 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+import programs as P
 import ssmc
 from conftest import ssmc_run
 from ssmc.runtime.op import lookup
@@ -27,16 +27,7 @@ from ssmc.runtime.op import lookup
 STATES = (2, 4, 3, 4)        # d_state of each expert
 
 
-def expert(x, dt, A, B, C, D, bias):
-    """One expert: Mamba-1's selective scan, the naive loop. x, dt: (b, L, d); A: (d, n)."""
-    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=sdt, device=x.device)
-    ys = []
-    for t in range(x.shape[1]):
-        delta = F.softplus(dt[:, t] + bias)
-        h = torch.exp(delta[..., None] * A) * h + (delta * x[:, t])[..., None] * B[:, t, None]
-        ys.append((h * C[:, t, None]).sum(-1))
-    return (torch.stack(ys, 1) + D * x).to(x.dtype)
+expert = P.mamba1_expert      # one expert: Mamba-1's selective scan, the naive loop
 
 
 def moe(gather="getitem", scatter="setitem"):
