@@ -39,7 +39,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--d-state", type=int, default=16)
     ap.add_argument("--backend", default="ssmc", help="torch.compile backend, or 'eager'")
+    ap.add_argument("--profile", default=None,
+                    help="write rank 0's torch.profiler table of one steady step to this file")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -52,7 +57,7 @@ def main(argv=None):
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                             init_method=None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}")
     torch.manual_seed(0)                                   # same initial weights on every rank
-    model = NaiveMambaLM().to(device)
+    model = NaiveMambaLM(d_model=args.d_model, n_layers=args.layers, d_state=args.d_state).to(device)
     if args.backend != "eager":
         model = torch.compile(model, backend=args.backend)
     model = DDP(model, device_ids=[local] if cuda else None)
@@ -65,6 +70,11 @@ def main(argv=None):
         x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
         if cuda:
             torch.cuda.synchronize()
+        prof = None
+        if args.profile and rank == 0 and step == args.steps - 2:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            prof.__enter__()
         t0 = time.perf_counter()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
@@ -73,6 +83,12 @@ def main(argv=None):
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if prof is not None:                               # this step is left out of the median
+            prof.__exit__(None, None, None)
+            times[-1] = float("nan")
+            key = "cuda_time_total" if cuda else "cpu_time_total"
+            Path(args.profile).write_text(prof.key_averages().table(sort_by=key, row_limit=40)
+                                          + "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         avg = loss.detach().clone()
         dist.all_reduce(avg)
         losses.append(avg.item() / world)
@@ -81,10 +97,11 @@ def main(argv=None):
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], device=device)
     peaks = [torch.zeros_like(peak) for _ in range(world)]
     dist.all_gather(peaks, peak)
-    steady = sorted(times[len(times) // 2:])
+    steady = sorted(t for t in times[len(times) // 2:] if t == t)
     step_s = steady[len(steady) // 2]
     if rank == 0:
-        res = {"world_size": world, "losses": losses, "step_s_median_2nd_half": step_s,
+        res = {"world_size": world, "global_batch": args.global_batch, "length": args.length,
+               "d_model": args.d_model, "layers": args.layers, "d_state": args.d_state, "losses": losses, "step_s_median_2nd_half": step_s,
                "tokens_per_s": args.global_batch * args.length / step_s,
                "peak_bytes_per_rank": [int(p.item()) for p in peaks], "backend": args.backend,
                "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
