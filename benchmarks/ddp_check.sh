@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DDP scaling on nvidia-h200-x2: the naive Mamba LM compiled with ssmc, one GPU against two, same
 # global batch, per model size.   run(command="bash benchmarks/ddp_check.sh", kind="nvidia-h200-x2")
-# SSMC_DDP_CONFIGS: ';'-separated name=args. Writes $OUT/h200x2_ddp_<name>_<world>gpu.json, a
+# SSMC_DDP_CONFIGS: ';'-separated name[:worlds]=args (worlds: e.g. 1 or 12, default 12). Writes $OUT/h200x2_ddp_<name>_<world>gpu.json, a
 # profiler table of one steady one-GPU step ($OUT/ddp_<name>_profile.txt) and $OUT/ddp_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,11 +10,12 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 LOG="$OUT/ddp_check.log"
 python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARNING | tail -2
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee -a "$LOG"
-CONFIGS=${SSMC_DDP_CONFIGS:-"d64=--global-batch 256 --length 128;d512=--d-model 512 --global-batch 256 --length 128"}
+CONFIGS=${SSMC_DDP_CONFIGS:-"d64=--global-batch 256 --length 128;d512=--d-model 512 --global-batch 256 --length 128 --lr 1e-3;d512eager:1=--d-model 512 --global-batch 256 --length 128 --lr 1e-3 --backend eager"}
 IFS=';' read -ra CFG <<< "$CONFIGS"
 for c in "${CFG[@]}"; do
-  name=${c%%=*}; args=${c#*=}
-  for world in 1 2; do
+  name=${c%%=*}; args=${c#*=}; worlds=12
+  [[ $name == *:* ]] && worlds=${name#*:} && name=${name%%:*}
+  for world in $(echo "$worlds" | grep -o .); do
     echo "== $name world $world: $args" | tee -a "$LOG"
     prof=""; [[ $world == 1 ]] && prof="--profile $OUT/ddp_${name}_profile.txt"
     start=$SECONDS

@@ -42,6 +42,7 @@ def main(argv=None):
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--d-state", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--backend", default="ssmc", help="torch.compile backend, or 'eager'")
     ap.add_argument("--profile", default=None,
                     help="write rank 0's torch.profiler table of one steady step to this file")
@@ -61,7 +62,7 @@ def main(argv=None):
     if args.backend != "eager":
         model = torch.compile(model, backend=args.backend)
     model = DDP(model, device_ids=[local] if cuda else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     per_rank = args.global_batch // world
     g = torch.Generator().manual_seed(1)
     losses, times = [], []
@@ -101,7 +102,8 @@ def main(argv=None):
     step_s = steady[len(steady) // 2]
     if rank == 0:
         res = {"world_size": world, "global_batch": args.global_batch, "length": args.length,
-               "d_model": args.d_model, "layers": args.layers, "d_state": args.d_state, "losses": losses, "step_s_median_2nd_half": step_s,
+               "d_model": args.d_model, "layers": args.layers, "d_state": args.d_state, "lr": args.lr,
+               "losses": losses, "step_s_median_2nd_half": step_s,
                "tokens_per_s": args.global_batch * args.length / step_s,
                "peak_bytes_per_rank": [int(p.item()) for p in peaks], "backend": args.backend,
                "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
@@ -109,6 +111,7 @@ def main(argv=None):
             import ssmc
             rep = ssmc.backend.LAST_REPORT
             res["ssmc_regions"] = [(r.name, r.strategy, r.target) for r in rep.regions]
+            res["ssmc_graphs"] = len(rep.graphs)     # > 1: DDP's graph splitter cut the model
         print(json.dumps({k: v for k, v in res.items() if k != "losses"}))
         if args.json:
             Path(args.json).write_text(json.dumps(res) + "\n")

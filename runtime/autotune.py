@@ -90,6 +90,10 @@ class MeasuredChoice:
     def backward(self, inputs, grads, needs):
         return self.kernels[self.choose(inputs)].backward(inputs, grads, needs)
 
+    def backward_note(self) -> str | None:
+        notes = {n: getattr(k, "backward_note", lambda: None)() for n, k in self.kernels.items()}
+        return "; ".join(f"{n}: {v}" for n, v in notes.items() if v) or None
+
     def describe(self) -> str:
         parts = []
         for bucket, times in self.timings.items():

@@ -22,6 +22,18 @@ from .options import Options, make_options
 log = logging.getLogger("ssmc")
 
 LAST_REPORT = Report()      # the most recent compile's report, for users of torch.compile
+_LAST_COMPILE_ID = None     # Dynamo's id of the frame compile LAST_REPORT belongs to
+
+
+def _compile_id():
+    """Dynamo's id of the frame compile now running (None outside one). Graphs that share it
+    are pieces of one frame, e.g. the subgraphs DDP's graph splitter hands over one by one."""
+    try:
+        from torch._guards import CompileContext
+        cid = CompileContext.current_compile_id()
+    except Exception:
+        return None
+    return None if cid is None else str(cid)
 
 
 def _device(example_inputs) -> tuple[str, int | None]:
@@ -36,11 +48,17 @@ def _device(example_inputs) -> tuple[str, int | None]:
 
 def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Report | None = None, **kw):
     opts = make_options(options, **kw)
-    report = _report if _report is not None else Report()
+    global LAST_REPORT, _LAST_COMPILE_ID
+    cid = _compile_id()
+    if _report is not None:
+        report = _report
+    elif cid is not None and cid == _LAST_COMPILE_ID:   # another piece of the same frame
+        report = LAST_REPORT
+    else:
+        report = Report()
     greport = GraphReport(nodes_in=len(gm.graph.nodes))
     report.graphs.append(greport)
-    global LAST_REPORT
-    LAST_REPORT = report
+    LAST_REPORT, _LAST_COMPILE_ID = report, cid
     t0 = time.perf_counter()
     device, arch = _device(example_inputs)
     greport.rest = opts.rest_for(device)
@@ -190,6 +208,8 @@ def _compile_region(cand, ctx, opts):
             rivals[name] = ctx.targets[name].compile(region, strategy, opts)
         except Exception as e:
             cand.notes.append(f"target {name} failed to compile: {type(e).__name__}: {e}")
+    for k in [kernel, *rivals.values()]:
+        _lend_backward(k, rivals.get("triton"), region, strategy, ctx, opts)
     if rivals:
         from ssmc.runtime.autotune import MeasuredChoice
         kernels = {target: kernel, **rivals}
@@ -200,6 +220,18 @@ def _compile_region(cand, ctx, opts):
         target = "auto(" + "|".join(kernels) + ")"
         key = f"{region.name}-{region.key()}-{target}-{strategy}"
     return Compiled(key, region, strategy, target, kernel, source)
+
+
+def _lend_backward(kernel, triton_kernel, region, strategy, ctx, opts):
+    """A kernel without a generated backward of its own (``backward_partner`` unset: the CUDA
+    target) gets the Triton kernel of the same region for its backward: the rival when there is
+    one, else one compiled on the first backward (a failure there leaves the torch reference)."""
+    if getattr(kernel, "backward_partner", False) is not None or "triton" not in ctx.targets:
+        return
+    if triton_kernel is not None:
+        kernel.backward_partner = lambda: triton_kernel
+    else:
+        kernel.backward_partner = lambda: ctx.targets["triton"].compile(region, strategy, opts)
 
 
 def _validate(work: fx.GraphModule):

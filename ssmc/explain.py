@@ -24,6 +24,7 @@ class RegionInfo:
     notes: list
     cache: str = ""              # "hit" | "miss" | "" (no cache for this target)
     ir: object = None            # the ssmc.ir.Region object itself
+    backward: str = ""           # which backward ran, once one has (filled in by refresh)
 
     def __str__(self):
         lines = [f"region {self.name}: strategy {self.strategy} ({self.strategy_reason})",
@@ -34,6 +35,8 @@ class RegionInfo:
             lines.append(f"  note: {n}")
         if self.cache:
             lines.append(f"  kernel cache: {self.cache}")
+        if self.backward:
+            lines.append(f"  {self.backward}")
         lines.append(_indent("re-rolled step:\n" + _indent(self.loop)))
         lines.append(_indent("region IR:\n" + _indent(self.region)))
         if self.kernel_source:
@@ -218,6 +221,8 @@ def refresh(report: Report) -> Report:
             msg = describe()
             if msg not in r.notes:
                 r.notes.append(msg)
+        note = getattr(entry.kernel, "backward_note", None)
+        r.backward = (note() if note is not None else None) or r.backward
         if entry.failure and entry.failure not in r.notes:
             r.notes.append(entry.failure)
     return report

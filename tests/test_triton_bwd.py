@@ -372,3 +372,48 @@ def test_gpu_mamba2_gradients(dtype, monkeypatch, tmp_path):
             assert g is not None and torch.isfinite(g).all()
             err = rel_err(g, w)
             assert err <= tol, f"input {i} ({region.inputs[i].name}): rel err {err:.3g} ({kern.bwd_fallback or 'generated kernel'})"
+
+
+# -- a CUDA forward borrows the Triton backward ---------------------------------------------------------
+
+def test_cuda_kernels_borrow_the_generated_triton_backward(interp):
+    """The CUDA template has no adjoint: the backend lends a CUDA kernel (alone or inside auto's
+    measured choice) the Triton backward of the same region, and explain says which ran. When no
+    Triton kernel can be made, the torch reference runs and the reason is shown."""
+    import types
+    from ssmc.backend import _lend_backward
+    from ssmc.runtime.autotune import MeasuredChoice
+    C = pytest.importorskip("ssmc.targets.cuda")
+    from ssmc.targets.reference import adjoint_run
+    fn = P.mamba1("final")
+    region, xs, _, _, _ = captured(fn, P.mamba1_inputs(b=2, L=7, d=5, n=3, dtype=torch.float64, seed=31))
+    opts = ssmc.make_options()
+    ctx = types.SimpleNamespace(targets={"triton": T.TritonTarget(), "cuda": C.CudaTarget()})
+    outs = T.TritonTarget().compile(region, "chunked_scan", opts).forward(xs)
+    grads, needs = fresh_grads(outs), [x.is_floating_point() for x in xs]
+    want = adjoint_run(region, xs, grads, needs, chunk=3)
+
+    alone = C.CudaKernel(region, C.plan(region), None)
+    assert alone.backward_note() is None
+    _lend_backward(alone, None, region, "chunked_scan", ctx, opts)     # compiled on first backward
+    rival = T.TritonTarget().compile(region, "chunked_scan", opts)
+    paired = C.CudaKernel(region, C.plan(region), None)
+    _lend_backward(paired, rival, region, "chunked_scan", ctx, opts)
+    _lend_backward(rival, None, region, "chunked_scan", ctx, opts)     # has its own: untouched
+    assert not hasattr(rival, "backward_partner")
+    for kern in (alone, paired):
+        got = kern.backward(xs, grads, needs)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert (g is None) == (w is None) and (w is None or rel_err(g, w) <= 1e-10), i
+        assert kern.backward_note().startswith("backward: generated Triton kernel"), kern.backward_note()
+    assert_kernel_ran(rival)                                           # paired's backward ran in it
+    choice = MeasuredChoice(region, {"cuda": paired, "triton": rival}, {}, str(interp))
+    assert "cuda: backward: generated Triton kernel" in choice.backward_note()
+
+    broken = types.SimpleNamespace(targets={"triton": types.SimpleNamespace(
+        compile=lambda *a: (_ for _ in ()).throw(RuntimeError("no triton here")))})
+    ref = C.CudaKernel(region, C.plan(region), None)
+    _lend_backward(ref, None, region, "chunked_scan", broken, opts)
+    got = ref.backward(xs, grads, needs)
+    assert all(w is None or rel_err(g, w) <= 1e-10 for g, w in zip(got, want))
+    assert "torch reference" in ref.backward_note() and "no triton here" in ref.backward_note()

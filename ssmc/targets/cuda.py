@@ -349,8 +349,11 @@ def build(rendered: Rendered, kernel: str, cache, extra_flags=(), ns: int = 0) -
 
 class CudaKernel:
     """The generated kernel for one region. ``forward`` launches it on the inputs' device and
-    torch's current stream; ``backward`` is the torch reference's (``ReferenceKernel.backward``)
-    until the adjoint is generated too.
+    torch's current stream. The CUDA template has no adjoint: ``backward`` runs the generated
+    Triton backward of the same region when the backend gave this kernel a
+    ``backward_partner`` (a function returning a Triton kernel of the region, called on the first
+    backward), else the torch reference (``ReferenceKernel.backward``); ``backward_note()`` says
+    which ran and why.
 
     ``poison``: allocate outputs filled with NaN (tests: an element the kernel never writes
     shows). ``force_layout``: "time_major" | "row_major" instead of choosing by strides;
@@ -368,6 +371,8 @@ class CudaKernel:
         self.cache_status = ""
         self.last_launch: dict | None = None
         self._reference = ReferenceKernel(region)
+        self.backward_partner = None       # () -> a kernel whose .backward is generated (backend sets it)
+        self._partner = None               # what backward_partner returned, or why it failed (str)
         self._rendered: dict[int, Rendered] = {}
         self._built: dict[tuple, Built] = {}
         self._functions: dict = {}
@@ -412,7 +417,30 @@ class CudaKernel:
         return self.run(inputs, arch, functools.partial(self._launch_cuda, idx, arch))
 
     def backward(self, inputs, grads, needs):
+        partner = self._backward_kernel()
+        if partner is not None:
+            return partner.backward(inputs, grads, needs)
         return self._reference.backward(inputs, grads, needs)
+
+    def _backward_kernel(self):
+        if self._partner is None and self.backward_partner is not None:
+            with self._lock:
+                if self._partner is None:
+                    try:
+                        self._partner = self.backward_partner()
+                    except Exception as e:     # the reference runs; backward_note says why
+                        self._partner = f"{type(e).__name__}: {e}"
+                        log.warning("ssmc: region %s: no generated backward: %s", self.region.name, e)
+        return None if isinstance(self._partner, str) else self._partner
+
+    def backward_note(self) -> str | None:
+        """Which backward ran (None before the first one)."""
+        if isinstance(self._partner, str):
+            return f"backward: torch reference (the Triton backward could not be made: {self._partner})"
+        if self._partner is not None:
+            note = getattr(self._partner, "backward_note", lambda: None)()
+            return note and note + " (the CUDA template has no adjoint)"
+        return None
 
     def run(self, inputs, arch: int, launch):
         """Allocate the outputs, choose the kernel instance and its launch shape, marshal the

@@ -694,6 +694,14 @@ class TritonKernel:
         from .triton_bwd import backward
         return backward(self, inputs, grads, needs)
 
+    def backward_note(self) -> str | None:
+        """Which backward ran (None before the first one)."""
+        if not hasattr(self, "bwd_fallback"):
+            return None
+        if self.bwd_fallback is None:
+            return f"backward: generated Triton kernel {self.bwd.path}"
+        return f"backward: torch reference ({self.bwd_fallback})"
+
 
 @functools.lru_cache(maxsize=None)
 def _device_arch(index: int) -> int:
