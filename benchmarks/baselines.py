@@ -23,27 +23,29 @@ def mamba_ssm_src() -> Path | None:
     return Path(found[-1]) if found else None
 
 
-# Our own stub: mamba-ssm's binding references the backward; we build only the forward files,
-# so the backward entry points are defined here to fail loudly if ever called.
-_BWD_STUB = r"""
-#include <torch/extension.h>
-#include "selective_scan.h"
-template<typename input_t, typename weight_t>
-void selective_scan_bwd_cuda(SSMParamsBwd &params, cudaStream_t stream) {
-    TORCH_CHECK(false, "backward not built in this benchmark build");
-}
-template void selective_scan_bwd_cuda<float, float>(SSMParamsBwd &, cudaStream_t);
-template void selective_scan_bwd_cuda<float, c10::complex<float>>(SSMParamsBwd &, cudaStream_t);
-template void selective_scan_bwd_cuda<at::Half, float>(SSMParamsBwd &, cudaStream_t);
-template void selective_scan_bwd_cuda<at::Half, c10::complex<float>>(SSMParamsBwd &, cudaStream_t);
-template void selective_scan_bwd_cuda<at::BFloat16, float>(SSMParamsBwd &, cudaStream_t);
-template void selective_scan_bwd_cuda<at::BFloat16, c10::complex<float>>(SSMParamsBwd &, cudaStream_t);
-"""
+# Our own stub: mamba-ssm's binding references every backward instantiation; those we do not
+# build are defined here to fail loudly if ever called.
+_CTYPE = {"fp32": "float", "fp16": "at::Half", "bf16": "at::BFloat16", "real": "float",
+          "complex": "c10::complex<float>"}
+_BWD_ALL = [f"{t}_{k}" for t in ("fp32", "fp16", "bf16") for k in ("real", "complex")]
 
 
-def build_selective_scan_fwd(build_dir: str = "/tmp/ssmc_mamba_build", backward: bool = False):
-    """mamba-ssm's hand-written CUDA selective_scan, forward files only (plus backward when
-    asked), compiled for this GPU with torch's cpp_extension."""
+def _bwd_stub(built) -> str:
+    lines = ['#include <torch/extension.h>', '#include "selective_scan.h"',
+             "template<typename input_t, typename weight_t>",
+             "void selective_scan_bwd_cuda(SSMParamsBwd &params, cudaStream_t stream) {",
+             '    TORCH_CHECK(false, "this backward is not built in this benchmark build");', "}"]
+    for name in _BWD_ALL:
+        if name not in built:
+            t, k = name.split("_")
+            lines.append(f"template void selective_scan_bwd_cuda<{_CTYPE[t]}, {_CTYPE[k]}>(SSMParamsBwd &, cudaStream_t);")
+    return "\n".join(lines) + "\n"
+
+
+def build_selective_scan_fwd(build_dir: str = "/tmp/ssmc_mamba_build", backward=()):
+    """mamba-ssm's hand-written CUDA selective_scan, forward files only, plus the backward files
+    named in `backward` ("bf16_real", ...; True: all six), compiled for this GPU with torch's
+    cpp_extension."""
     from torch.utils.cpp_extension import load
     src = mamba_ssm_src()
     if src is None:
@@ -51,11 +53,11 @@ def build_selective_scan_fwd(build_dir: str = "/tmp/ssmc_mamba_build", backward:
     cs = src / "csrc" / "selective_scan"
     os.makedirs(build_dir, exist_ok=True)
     sources = [str(cs / "selective_scan.cpp")] + [str(cs / f"selective_scan_fwd_{t}.cu") for t in ("fp32", "fp16", "bf16")]
-    if backward:
-        sources += [str(cs / f"selective_scan_bwd_{t}_{k}.cu") for t in ("fp32", "fp16", "bf16") for k in ("real", "complex")]
-    else:
-        stub = Path(build_dir) / "bwd_stub.cu"
-        stub.write_text(_BWD_STUB)
+    built = tuple(_BWD_ALL) if backward is True else tuple(backward or ())
+    sources += [str(cs / f"selective_scan_bwd_{name}.cu") for name in built]
+    if len(built) < len(_BWD_ALL):
+        stub = Path(build_dir) / f"bwd_stub_{'_'.join(built) or 'none'}.cu"
+        stub.write_text(_bwd_stub(built))
         sources.append(str(stub))
     major, minor = torch.cuda.get_device_capability()
     flags = ["-O3", "-std=c++17", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -64,7 +66,7 @@ def build_selective_scan_fwd(build_dir: str = "/tmp/ssmc_mamba_build", backward:
              "--expt-relaxed-constexpr", "--expt-extended-lambda", "--use_fast_math",
              f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 8))
-    return load(name="selective_scan_cuda_bench" + ("_bwd" if backward else ""), sources=sources,
+    return load(name="selective_scan_cuda_bench" + "".join(f"_{n}" for n in built), sources=sources,
                 extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=flags,
                 extra_include_paths=[str(cs)], build_directory=build_dir, verbose=False)
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
-# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz" and "ssdseg" only when
-# named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
+# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg" and "train"
+# only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
 #   $OUT/fuzz_gpu.json (SSMC_FUZZ_* as in tests/fuzz_harness.py; defaults below fit one call)
@@ -33,6 +33,14 @@ if [[ $STEPS == *ssdseg* ]]; then    # per table config, each count in its own p
   timeout ${SSMC_SEG_TIMEOUT:-540} python -m benchmarks.tune_ssd --out "$OUT/h200_ssd_segments.json" --configs table \
     --shape '{"b": 4, "h": 24, "p": 64, "n": 128, "L": 16384}' --segments "${SSMC_SEGMENTS:-auto,1,2,3,4}" \
     --baseline >> "$LOG" 2>&1
+fi
+if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while the GPU tests run
+  python -c "from benchmarks import baselines as B; B.build_selective_scan_fwd(backward=('bf16_real', 'fp32_real'))" \
+    > "$OUT/mamba_ssm_build.log" 2>&1 & BUILD=$!
+  echo "== tests/test_triton_bwd.py" >> "$LOG"
+  timeout ${SSMC_TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_bwd.py 2>&1 | tail -15 >> "$LOG"
+  wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"
+  timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline --configs >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *moe* ]]; then
   timeout 200 python -m benchmarks.bench_moe --out "$OUT/h200_moe.json" >> "$LOG" 2>&1
