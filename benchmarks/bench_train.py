@@ -34,7 +34,7 @@ from benchmarks.run import mamba1_inputs, mamba1_loop, mamba2_inputs, mamba2_loo
 from ssmc.runtime.op import lookup  # noqa: E402
 
 
-DEV = DEV if torch.cuda.is_available() else "cpu"     # CPU: a smoke run of the script (--small)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"     # CPU: a smoke run of the script (--small)
 
 
 def bench(fn, warmup=5, rep=50):
