@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import importlib.resources
 import json
 import math
@@ -52,6 +53,8 @@ from ssmc.ir import Const, Load, Op, Reduce, Region, State
 
 from . import triton as T
 from .triton_printer import LOG2E, Frame, TritonPrinter
+
+log = logging.getLogger("ssmc")
 
 SSD_TEMPLATE = "triton/ssd_fwd.py.j2"
 SSD_CONFIGS = "triton/ssd_fwd.configs.json"
@@ -164,12 +167,14 @@ class SSDPlan:
                 + (f"; readout sum_{self.n} h * ({self.c})" if self.readout is not None else ""))
 
 
-def make_ssd_plan(r: Region) -> SSDPlan | str:
-    """The chunked SSD kernel's plan for `r`, or why it cannot compute it."""
+def make_ssd_plan(r: Region, float64: bool = False) -> SSDPlan | str:
+    """The chunked SSD kernel's plan for `r`, or why it cannot compute it. ``float64``: plan a
+    region of fp64 inputs too (the matmul-form backward of ssd_autograd.py runs them; the
+    kernel does not)."""
     generic = T.make_plan(r)
     if isinstance(generic, str):
         return generic
-    if any(s.dtype == "float64" for s in r.inputs):
+    if not float64 and any(s.dtype == "float64" for s in r.inputs):
         return "float64 inputs (its matmuls run in fp32 or 16-bit on tensor cores)"
     steps = [o for o in r.outputs if o.kind == "steps"]
     readouts = {x for o in steps for x in ir.walk(o.expr) if isinstance(x, Reduce)}
@@ -594,6 +599,33 @@ class SSDKernel(T.TritonKernel):
             self._replays.clear()
             self._replay_knobs = knobs
         return super().forward(inputs)
+
+    # -- backward -------------------------------------------------------------------------------------
+    _ssd_bwd: str | None = None       # "ok", or why the matmul-form backward did not run
+
+    def backward(self, inputs, grads, needs):
+        """The chunked SSD's matmul form under autograd (ssd_autograd.py); the selective-scan
+        backward kernel where that fails (``backward_note()`` says which ran and why)."""
+        from .ssd_autograd import ssd_backward
+        try:
+            got = ssd_backward(self.region, self.plan, inputs, grads, needs)
+            self._ssd_bwd = "ok"
+            return got
+        except Exception as e:       # e.g. out of memory: the per-element backward runs
+            self._ssd_bwd = f"{type(e).__name__}: {e}"
+            log.warning("ssmc: region %s: matmul-form SSD backward failed (%s); the selective-scan "
+                        "backward runs instead", self.region.name, self._ssd_bwd)
+        return super().backward(inputs, grads, needs)
+
+    def backward_note(self) -> str | None:
+        from .ssd_autograd import CHUNK
+        if self._ssd_bwd == "ok":
+            return (f"backward: the chunked SSD in torch matmuls under autograd, chunk {CHUNK} "
+                    f"(ssmc/targets/ssd_autograd.py)")
+        note = super().backward_note()
+        if self._ssd_bwd is not None and note:
+            return f"{note}; the matmul-form SSD backward failed: {self._ssd_bwd}"
+        return note
 
     # -- splitting time ---------------------------------------------------------------------------
     def policy(self) -> dict:
