@@ -194,7 +194,16 @@ M2 = {"b": 8, "h": 24, "p": 64, "n": 128}
 M2_NAMES = ["x", "dt", "A", "B", "C", "D", "z"]
 
 
-def run_mamba2(res, L, targets, baseline, check_L=None):
+def profile_table(step, rows=20) -> str:
+    """The top CUDA kernels of one call of step (torch.profiler)."""
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def run_mamba2(res, L, targets, baseline, check_L=None, profile=False):
     check_L = check_L or min(L, 256)
     dtype = torch.bfloat16
     small = mamba2_inputs(M2, 16, dtype, DEV, seed=0)
@@ -234,6 +243,10 @@ def run_mamba2(res, L, targets, baseline, check_L=None):
                     row["backward"] = getattr(lookup(rep.regions[0].key).kernel, "backward_note", lambda: None)()
             if row.get("ok") and Lx == L:
                 add_timing(row, step, reps=20)
+                if profile and DEV == "cuda":
+                    table = profile_table(step)
+                    res.setdefault("profiles", {})[f"mamba2 {t}"] = table
+                    print(table, flush=True)
                 row["fwd_ms"] = bench(lambda: f(*ins), warmup=5, rep=20)
             print(f"mamba2 L{Lx} {t}: {row}", flush=True)
     base = rows.get("mamba_ssm_chunk_scan_combined", {}).get("ms")
@@ -252,6 +265,7 @@ def main():
     ap.add_argument("--configs", action="store_true")
     ap.add_argument("--m1-length", type=int, default=2048)
     ap.add_argument("--m2-length", type=int, default=4096)
+    ap.add_argument("--profile", action="store_true", help="a torch.profiler table of one mamba2 fwd+bwd")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
     args = ap.parse_args()
     if args.small:
@@ -265,7 +279,7 @@ def main():
             if w == "mamba1":
                 run_mamba1(res, args.m1_length, targets, args.baseline, args.configs)
             elif w == "mamba2":
-                run_mamba2(res, args.m2_length, targets, args.baseline)
+                run_mamba2(res, args.m2_length, targets, args.baseline, profile=args.profile)
         except Exception as e:
             res[f"{w}_error"] = f"{type(e).__name__}: {e}"[:500]
             import traceback

@@ -17,6 +17,8 @@ evaluated with the readout replaced by y times its factors free of n, the final 
 state after the last chunk, and `torch.autograd.grad` gives every input's gradient. Nothing
 of size (batch, heads, p, n, L) exists: the largest tensors are the (P, chunks, Q, Q) masks.
 Time is padded to whole chunks with u = 0 and w = 0 (the state passes through unchanged).
+The matmuls take 16-bit operands (fp32 accumulation) when every input they read is that 16-bit
+type, as the forward kernel's tl.dot does; fp32 otherwise (fp64 for fp64 inputs).
 """
 from __future__ import annotations
 
@@ -71,6 +73,12 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK) -> list[tor
     lay = lambda e, last: _lay(ev.eval(e).to(cdt), names, progs, last, sizes, L)   # noqa: E731
     u, w, x, g = lay(plan.log_decay, None), lay(plan.w, None), lay(plan.x, p), lay(plan.g, n)
     c = lay(plan.c, n) if plan.readout is not None else None
+    used = {ld.input for e in (plan.x, plan.g, plan.c) if e is not None for ld in ir.loads(e)}
+    kinds = {inputs[i].dtype for i in used if inputs[i].is_floating_point()}
+    lo = kinds.pop() if len(kinds) == 1 and kinds <= {torch.bfloat16, torch.float16} else None
+
+    def mm(a, b):
+        return a @ b if lo is None else (a.to(lo) @ b.to(lo)).to(cdt)
     P, Q = u.shape[0], max(1, min(chunk, L))
     nc = -(-L // Q)
     pad = nc * Q - L
@@ -82,7 +90,7 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK) -> list[tor
     u, w, x, g = chunks(u)[..., 0], chunks(w)[..., 0], chunks(x), chunks(g)
     a = u.cumsum(-1)                                                  # (P, nc, Q)
     to_end = torch.exp(a[..., -1:] - a) * w
-    S = (x * to_end[..., None]).transpose(-1, -2) @ g                 # (P, nc, p, n)
+    S = mm((x * to_end[..., None]).transpose(-1, -2), g)              # (P, nc, p, n)
     total = torch.exp(a[..., -1])                                     # (P, nc)
     if r.init is not None:
         h0 = inputs[r.init].to(cdt)
@@ -99,9 +107,9 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK) -> list[tor
         seg = a[..., :, None] - a[..., None, :]                       # (P, nc, Q, Q): a_t - a_s
         causal = torch.ones(Q, Q, dtype=torch.bool, device=dev).tril()
         decay = torch.exp(seg.masked_fill(~causal, float("-inf")))
-        y = ((c @ g.transpose(-1, -2)) * decay * w[..., None, :]) @ x            # intra-chunk
+        y = mm(mm(c, g.transpose(-1, -2)) * decay * w[..., None, :], x)          # intra-chunk
         H = torch.stack(starts, 1)                                               # (P, nc, p, n)
-        y = y + torch.exp(a)[..., None] * (c @ H.transpose(-1, -2))             # carried state
+        y = y + torch.exp(a)[..., None] * mm(c, H.transpose(-1, -2))            # carried state
         y = y.reshape(P, nc * Q, sizes[p])[:, :L]
         if plan.y_scale is not None:
             y = y * lay(plan.y_scale, p)
