@@ -22,14 +22,19 @@ from .options import Options, make_options
 log = logging.getLogger("ssmc")
 
 LAST_REPORT = Report()      # the most recent compile's report, for users of torch.compile
-_LAST_COMPILE_ID = None     # Dynamo's id of the frame compile LAST_REPORT belongs to
+_LAST_COMPILE_ID = None     # the frame compile LAST_REPORT belongs to, when DDP split it
 
 
-def _compile_id():
-    """Dynamo's id of the frame compile now running (None outside one). Graphs that share it
-    are pieces of one frame, e.g. the subgraphs DDP's graph splitter hands over one by one."""
+def _ddp_piece_of():
+    """Dynamo's id of the frame compile now running when DDP's graph splitter is at work (a
+    DDP forward is active), else None. Graphs that share it are pieces of one frame, handed
+    over one by one; outside DDP a second graph under the same id is a restarted attempt,
+    which replaces the first."""
     try:
         from torch._guards import CompileContext
+        from torch.nn.parallel import DistributedDataParallel
+        if DistributedDataParallel._get_active_ddp_module() is None:
+            return None
         cid = CompileContext.current_compile_id()
     except Exception:
         return None
@@ -49,7 +54,7 @@ def _device(example_inputs) -> tuple[str, int | None]:
 def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Report | None = None, **kw):
     opts = make_options(options, **kw)
     global LAST_REPORT, _LAST_COMPILE_ID
-    cid = _compile_id()
+    cid = _ddp_piece_of()
     if _report is not None:
         report = _report
     elif cid is not None and cid == _LAST_COMPILE_ID:   # another piece of the same frame

@@ -607,6 +607,8 @@ class SSDKernel(T.TritonKernel):
         """The chunked SSD's matmul form under autograd (ssd_autograd.py); the selective-scan
         backward kernel where that fails (``backward_note()`` says which ran and why)."""
         from .ssd_autograd import ssd_backward
+        if self.sizes(inputs)[1] == 0:           # nothing to chunk
+            return super().backward(inputs, grads, needs)
         try:
             got = ssd_backward(self.region, self.plan, inputs, grads, needs)
             self._ssd_bwd = "ok"
