@@ -60,25 +60,31 @@ class ReferenceKernel:
 
     def backward_autograd(self, inputs, grads, needs):
         """The same gradients by re-running the forward under autograd (a cross-check)."""
-        xs = [x.detach().requires_grad_(bool(n)) for x, n in zip(inputs, needs)]
-        with autograd_inside_op(), torch.enable_grad():
-            outs = run(self.region, xs, self.chunk)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g.numel() and o.requires_grad]
-        wrt = [x for x, n in zip(xs, needs) if n]
-        if not pairs or not wrt:
-            return [torch.zeros_like(x) if n else None for x, n in zip(inputs, needs)]
+        return grads_by_autograd(lambda xs: run(self.region, xs, self.chunk), inputs, grads, needs)
+
+
+def grads_by_autograd(forward, inputs, grads, needs) -> list:
+    """Every input's gradient (None where not needed) by re-running ``forward(inputs) ->
+    outputs`` under autograd, inside the custom op's backward."""
+    xs = [x.detach().requires_grad_(bool(n) and x.is_floating_point()) for x, n in zip(inputs, needs)]
+    with autograd_inside_op(), torch.enable_grad():
+        outs = forward(xs)
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and g.numel() and o.requires_grad]
+    wrt = [x for x in xs if x.requires_grad]
+    got = [None] * len(wrt)
+    if pairs and wrt:
         with autograd_inside_op():
             got = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs],
                                       allow_unused=True)
-        it = iter(got)
-        res = []
-        for x, n in zip(inputs, needs):
-            if n:
-                g = next(it)
-                res.append(torch.zeros_like(x) if g is None else g.to(x.dtype))
-            else:
-                res.append(None)
-        return res
+    it = iter(got)
+    res = []
+    for x, xx in zip(inputs, xs):
+        if xx.requires_grad:
+            g = next(it)
+            res.append(torch.zeros_like(x) if g is None else g.to(x.dtype))
+        else:
+            res.append(None)
+    return res
 
 
 def autograd_inside_op():

@@ -26,7 +26,7 @@ import torch
 
 from ssmc import ir
 
-from .reference import Evaluator, _to_output, autograd_inside_op, compute_dtype
+from .reference import Evaluator, _to_output, compute_dtype, grads_by_autograd
 
 CHUNK = 64
 
@@ -133,22 +133,4 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK) -> list[tor
 
 def ssd_backward(region: ir.Region, plan, inputs, grads, needs, chunk: int = CHUNK) -> list:
     """Every input's gradient (None where not needed) by autograd through `ssd_outputs`."""
-    xs = [x.detach().requires_grad_(bool(nd) and x.is_floating_point()) for x, nd in zip(inputs, needs)]
-    with autograd_inside_op(), torch.enable_grad():
-        outs = ssd_outputs(region, plan, xs, chunk)
-    pairs = [(o, gr) for o, gr in zip(outs, grads) if gr is not None and gr.numel() and o.requires_grad]
-    wrt = [x for x in xs if x.requires_grad]
-    got = [None] * len(wrt)
-    if pairs and wrt:
-        with autograd_inside_op():
-            got = torch.autograd.grad([o for o, _ in pairs], wrt, [gr.to(o.dtype) for o, gr in pairs],
-                                      allow_unused=True)
-    it = iter(got)
-    res = []
-    for x, xx in zip(inputs, xs):
-        if xx.requires_grad:
-            gr = next(it)
-            res.append(torch.zeros_like(x) if gr is None else gr.to(x.dtype))
-        else:
-            res.append(None)
-    return res
+    return grads_by_autograd(lambda xs: ssd_outputs(region, plan, xs, chunk), inputs, grads, needs)
