@@ -352,9 +352,23 @@ def _f64(args):
     return tuple(x.double() for x in args)
 
 
+def scaled_readout(x, dt, A, B, C, s):
+    """Mamba-2 without D and z, a per-head, per-step scale inside the readout's sum (a readout
+    factor free of n: the plan's y_scale)."""
+    b, L, H, Pd = x.shape
+    h = torch.zeros(b, H, Pd, B.shape[-1], dtype=x.dtype)
+    ys = []
+    for t in range(L):
+        h = torch.exp(dt[:, t] * A)[:, :, None, None] * h + (dt[:, t, :, None] * x[:, t])[..., None] \
+            * B[:, t, None, None, :]
+        ys.append((h * C[:, t, None, None, :] * s[:, t, :, None, None]).sum(-1))
+    return torch.stack(ys, 1)
+
+
 BWD_CASES = {     # L 21 and 19: chunks of 4 and 8 leave a partial last chunk
     "mamba2_z_final": (mamba2, lambda: _f64(inputs(L=21, Pd=4, N=3, seed=41))),
     "mamba2_h0": (mamba2_h0, lambda: _f64(inputs(L=21, Pd=4, N=3, seed=42, h0=True))),
+    "scaled_readout": (scaled_readout, lambda: _f64((*inputs(L=21, Pd=4, N=3, seed=43)[:5], torch.randn(2, 21, 2)))),
     "gla_sigmoid": (gla, lambda: _f64((torch.randn(2, 19, 2, 3), torch.randn(2, 19, 2) + 2,
                                        torch.randn(2, 19, 2, 5), torch.randn(2, 19, 2, 5)))),
 }
