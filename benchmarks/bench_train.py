@@ -87,17 +87,21 @@ M1 = {"b": 8, "d": 1536, "n": 16}
 M1_NAMES = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
 
 
-def mamba_ssm_step(ext, ins, dout):
-    """mamba-ssm's selective_scan fwd then bwd (what its autograd Function calls)."""
+def mamba_ssm_calls(ext, ins, dout):
+    """mamba-ssm's selective_scan: (forward, forward then backward), as its autograd Function
+    calls them; the backward's gradients in M1_NAMES' order."""
     u, delta, A, B, C, D, z, bias = ins
     B4, C4 = B.unsqueeze(1), C.unsqueeze(1)
 
+    def fwd():
+        return ext.fwd(u, delta, A, B4, C4, D, z, bias, True)
+
     def step():
-        out, x, out_z = ext.fwd(u, delta, A, B4, C4, D, z, bias, True)
+        out, x, out_z = fwd()
         du, ddelta, dA, dB, dC, dD, dbias, dz = ext.bwd(u, delta, A, B4, C4, D, z, bias, dout, x, out, None,
                                                          True, False)[:8]
-        return du, ddelta, dA, dB.squeeze(1), dC.squeeze(1), dD, dz, dbias    # M1_NAMES' order
-    return step
+        return du, ddelta, dA, dB.squeeze(1), dC.squeeze(1), dD, dz, dbias
+    return fwd, step
 
 
 def run_mamba1(res, L, targets, baseline, configs):
@@ -127,10 +131,9 @@ def run_mamba1(res, L, targets, baseline, configs):
         try:
             from benchmarks import baselines as BL
             ext = BL.build_selective_scan_fwd(backward=("bf16_real", "fp32_real"))
-            step = mamba_ssm_step(ext, ins, dout)
+            fwd, step = mamba_ssm_calls(ext, ins, dout)
             row = rows["mamba_ssm_cuda"] = {"grad_rel_err": dict(zip(M1_NAMES, grad_errors(step(), want)))}
             add_timing(row, step)
-            fwd = lambda: ext.fwd(ins[0], ins[1], ins[2], ins[3].unsqueeze(1), ins[4].unsqueeze(1), ins[5], ins[6], ins[7], True)
             row["fwd_ms"] = bench(fwd, warmup=5, rep=50)
             print(f"mamba-ssm: {row}", flush=True)
         except Exception as e:

@@ -4,11 +4,8 @@
 # SSMC_DDP_CONFIGS: ';'-separated name[:worlds]=args (worlds: e.g. 1 or 12, default 12). Writes $OUT/h200x2_ddp_<name>_<world>gpu.json, a
 # profiler table of one steady one-GPU step ($OUT/ddp_<name>_profile.txt) and $OUT/ddp_check.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ssmc_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/device_env.sh"
 LOG="$OUT/ddp_check.log"
-python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARNING | tail -2
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee -a "$LOG"
 CONFIGS=${SSMC_DDP_CONFIGS:-"d64=--global-batch 256 --length 128;d512=--d-model 512 --global-batch 256 --length 128 --lr 1e-3;d512eager:1=--d-model 512 --global-batch 256 --length 128 --lr 1e-3 --backend eager"}
 IFS=';' read -ra CFG <<< "$CONFIGS"

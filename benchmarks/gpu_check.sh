@@ -9,11 +9,8 @@
 #   run(command="SSMC_GPU_STEPS=ssdseg bash benchmarks/gpu_check.sh", carry=[".carry"])   the SSD
 #   kernel at b4 L16384: time split auto against one segment against mamba-ssm, per table config
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ssmc_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/device_env.sh"
 LOG="$OUT/gpu_check.log"
-python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARNING | tail -2
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$LOG"
 STEPS=${SSMC_GPU_STEPS:-tests,region,moe,bsp}
 if [[ $STEPS == *tests* ]]; then      # one file at a time: a fault in one cannot hide the others' results

@@ -11,6 +11,7 @@ rank 0 writes the losses, throughput and per-rank peak memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -71,22 +72,18 @@ def main(argv=None):
         x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
         if cuda:
             torch.cuda.synchronize()
-        prof = None
-        if args.profile and rank == 0 and step == args.steps - 2:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
-            prof.__enter__()
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        if prof is not None:                               # this step is left out of the median
-            prof.__exit__(None, None, None)
-            times[-1] = float("nan")
+        profiled = bool(args.profile) and rank == 0 and step == args.steps - 2
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) if profiled else contextlib.nullcontext() as prof:
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+        times.append(float("nan") if profiled else time.perf_counter() - t0)   # left out of the median
+        if profiled:
             key = "cuda_time_total" if cuda else "cpu_time_total"
             Path(args.profile).write_text(prof.key_averages().table(sort_by=key, row_limit=40)
                                           + "\n\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
