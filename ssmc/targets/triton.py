@@ -228,6 +228,81 @@ def _print_variant(r: Region, plan: Plan, cdt: str, three_d: bool) -> Variant:
     return Variant(list(p.prelude), init, pre, a, b, post, final)
 
 
+@dataclasses.dataclass
+class RowsVariant:
+    """The ``_rows`` kernel's blocks: per chunk of time, `outer` (values free of the register
+    axis), then a loop over the register axis whose body is `pre`, the scan of `a`, `b`
+    and `post` (accumulations into `accs`, stores of outputs indexed by that axis), then
+    `outer_post` (outputs that sum over the axis, read from the accumulators)."""
+    prelude: list
+    init: str | None
+    outer: list
+    accs: list
+    pre: list
+    a: str
+    b: str
+    post: list
+    outer_post: list
+    final: list
+
+
+def rows_declines(r: Region, plan: Plan) -> str | None:
+    """Why the rows variant cannot compute `r` (None: it can)."""
+    if plan.reg is None:
+        return "no register axis to loop over"
+    for o in r.outputs:
+        if o.kind == "steps" and plan.reg in o.index and any(isinstance(x, Reduce) for x in ir.walk(o.expr)):
+            return f"output {o.index} both indexes and sums over the register axis"
+    return None
+
+
+def _print_rows(r: Region, plan: Plan, cdt: str) -> RowsVariant | None:
+    """The rows variant: a (BLOCK_D, CHUNK) tile per chunk, time along the tile's lanes, one
+    tl.associative_scan per index of the register axis (a static loop over it), the readout
+    summed over that axis by accumulating across the loop. None when `rows_declines`."""
+    if rows_declines(r, plan):
+        return None
+    p = TritonPrinter(r, cdt)
+    pre_f, _, final_f = _frames(plan, False)
+    codes = {a: (f"idx_{a}", None) for a in plan.scalars}
+    if plan.block:
+        codes[plan.block] = ("od", "md")
+    codes["t"] = ("tt", "mt")
+    outer_f = Frame(dict(codes), None, None, None)
+    inner_f = Frame({**codes, plan.reg: ("n", "nm")}, None, None, None)
+    p.set_prelude_frame(pre_f)
+    p.block(pre_f)
+    init = p.expr(Load(r.init, tuple(r.axes))) if r.init is not None else None
+    outer = []
+    pre = p.block(inner_f)
+    p.split(plan.reg, outer, outer_f)
+    a, b = p.expr(r.decay), p.expr(r.drive)
+    post, accs = [], {}
+    p.switch(post, state="H")
+    for k, o in enumerate(r.outputs):
+        if o.kind != "steps":
+            continue
+        sums = [x for x in ir.walk(o.expr) if isinstance(x, Reduce)]
+        for x in sums:
+            if x not in accs:
+                accs[x] = f"acc{len(accs)}"
+                post.append(f"{accs[x]} += tl.where(nm, {p.expr(x.arg)}, 0.0)")
+        if not sums and plan.reg in o.index:
+            post.append(_store(p, k, o, p.expr(o.expr)))
+    outer_post = p.block(outer_f)
+    for x, name in accs.items():
+        p.memoize(x, name)
+    for k, o in enumerate(r.outputs):
+        if o.kind == "steps" and plan.reg not in o.index:
+            outer_post.append(_store(p, k, o, p.expr(o.expr)))
+    p.split(None)
+    final = p.block(dataclasses.replace(final_f, state="hc"))
+    for k, o in enumerate(r.outputs):
+        if o.kind == "final":
+            final.append(_store(p, k, o, p.expr(o.expr)))
+    return RowsVariant(list(p.prelude), init, outer, list(accs.values()), pre, a, b, post, outer_post, final)
+
+
 def kernel_args(r: Region, plan: Plan) -> list[str]:
     """The runtime arguments of both kernels, in order (the constexprs follow)."""
     args = [f"in{i}_ptr" for i in plan.inputs] + [f"out{k}_ptr" for k in range(len(r.outputs))]
@@ -299,7 +374,8 @@ def render(r: Region, plan: Plan, cdt: str = "tl.float32") -> str:
     return env.get_template(TEMPLATE).render(
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=kernel_name(r),
         plan=plan, args=arg_lines(kernel_args(r, plan)),
-        loop=_print_variant(r, plan, cdt, False), scan=_print_variant(r, plan, cdt, True))
+        loop=_print_variant(r, plan, cdt, False), scan=_print_variant(r, plan, cdt, True),
+        rows=_print_rows(r, plan, cdt))
 
 
 @functools.lru_cache(maxsize=None)
@@ -449,20 +525,25 @@ class TritonKernel:
         bn = _pow2(sizes[self.plan.reg]) if self.plan.reg else 1
         bd_max = _pow2(sizes[self.plan.block]) if self.plan.block else 1
         budget = int(table.get("max_tile_per_thread", 64)) * 32
+        rows = rows_declines(self.region, self.plan) is None and bn <= int(table.get("max_rows_unroll", 32))
         fits, tiles, seen = [], [], set()
         for c in table[arch_key(arch)]:
             c = dict(c)
+            if c["variant"] == "rows" and not rows:
+                continue
             c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
-            scan = c["variant"] == "scan"
             c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L)))     # the same across a bucket
             sig = tuple(sorted(c.items()))
             if sig in seen:
                 continue
             seen.add(sig)
-            tile = c["BLOCK_D"] * bn * (c["CHUNK"] if scan else 1)
+            tile = c["BLOCK_D"] * {"loop": bn, "scan": bn * c["CHUNK"], "rows": c["CHUNK"]}[c["variant"]]
             tiles.append((tile / c["num_warps"], c))
             if tile <= budget * c["num_warps"]:
                 fits.append(c)
+        if not tiles:
+            raise ValueError(f"no {arch_key(arch)} config in {CONFIGS} runs this region "
+                             f"(rows configs need a register axis of <= {table.get('max_rows_unroll', 32)})")
         return fits or [min(tiles, key=lambda x: x[0])[1]]
 
     # -- launching -----------------------------------------------------------------------------------

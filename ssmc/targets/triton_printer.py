@@ -102,6 +102,11 @@ class TritonPrinter:
 
     ``prelude`` collects loop-invariant lines (no "t", no state); `block()` starts a new
     block whose lines and temporaries are private to it (a loop body, the final epilogue).
+
+    `split(axis, lines, frame)` adds a level between the two, for kernels that loop over a state
+    axis inside each chunk of time (the ``rows`` variant): values free of that axis and of the
+    state go to ``lines`` (printed once per chunk, before the loop over the axis), the rest to
+    the current block (the loop's body); nothing that varies along the axis is hoisted.
     """
 
     def __init__(self, region: ir.Region, cdt: str = "tl.float32", prefix: str = "v"):
@@ -115,6 +120,8 @@ class TritonPrinter:
         self.frame: Frame | None = None
         self.lines: list[str] | None = None
         self._memo: dict = {}
+        self._split: str | None = None           # the axis looped over inside a chunk
+        self._outer: tuple | None = None         # (lines, memo, frame) of the per-chunk level
 
     # -- blocks --------------------------------------------------------------------------------
     def lit(self, v: float) -> str:
@@ -135,21 +142,51 @@ class TritonPrinter:
         if state is not None:
             self.frame = dataclasses.replace(self.frame, state=state)
 
+    def split(self, axis: str | None, lines: list[str] | None = None, frame: Frame | None = None):
+        """Print values free of `axis` (and of the state) into `lines` with `frame` from now on;
+        ``split(None)`` ends it."""
+        self._split = axis
+        self._outer = None if axis is None else (lines, {}, frame)
+
+    def memoize(self, e, name: str):
+        """`e` reads as `name` in the current block (an accumulator the kernel keeps)."""
+        self._memo[e] = name
+
     # -- helpers -------------------------------------------------------------------------------
     def axes(self, e) -> frozenset:
         return ir.axes_of(e, self.r.axes)
 
     def hoistable(self, e) -> bool:
-        return "t" not in self.axes(e) and not ir.uses_state(e) and not isinstance(e, Const)
+        ax = self.axes(e)
+        return ("t" not in ax and not ir.uses_state(e) and not isinstance(e, Const)
+                and (self._split is None or self._split not in ax))
+
+    def _level(self, e) -> str:
+        """Where `e` is printed: "pre" (before the time loop), "outer" (per chunk, outside the
+        split axis's loop) or "cur" (the current block)."""
+        if self.hoistable(e):
+            return "pre"
+        if self._split is not None and self._split not in self.axes(e) and not ir.uses_state(e):
+            return "outer"
+        return "cur"
 
     def _name(self, hoisted: bool) -> str:
         self._n += 1
         return f"{'p' if hoisted else self.prefix}{self._n}"
 
-    def _emit(self, e, code: str, hoisted: bool) -> str:
-        name = self._name(hoisted)
-        (self.prelude if hoisted else self.lines).append(f"{name} = {code}")
-        (self._pre_memo if hoisted else self._memo)[e] = name
+    def _where(self, level: str):
+        """(lines, memo, frame) of a level."""
+        if level == "pre":
+            return self.prelude, self._pre_memo, self._pre_frame
+        if level == "outer":
+            return self._outer
+        return self.lines, self._memo, self.frame
+
+    def _emit(self, e, code: str, level: str) -> str:
+        lines, memo, _ = self._where(level)
+        name = self._name(level == "pre")
+        lines.append(f"{name} = {code}")
+        memo[e] = name
         return name
 
     # -- printing ------------------------------------------------------------------------------
@@ -157,14 +194,15 @@ class TritonPrinter:
         """The code (a temporary's name or a literal) of `e` in the current block."""
         if isinstance(e, Const):
             return self.lit(e.value)
-        hoisted = self.hoistable(e)
-        memo = self._pre_memo if hoisted else self._memo
+        if e in self._memo:                      # the current block's own names come first
+            return self._memo[e]
+        level = self._level(e)
+        _, memo, frame = self._where(level)
         if e in memo:
             return memo[e]
         folded = self._fold(e)
         if folded is not None:
             return folded
-        frame = self._pre_frame if hoisted else self.frame
         saved, self.frame = self.frame, frame
         try:
             code = self._code(e)
@@ -172,7 +210,7 @@ class TritonPrinter:
             self.frame = saved
         if isinstance(e, State):
             return code
-        return self._emit(e, code, hoisted)
+        return self._emit(e, code, level)
 
     def _fold(self, e) -> str | None:
         """An Op of constants only is evaluated here (float results only)."""
@@ -264,12 +302,18 @@ class TritonPrinter:
             for inv, var in ((q, p), (p, q)):
                 if isinstance(inv, Const):
                     return f"tl.exp2({self.expr(var)} * {self.lit(inv.value * LOG2E)})"
-                if self.hoistable(inv) and not self.hoistable(var):
-                    key = ("log2e", inv)
-                    if key not in self._pre_memo:
-                        self._emit(key, f"{self.expr(inv)} * {self.lit(LOG2E)}", True)
-                    return f"tl.exp2({self.expr(var)} * {self._pre_memo[key]})"
+                if self._steady(inv) and not self._steady(var):
+                    key, level = ("log2e", inv), self._level(inv)
+                    memo = self._where(level)[1]
+                    if key not in memo:
+                        self._emit(key, f"{self.expr(inv)} * {self.lit(LOG2E)}", level)
+                    return f"tl.exp2({self.expr(var)} * {memo[key]})"
         return f"tl.exp2({self.expr(u)} * {self.lit(LOG2E)})"
+
+    def _steady(self, e) -> bool:
+        """Free of time and of the state: the same at every step (hoisted, or printed once per
+        chunk and state index in the rows variant)."""
+        return "t" not in self.axes(e) and not ir.uses_state(e) and not isinstance(e, Const)
 
     def pow(self, x, y) -> str:
         if isinstance(y, Const):
