@@ -7,7 +7,8 @@ the fastest CUDA config (run under `ncu`, see gpu notes).
 --layouts: "bdl" times the (b, d, L) tensors mamba-ssm takes (time contiguous); "bld" the same
 values stored (b, L, d) / (b, L, n) and viewed as (b, d, L), the layout a naive block's
 projections produce (lanes along rows). --baseline adds mamba-ssm's CUDA selective_scan forward
-(built from the sdist under .carry/) on the same inputs, in the same run.
+(built from the sdist under .carry/) and torch's associative_scan compiled by Inductor on the
+same inputs, in the same run.
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def main():
                                     ins[5], ins[6], ins[7], True)[2]
                 res[f"mamba_ssm_L{L}"] = {"ms": bench(f), "rel_err": rel(f(), ref)}
                 print("mamba-ssm", L, res[f"mamba_ssm_L{L}"], flush=True)
+                assoc = torch.compile(BL.assoc_scan_mamba1)
+                res[f"assoc_scan_inductor_L{L}"] = {"ms": bench(lambda: assoc(*ins)), "rel_err": rel(assoc(*ins), ref)}
+                print("associative_scan+inductor", L, res[f"assoc_scan_inductor_L{L}"], flush=True)
         except Exception as e:
             res["mamba_ssm_error"] = f"{type(e).__name__}: {e}"[:500]
             print(res["mamba_ssm_error"], flush=True)

@@ -290,12 +290,12 @@ def _print_rows(r: Region, plan: Plan, cdt: str) -> RowsVariant | None:
         if not sums and plan.reg in o.index:
             post.append(_store(p, k, o, p.expr(o.expr)))
     outer_post = p.block(outer_f)
+    p.inherit()              # what is only needed after the loop is computed there (registers)
     for x, name in accs.items():
         p.memoize(x, name)
     for k, o in enumerate(r.outputs):
         if o.kind == "steps" and plan.reg not in o.index:
             outer_post.append(_store(p, k, o, p.expr(o.expr)))
-    p.split(None)
     final = p.block(dataclasses.replace(final_f, state="hc"))
     for k, o in enumerate(r.outputs):
         if o.kind == "final":
@@ -439,6 +439,15 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _layout(inputs) -> tuple:
+    """Per input, the dim with the smallest stride among those longer than 1 (-1: none): the
+    same shapes stored (b, d, L) or (b, L, d) want different configs."""
+    def inner(x):
+        dims = [d for d in range(x.dim()) if x.shape[d] > 1]
+        return min(dims, key=lambda d: (abs(x.stride(d)), -d)) if dims else -1
+    return tuple(inner(x) for x in inputs)
+
+
 class TritonKernel:
     """The forward kernel of one region: rendered source, per-bucket autotuned configs.
 
@@ -511,7 +520,7 @@ class TritonKernel:
         sizes, L = self.sizes(inputs)
         p = self.plan
         others = math.prod(sizes[a] for a in p.scalars)
-        return (tuple(str(x.dtype).replace("torch.", "") for x in inputs),
+        return (tuple(str(x.dtype).replace("torch.", "") for x in inputs), _layout(inputs),
                 _pow2(sizes[p.reg]) if p.reg else 1,
                 min(_pow2(sizes[p.block]), 4096) if p.block else 1,
                 min(_pow2(others), 1 << 16), min(_pow2(L), 1 << 14))
@@ -563,9 +572,11 @@ class TritonKernel:
 
     def constexprs(self, inputs, config) -> dict:
         sizes, _ = self.sizes(inputs)
-        return {"BLOCK_D": config["BLOCK_D"],
-                "BLOCK_N": _pow2(sizes[self.plan.reg]) if self.plan.reg else 1,
-                "CHUNK": config["CHUNK"]}
+        bn = _pow2(sizes[self.plan.reg]) if self.plan.reg else 1
+        cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": bn, "CHUNK": config["CHUNK"]}
+        if config["variant"] == "rows":      # no masks on the register axis when it fills BLOCK_N
+            cx["EVEN_N"] = bn == sizes[self.plan.reg]
+        return cx
 
     def grid(self, inputs, config) -> tuple[int]:
         sizes, _ = self.sizes(inputs)
@@ -590,6 +601,8 @@ class TritonKernel:
             else:
                 sig[n] = "i32"
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n if p.reg else 1, "CHUNK": config["CHUNK"]}
+        if config["variant"] == "rows":
+            cx["EVEN_N"] = True
         sig.update({k: "constexpr" for k in cx})
         cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
         return self._fn(self._module(cdt), config["variant"]), sig, cx

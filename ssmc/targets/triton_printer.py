@@ -148,6 +148,15 @@ class TritonPrinter:
         self._split = axis
         self._outer = None if axis is None else (lines, {}, frame)
 
+    def inherit(self) -> None:
+        """Continue the per-chunk level in the current block: ends the split, and what the
+        level printed reads by its names here (values computed before the loop over the axis
+        are reused after it; new ones are printed here, where they are needed)."""
+        outer = self._outer
+        self.split(None)
+        if outer is not None:
+            self._memo.update(outer[1])
+
     def memoize(self, e, name: str):
         """`e` reads as `name` in the current block (an accumulator the kernel keeps)."""
         self._memo[e] = name
