@@ -87,14 +87,15 @@ def rows_kernel(u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, y_pt
         tl.store(y_ptr + row + tt, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def run_rows(ins, BLOCK_D, CHUNK, warps, static_n):
+def run_rows(ins, BLOCK_D, CHUNK, warps, static_n, maxnreg=0):
     u, delta, A, B, C, D, z, bias = ins
     b, d, L = u.shape
     n = A.shape[1]
     y = torch.empty_like(u)
     grid = (b * triton.cdiv(d, BLOCK_D),)
     rows_kernel[grid](u, delta, A, B, C, D, z, bias, y, d, L, N=n, BLOCK_N=triton.next_power_of_2(n),
-                      BLOCK_D=BLOCK_D, CHUNK=CHUNK, STATIC_N=static_n, num_warps=warps)
+                      BLOCK_D=BLOCK_D, CHUNK=CHUNK, STATIC_N=static_n, num_warps=warps,
+                      **({"maxnreg": maxnreg} if maxnreg else {}))
     return y
 
 
@@ -114,17 +115,53 @@ CONFIGS = [(1, 256, 1), (1, 512, 1), (1, 512, 2), (1, 1024, 2), (1, 1024, 4), (1
            (2, 256, 2), (2, 512, 2), (4, 128, 2), (4, 256, 4)]
 
 
+def generated(L, configs):
+    """ssmc's rendered rows kernel for the same naive loop, each config timed with do_bench."""
+    from benchmarks.bench_gpu import lowered_graph
+    from benchmarks.run import mamba1_loop
+    from ssmc.runtime.op import lookup
+    from ssmc.targets import triton as T
+    b, d, n = 8, 1536, 16
+    first = {"variant": "rows", "BLOCK_D": configs[0][0], "CHUNK": configs[0][1], "num_warps": configs[0][2],
+             "num_stages": 1}
+    configs = [tuple(c) + (0,) * (5 - len(c)) for c in configs]
+    T.TritonKernel._autotune = lambda self, inputs, arch, bucket: dict(first)     # no search here
+    gm, rep = lowered_graph(mamba1_loop, mamba1_inputs(b, d, n, 16, torch.bfloat16, 0), target="triton")
+    k = lookup(rep.regions[0].key).kernel
+    ins = mamba1_inputs(b, d, n, L, torch.bfloat16, L)
+    ref = reference(ins)
+    gm(*ins)
+    out = {}
+    for bd, ch, w, mr, un in configs:
+        cfg = {"variant": "rows", "BLOCK_D": bd, "CHUNK": ch, "num_warps": w, "num_stages": 1,
+               **({"maxnreg": mr} if mr else {}), **({"UNROLL": un} if un else {})}
+        k.chosen = {key: dict(cfg) for key in k.chosen}
+        k._replays.clear()
+        y = gm(*ins)[0]
+        name = f"gen_bd{bd}_c{ch}_w{w}_r{mr}_u{un}"
+        out[name] = {"ms": bench(lambda: gm(*ins)), "rel_err": rel(y, ref), "config": k.config}
+        print(L, name, out[name], flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--lengths", default="4096,2048")
+    ap.add_argument("--configs", default="", help="bd:chunk:warps[:maxnreg[:unroll]],... (default: all of CONFIGS)")
+    ap.add_argument("--generated", action="store_true", help="ssmc's rendered rows kernel, per config, too")
+    ap.add_argument("--only-generated", action="store_true", help="no baseline, no prototype")
     args = ap.parse_args()
+    global CONFIGS
+    if args.configs:
+        CONFIGS = [tuple(map(int, c.split(":"))) for c in args.configs.split(",")]
     res = {}
+    ext = None
     try:
-        from benchmarks import baselines as BL
-        ext = BL.build_selective_scan_fwd()
+        if not args.only_generated:
+            from benchmarks import baselines as BL
+            ext = BL.build_selective_scan_fwd()
     except Exception as e:
-        ext = None
         res["baseline_error"] = repr(e)
     b, d, n = 8, 1536, 16
     for L in map(int, args.lengths.split(",")):
@@ -136,13 +173,16 @@ def main():
                                 ins[5], ins[6], ins[7], True)[2]
             r["mamba_ssm"] = {"ms": bench(f), "rel_err": rel(f(), ref)}
             print(L, "mamba-ssm", r["mamba_ssm"], flush=True)
-        for bd, ch, w in CONFIGS:
-            for static_n in (False, True):
-                name = f"bd{bd}_c{ch}_w{w}_{'static' if static_n else 'loop'}"
+        if args.generated or args.only_generated:
+            r.update(generated(L, CONFIGS))
+        for c in [] if args.only_generated else CONFIGS:
+            bd, ch, w, mr = (tuple(c) + (0,) * (4 - len(c)))[:4]
+            for static_n in (True,):
+                name = f"bd{bd}_c{ch}_w{w}_r{mr}_{'static' if static_n else 'loop'}"
                 try:
-                    out = run_rows(ins, bd, ch, w, static_n)
+                    out = run_rows(ins, bd, ch, w, static_n, mr)
                     err = rel(out, ref)
-                    ms = bench(lambda: run_rows(ins, bd, ch, w, static_n))
+                    ms = bench(lambda: run_rows(ins, bd, ch, w, static_n, mr))
                     r[name] = {"ms": ms, "rel_err": err}
                 except Exception as e:
                     r[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}

@@ -232,6 +232,14 @@ def test_compiles_for_sm80_sm90_without_gpu(name, cc, monkeypatch, tmp_path):
         ptx = ck.asm["ptx"]
         assert f".target sm_{cc}" in ptx and ck.asm.get("cubin")
         assert "ex2.approx" in ptx                        # exps are exp2 on the SFU
+    if kern.plan.reg:       # rows with part of the state axis unrolled, registers capped
+        cfg = {"variant": "rows", "BLOCK_D": 1, "CHUNK": 256, "num_warps": 1, "num_stages": 1,
+               "maxnreg": 128, "UNROLL": 4}
+        fn, sig, cx = kern.signature(cfg, block_n, seq)
+        assert cx["UNROLL_N"] == 4
+        opts = T.launch_options(cfg, torch.device("cuda"))
+        ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32), options=opts)
+        assert ".maxnreg 128" in ck.asm["ptx"] and ck.asm.get("cubin")
 
 
 def test_every_op_compiles_for_sm90(monkeypatch, tmp_path):
@@ -373,6 +381,38 @@ def test_edge_shapes(variant, interp, monkeypatch):
 def test_mamba1_fp64_computes_in_fp64(interp):
     rep, kern = check(P.mamba1("final"), P.mamba1_inputs(L=5, dtype=torch.float64, seed=33))
     assert "compute dtype tl.float64" in kern.source
+
+
+@pytest.mark.parametrize("n", [4, 5])
+def test_rows_every_config(n, interp):
+    """Every interpreter config of the rows variant (all state indices unrolled, or UNROLL of
+    them per iteration of a loop), a state axis that fills BLOCK_N (EVEN_N) and one that does
+    not, a partial channel block and a length that is no multiple of CHUNK."""
+    fn = P.mamba1("final")
+    args = P.mamba1_inputs(L=11, d=3, n=n, seed=50 + n)
+    region = region_of(fn, args)
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options())
+    rin = region_inputs(region, fn, args)
+    want = reference(fn, args)
+    cfgs = [c for c in kern.candidates(rin, None) if c["variant"] == "rows"]
+    assert any("UNROLL" in c for c in cfgs) and any("UNROLL" not in c for c in cfgs)
+    for cfg in cfgs:
+        outs = [o.fill_(float("nan")) for o in kern.outputs(rin)]
+        for g, w in match_outputs(kern.launch(rin, cfg, outs), want):
+            assert rel_err(g, w) <= TOL[torch.float32], f"n={n} {cfg}"
+
+
+def test_autotune_bucket_tells_layouts_apart():
+    """The same shapes stored (b, d, L) and (b, L, d) are tuned apart (rows wants time
+    contiguous, the loop variant channels)."""
+    fn = P.mamba1("final")
+    args = P.mamba1_inputs(L=9, seed=60)
+    region = region_of(fn, args)
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options())
+    rin = region_inputs(region, fn, args)
+    moved = [x.transpose(-1, -2).contiguous().transpose(-1, -2) if x is not None and x.dim() == 3 else x for x in rin]
+    assert [x.shape for x in moved] == [x.shape for x in rin]
+    assert kern.bucket(moved) != kern.bucket(rin)
 
 
 def fp64_constants(u0, u1):

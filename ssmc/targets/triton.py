@@ -439,6 +439,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def launch_options(config: dict, device) -> dict:
+    """Triton's compile options of a config: warps, stages and, where a config caps them, the
+    registers per thread (``maxnreg``: ptxas then schedules for that occupancy)."""
+    if device.type == "cpu":
+        return {}
+    opts = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    if config.get("maxnreg"):
+        opts["maxnreg"] = config["maxnreg"]
+    return opts
+
+
 def _layout(inputs) -> tuple:
     """Per input, the dim with the smallest stride among those longer than 1 (-1: none): the
     same shapes stored (b, d, L) or (b, L, d) want different configs."""
@@ -542,6 +553,8 @@ class TritonKernel:
                 continue
             c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
             c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L)))     # the same across a bucket
+            if int(c.get("UNROLL", bn)) >= bn:                         # all of the axis: the default
+                c.pop("UNROLL", None)
             sig = tuple(sorted(c.items()))
             if sig in seen:
                 continue
@@ -576,6 +589,7 @@ class TritonKernel:
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": bn, "CHUNK": config["CHUNK"]}
         if config["variant"] == "rows":      # no masks on the register axis when it fills BLOCK_N
             cx["EVEN_N"] = bn == sizes[self.plan.reg]
+            cx["UNROLL_N"] = min(int(config.get("UNROLL", bn)), bn)
         return cx
 
     def grid(self, inputs, config) -> tuple[int]:
@@ -603,6 +617,7 @@ class TritonKernel:
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n if p.reg else 1, "CHUNK": config["CHUNK"]}
         if config["variant"] == "rows":
             cx["EVEN_N"] = True
+            cx["UNROLL_N"] = min(int(config.get("UNROLL", cx["BLOCK_N"])), cx["BLOCK_N"])
         sig.update({k: "constexpr" for k in cx})
         cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
         return self._fn(self._module(cdt), config["variant"]), sig, cx
@@ -631,8 +646,7 @@ class TritonKernel:
         """Run one config (tests use this to check every variant)."""
         outs = self.outputs(inputs) if outs is None else outs
         fn = self._fn(self._module(self._cdt(inputs)), config["variant"])
-        extra = {} if inputs[0].device.type == "cpu" else {
-            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        extra = launch_options(config, inputs[0].device)
         fn[self.grid(inputs, config)](*self.launch_args(inputs, outs),
                                       **self.constexprs(inputs, config), **extra)
         return outs
@@ -699,8 +713,7 @@ class TritonKernel:
         constexprs. A decode step is a few microseconds of GPU work, so the Python between the
         custom op and the launch is most of its time."""
         fn = self._fn(self._module(self._cdt(inputs)), config["variant"])
-        extra = {} if inputs[0].device.type == "cpu" else {
-            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        extra = launch_options(config, inputs[0].device)
         args = self.launch_args(inputs, outs)
         slots = {}                                  # argument position -> (is_output, index)
         for k, a in enumerate(args):
