@@ -15,10 +15,17 @@ nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$LOG"
 STEPS=${SSMC_GPU_STEPS:-tests,region,moe,bsp}
 if [[ $STEPS == *tests* ]]; then      # one file at a time: a fault in one cannot hide the others' results
   for f in tests/test_ssd.py tests/test_streams.py tests/test_triton_bwd.py tests/test_moe.py \
-           tests/test_block_sparse.py tests/test_cuda_codegen.py tests/test_triton.py tests/test_robustness.py; do
+           tests/test_block_sparse.py tests/test_cuda_codegen.py tests/test_robustness.py; do
     echo "== $f" >> "$LOG"
     timeout ${SSMC_TEST_TIMEOUT:-120} python -m pytest -m gpu -q -p no:cacheprovider -rf "$f" 2>&1 | tail -15 >> "$LOG"
   done
+  # test_triton.py compiles every candidate config per shape (~8 min in one process): three at once
+  for k in mamba1 mamba2 "gated or end_to_end"; do
+    ( timeout ${SSMC_TEST_TIMEOUT_TRITON:-280} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton.py \
+        -k "$k" > "$OUT/test_triton_${k%% *}.txt" 2>&1 ) &
+  done
+  wait
+  for k in mamba1 mamba2 gated; do echo "== tests/test_triton.py -k $k" >> "$LOG"; tail -5 "$OUT/test_triton_$k.txt" >> "$LOG"; rm -f "$OUT/test_triton_$k.txt"; done
 fi
 if [[ $STEPS == *region* ]]; then     # mamba-ssm baselines in the same run; no eager at these lengths
   timeout ${SSMC_BENCH_TIMEOUT:-240} python -m benchmarks.run --preset h200 --workloads mamba1,mamba2,decode \
