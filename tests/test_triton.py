@@ -291,14 +291,16 @@ def test_rendered_source_hoists_and_folds():
         assert re.search(r"\bod3?\b", dt_line) and not re.search(r"\bon3?\b", dt_line)
         assert "_sum(" in inside                           # the readout is a register reduction
     assert "tl.associative_scan(" in _body(src, "scan")
-    # rows: per chunk, softplus(dt + bias) once outside the loop over n; A (d, n) loaded inside
-    # it with log2(e) folded there; the readout accumulated across the loop, no register sum
+    # rows: per chunk, softplus(dt + bias) once outside the loop over n; A (d, n) loaded as a
+    # tile before the time loop with log2(e) folded there, its column n read inside the loop;
+    # the readout accumulated across the loop, no register sum
     body = _body(src, "rows")
-    chunk = body[body.index("for t0 in range("):]
+    before, chunk = body[:body.index("for t0 in range(")], body[body.index("for t0 in range("):]
     outer, inner = chunk.split("for n in tl.static_range(BLOCK_N):")
     inner, after = inner.split("\n        v", 1)          # the loop body ends at the chunk's indent
     assert "_log1p(" in outer and "_log1p(" not in inner
-    assert "in2_ptr" in inner and "in2_ptr" not in outer and "* 1.4426950408889634" in inner
+    assert "in2_ptr" in before and "in2_ptr" not in chunk and "* 1.4426950408889634" in before
+    assert re.search(r"tl\.where\(on == n, p\d+, 0\.0\)", inner)
     assert "acc0 += tl.where(nm, " in inner and "acc0" in after and "tl.store(out0_ptr" in after
     assert "tl.associative_scan((a, b), axis=1" in inner and "_sum(tl.where(mn" not in body
     # Mamba-2: the decay is one scalar per program and step (no offsets, no mask)

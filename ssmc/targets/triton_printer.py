@@ -106,7 +106,10 @@ class TritonPrinter:
     `split(axis, lines, frame)` adds a level between the two, for kernels that loop over a state
     axis inside each chunk of time (the ``rows`` variant): values free of that axis and of the
     state go to ``lines`` (printed once per chunk, before the loop over the axis), the rest to
-    the current block (the loop's body); nothing that varies along the axis is hoisted.
+    the current block (the loop's body). Values free of time and of the state that vary along
+    the axis (Mamba's A[d, n]) are hoisted as tiles over it, and the loop's body reads its
+    index's column of them: one load before the time loop instead of one per chunk and index
+    (and, measured with ptxas for sm_90, 143 registers a thread instead of 180).
     """
 
     def __init__(self, region: ir.Region, cdt: str = "tl.float32", prefix: str = "v"):
@@ -157,6 +160,30 @@ class TritonPrinter:
         if outer is not None:
             self._memo.update(outer[1])
 
+    def _tile(self, e) -> str:
+        """`e` (free of time and state) printed before the time loop over the whole split axis."""
+        saved, self._split = self._split, None
+        try:
+            return self.expr(e)
+        finally:
+            self._split = saved
+
+    def _column(self, key, tile: str) -> str:
+        """The loop's current index of a hoisted tile, once per block."""
+        if key not in self._memo:
+            on = self._pre_frame.codes[self._split][0]
+            k = self._pre_frame.reg_dim
+            idx = self.frame.codes[self._split][0]
+            name = self._name(False)
+            self.lines.append(f"{name} = tl.expand_dims(_sum(tl.where({on} == {idx}, {tile}, 0.0), {k}), {k})")
+            self._memo[key] = name
+        return self._memo[key]
+
+    def _columnar(self, e) -> bool:
+        """Hoisted as a tile over the split axis, read by column in the loop over it."""
+        return (self._split is not None and self._split in self.axes(e)
+                and self._steady(e) and not isinstance(e, Const))
+
     def memoize(self, e, name: str):
         """`e` reads as `name` in the current block (an accumulator the kernel keeps)."""
         self._memo[e] = name
@@ -205,6 +232,8 @@ class TritonPrinter:
             return self.lit(e.value)
         if e in self._memo:                      # the current block's own names come first
             return self._memo[e]
+        if self._columnar(e):
+            return self._column(("col", e), self._tile(e))
         level = self._level(e)
         _, memo, frame = self._where(level)
         if e in memo:
@@ -311,6 +340,11 @@ class TritonPrinter:
             for inv, var in ((q, p), (p, q)):
                 if isinstance(inv, Const):
                     return f"tl.exp2({self.expr(var)} * {self.lit(inv.value * LOG2E)})"
+                if self._columnar(inv) and not self._steady(var):
+                    key = ("log2e", inv)
+                    if key not in self._pre_memo:
+                        self._emit(key, f"{self._tile(inv)} * {self.lit(LOG2E)}", "pre")
+                    return f"tl.exp2({self.expr(var)} * {self._column(key, self._pre_memo[key])})"
                 if self._steady(inv) and not self._steady(var):
                     key, level = ("log2e", inv), self._level(inv)
                     memo = self._where(level)[1]
