@@ -1,7 +1,8 @@
 """Prototype of a Triton selective-scan layout before it goes into the generator: a program owns
 BLOCK_D rows and a chunk of CHUNK steps as a (BLOCK_D, CHUNK) tile (time along lanes), the
-state axis n is a loop inside the chunk, one tl.associative_scan per (chunk, n), the readout
-accumulated over n in registers. Mamba-1 forward, b8 d1536 n16, bf16, against float64 and
+state axis n is a loop inside the chunk (unrolled; the dynamic-loop form timed in
+results/h200_exp_rows_fc1616f.json is this file as of commit b5efc97), one tl.associative_scan
+per (chunk, n), the readout accumulated over n in registers. Mamba-1 forward, b8 d1536 n16, bf16, against float64 and
 mamba-ssm's CUDA forward in the same run.
 
     python -m benchmarks.exp_rows --out F [--lengths 2048,4096]
@@ -31,7 +32,7 @@ def _comb(a1, b1, a2, b2):
 @triton.jit
 def rows_kernel(u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, y_ptr,
                 SIZE_D, L, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, STATIC_N: tl.constexpr):
+                BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     nblk = (SIZE_D + BLOCK_D - 1) // BLOCK_D
     pid_d = pid % nblk
@@ -56,45 +57,31 @@ def rows_kernel(u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, y_pt
         u = tl.load(u_ptr + row + tt, mask=m, other=0.0).to(tl.float32)
         dtu = dt * u
         acc = tl.zeros((BLOCK_D, CHUNK), tl.float32)
-        if STATIC_N:
-            for n in tl.static_range(N):
-                An = tl.load(A_ptr + od * N + n, mask=md, other=0.0) * 1.4426950408889634
-                a = tl.where(mt, tl.exp2(dt * An), 1.0)
-                Bn = tl.load(B_ptr + bn + n * L + tt, mask=mt, other=0.0).to(tl.float32)
-                bb = dtu * Bn
-                hn = tl.sum(tl.where(on == n, hc, 0.0), 1)[:, None]
-                Aa, Bb = tl.associative_scan((a, bb), axis=1, combine_fn=_comb)
-                H = Aa * hn + Bb
-                Cn = tl.load(C_ptr + bn + n * L + tt, mask=mt, other=0.0).to(tl.float32)
-                acc += H * Cn
-                hl = tl.sum(tl.where(last, H, 0.0), 1)[:, None]
-                hc = tl.where(on == n, hl, hc)
-        else:
-            for n in range(N):
-                An = tl.load(A_ptr + od * N + n, mask=md, other=0.0) * 1.4426950408889634
-                a = tl.where(mt, tl.exp2(dt * An), 1.0)
-                Bn = tl.load(B_ptr + bn + n * L + tt, mask=mt, other=0.0).to(tl.float32)
-                bb = dtu * Bn
-                hn = tl.sum(tl.where(on == n, hc, 0.0), 1)[:, None]
-                Aa, Bb = tl.associative_scan((a, bb), axis=1, combine_fn=_comb)
-                H = Aa * hn + Bb
-                Cn = tl.load(C_ptr + bn + n * L + tt, mask=mt, other=0.0).to(tl.float32)
-                acc += H * Cn
-                hl = tl.sum(tl.where(last, H, 0.0), 1)[:, None]
-                hc = tl.where(on == n, hl, hc)
+        for n in tl.static_range(N):
+            An = tl.load(A_ptr + od * N + n, mask=md, other=0.0) * 1.4426950408889634
+            a = tl.where(mt, tl.exp2(dt * An), 1.0)
+            Bn = tl.load(B_ptr + bn + n * L + tt, mask=mt, other=0.0).to(tl.float32)
+            bb = dtu * Bn
+            hn = tl.sum(tl.where(on == n, hc, 0.0), 1)[:, None]
+            Aa, Bb = tl.associative_scan((a, bb), axis=1, combine_fn=_comb)
+            H = Aa * hn + Bb
+            Cn = tl.load(C_ptr + bn + n * L + tt, mask=mt, other=0.0).to(tl.float32)
+            acc += H * Cn
+            hl = tl.sum(tl.where(last, H, 0.0), 1)[:, None]
+            hc = tl.where(on == n, hl, hc)
         z = tl.load(z_ptr + row + tt, mask=m, other=0.0).to(tl.float32)
         y = (acc + Dv * u) * (z / (1.0 + tl.exp2(-z * 1.4426950408889634)))
         tl.store(y_ptr + row + tt, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def run_rows(ins, BLOCK_D, CHUNK, warps, static_n, maxnreg=0):
+def run_rows(ins, BLOCK_D, CHUNK, warps, maxnreg=0):
     u, delta, A, B, C, D, z, bias = ins
     b, d, L = u.shape
     n = A.shape[1]
     y = torch.empty_like(u)
     grid = (b * triton.cdiv(d, BLOCK_D),)
     rows_kernel[grid](u, delta, A, B, C, D, z, bias, y, d, L, N=n, BLOCK_N=triton.next_power_of_2(n),
-                      BLOCK_D=BLOCK_D, CHUNK=CHUNK, STATIC_N=static_n, num_warps=warps,
+                      BLOCK_D=BLOCK_D, CHUNK=CHUNK, num_warps=warps,
                       **({"maxnreg": maxnreg} if maxnreg else {}))
     return y
 
@@ -177,16 +164,14 @@ def main():
             r.update(generated(L, CONFIGS))
         for c in [] if args.only_generated else CONFIGS:
             bd, ch, w, mr = (tuple(c) + (0,) * (4 - len(c)))[:4]
-            for static_n in (True,):
-                name = f"bd{bd}_c{ch}_w{w}_r{mr}_{'static' if static_n else 'loop'}"
-                try:
-                    out = run_rows(ins, bd, ch, w, static_n, mr)
-                    err = rel(out, ref)
-                    ms = bench(lambda: run_rows(ins, bd, ch, w, static_n, mr))
-                    r[name] = {"ms": ms, "rel_err": err}
-                except Exception as e:
-                    r[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                print(L, name, r[name], flush=True)
+            name = f"bd{bd}_c{ch}_w{w}_r{mr}_static"
+            try:
+                out = run_rows(ins, bd, ch, w, mr)
+                err = rel(out, ref)
+                r[name] = {"ms": bench(lambda: run_rows(ins, bd, ch, w, mr)), "rel_err": err}
+            except Exception as e:
+                r[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(L, name, r[name], flush=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
 
 
