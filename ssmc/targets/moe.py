@@ -354,7 +354,8 @@ class GroupedTritonKernel(GroupedKernel):
         consts = tuple(consts)
         mod = self.module(cdt, tiles, consts)
         fn = getattr(mod, entry_name(r, config))
-        extra = {} if dev.type == "cpu" else {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        from .triton import launch_options
+        extra = launch_options(config, dev)
         names = [n for n, k in self.fields if k == "offset"]
         cx = {}
         for t, (bd, ch) in tp.items():

@@ -450,6 +450,12 @@ def launch_options(config: dict, device) -> dict:
     return opts
 
 
+def _rows_constexprs(config: dict, block_n: int, size_n: int) -> dict:
+    """The rows kernel's own constexprs: no masks on the register axis when it fills BLOCK_N,
+    and how many of its indices are unrolled per iteration (all by default)."""
+    return {"EVEN_N": block_n == size_n, "UNROLL_N": min(int(config.get("UNROLL", block_n)), block_n)}
+
+
 def _layout(inputs) -> tuple:
     """Per input, the dim with the smallest stride among those longer than 1 (-1: none): the
     same shapes stored (b, d, L) or (b, L, d) want different configs."""
@@ -587,9 +593,8 @@ class TritonKernel:
         sizes, _ = self.sizes(inputs)
         bn = _pow2(sizes[self.plan.reg]) if self.plan.reg else 1
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": bn, "CHUNK": config["CHUNK"]}
-        if config["variant"] == "rows":      # no masks on the register axis when it fills BLOCK_N
-            cx["EVEN_N"] = bn == sizes[self.plan.reg]
-            cx["UNROLL_N"] = min(int(config.get("UNROLL", bn)), bn)
+        if config["variant"] == "rows":
+            cx.update(_rows_constexprs(config, bn, sizes[self.plan.reg]))
         return cx
 
     def grid(self, inputs, config) -> tuple[int]:
@@ -616,8 +621,7 @@ class TritonKernel:
                 sig[n] = "i32"
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n if p.reg else 1, "CHUNK": config["CHUNK"]}
         if config["variant"] == "rows":
-            cx["EVEN_N"] = True
-            cx["UNROLL_N"] = min(int(config.get("UNROLL", cx["BLOCK_N"])), cx["BLOCK_N"])
+            cx.update(_rows_constexprs(config, cx["BLOCK_N"], cx["BLOCK_N"]))
         sig.update({k: "constexpr" for k in cx})
         cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
         return self._fn(self._module(cdt), config["variant"]), sig, cx

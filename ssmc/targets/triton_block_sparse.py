@@ -360,8 +360,7 @@ class BlockSparseKernel(T.TritonKernel):
         scratch = torch.empty(grid[0] * 2 * config["BLOCK_D"] * T._pow2(n), device=inputs[0].device,
                               dtype=torch.float64 if cdt == "tl.float64" else torch.float32)
         fn = self._fn(self._module(cdt), config["variant"])
-        extra = {} if inputs[0].device.type == "cpu" else {
-            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        extra = T.launch_options(config, inputs[0].device)
         fn[grid](*self.launch_args(inputs, outs), cols, cnt, scratch, flag, n // bs,
                  **self.constexprs(inputs, config), **extra)
         return outs

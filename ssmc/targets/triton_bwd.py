@@ -493,7 +493,7 @@ class BackwardKernel(T.TritonKernel):
         args += [sizes[a] for a in bp.scalars]
         args += [sizes[bp.block] if bp.block else 1, sizes[bp.reg] if bp.reg else 1, L]
         fn = self._fn(self._module(self._cdt(call)))
-        extra = {} if dev.type == "cpu" else {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        extra = T.launch_options(config, dev)
         fn[self.grid(call, config)](*args, **self.constexprs(call, config), **extra)
         return self._finish(call, bufs)
 

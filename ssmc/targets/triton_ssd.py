@@ -702,7 +702,7 @@ class SSDKernel(T.TritonKernel):
         outs = self.outputs(inputs) if outs is None else outs
         mod = self._module(self._cdt(inputs))
         cpu = inputs[0].device.type == "cpu"
-        extra = {} if cpu else {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        extra = T.launch_options(config, inputs[0].device)
         cx = self.constexprs(inputs, config)
         sizes, _ = self.sizes(inputs)
         P, N = sizes[self.plan.p], sizes[self.plan.n]
