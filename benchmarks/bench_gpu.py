@@ -50,8 +50,8 @@ def env_info():
                                         capture_output=True, text=True).stdout.strip()
     except OSError:
         pass
-    info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip() or os.environ.get("SSMC_COMMIT", "")
+    info["commit"] = os.environ.get("SSMC_COMMIT") or subprocess.run(    # the device copy's .git may be stale
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     info["ssmc"] = ssmc.__version__
     return info
 

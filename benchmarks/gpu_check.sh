@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
-# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg" and "train"
-# only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
+# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune" and
+# "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
 #   $OUT/fuzz_gpu.json (SSMC_FUZZ_* as in tests/fuzz_harness.py; defaults below fit one call)
@@ -32,6 +32,12 @@ if [[ $STEPS == *region* ]]; then     # mamba-ssm baselines in the same run; no 
     --lengths "${SSMC_LENGTHS:-4096}" --targets "${SSMC_TARGETS:-triton,cuda,auto}" --eager-max-len 0 \
     --out /tmp/ssmc_run --name h200_regions >> "$LOG" 2>&1
   cp /tmp/ssmc_run/h200_regions.json "$OUT/" 2>/dev/null
+fi
+if [[ $STEPS == *m1tune* ]]; then    # Mamba-1 region per kernel config, b8 d1536 n16 bf16, mamba-ssm and associative_scan in the run
+  timeout ${SSMC_TUNE_TIMEOUT:-400} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_m1.json" \
+    --lengths "${SSMC_LENGTHS:-4096,2048}" --only "${SSMC_TUNE_ONLY:-triton,cuda}" --layouts bdl --baseline >> "$LOG" 2>&1
+  timeout ${SSMC_TUNE_BLD_TIMEOUT:-150} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_m1_bld.json" \
+    --lengths 4096 --only cuda --layouts bld >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *ssdseg* ]]; then    # per table config, each count in its own process
   timeout ${SSMC_SEG_TIMEOUT:-540} python -m benchmarks.tune_ssd --out "$OUT/h200_ssd_segments.json" --configs table \

@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--profile-once", default="", help="target: run its default pick once (under ncu)")
     ap.add_argument("--layouts", default="bdl")
     ap.add_argument("--baseline", action="store_true", help="mamba-ssm's CUDA selective_scan forward too")
+    ap.add_argument("--batch", type=int, default=8, help="batch size (d1536 n16)")
     args = ap.parse_args()
     if args.profile_once:
         b, d, n = 8, 1536, 16
@@ -43,8 +44,8 @@ def main():
             gm(*ins)
         torch.cuda.synchronize()
         return
-    res = {"env": env_info()}
-    b, d, n = 8, 1536, 16
+    res = {"env": env_info(), "shape": {"b": args.batch, "d": 1536, "n": 16, "dtype": "bfloat16"}}
+    b, d, n = args.batch, 1536, 16
     small = mamba1_inputs(b, d, n, 16, torch.bfloat16, 0)
     gm64, _ = lowered_graph(mamba1_naive, [x.double() if x.is_floating_point() else x for x in small], target="torch")
     if args.baseline:

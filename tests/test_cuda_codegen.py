@@ -180,7 +180,7 @@ def test_every_region_renders(regions, arch):
         assert "__shfl_up_sync" in src and "__syncthreads" in src, name
         code = [line for line in src.splitlines() if not line.lstrip().startswith("//")]
         assert not any("None" in line or "Undefined" in line for line in code), name
-        kernels = re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+, \d+\)\n(\w+)\(', src)
+        kernels = re.findall(r'extern "C" __global__ void __launch_bounds__\((?:\d+|ssmc_seq_block\([\w, ]+\)), \d+\)\n(\w+)\(', src)
         assert len(kernels) == len(cuda.render(r, arch).configs) >= 2, name
     _, v80 = cuda.variant_for(86)
     _, v90 = cuda.variant_for(120)
@@ -231,7 +231,7 @@ def test_nvrtc_compiles(regions, name, arch, dtype):
     assert "shfl.sync.up" in ptx and "bar.sync" in ptx
     if name != "gated":                                  # gated's decay is a sigmoid, no exp2 of its own
         assert "ex2.approx.ftz.f32" in ptx
-    assert re.search(r"ld\.global\.nc\.v[24]\.", ptx)     # a run of 4 items: one 16- or 8-byte load
+    assert re.search(r"ld\.global\.nc(\.L2::256B)?\.v[24]\.", ptx)     # a run of 4 items: one 16- or 8-byte load
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -305,10 +305,15 @@ SMALL = {   # small blocks so that short sequences span several chunks; every sc
               "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}},
     # the sequential kernel: a thread per (row, share of the state elements), lanes along rows;
     # several rows a block (spare rows), the shares' sums added across lanes
-    "seq": {"time_major": [{"max_len": 8, "kernel": "seq", "rows": 32, "items": 2},
-                           {"kernel": "seq", "rows": 16, "split": 2, "items": 4, "group": 2}],
-            "row_major": [{"max_len": 8, "kernel": "seq", "rows": 8, "split": 4, "items": 2, "group": 2},
-                          {"kernel": "seq", "rows": 32, "items": 4, "group": 3, "poly": 2}],
+    # (N = 6: a thread or 2 threads a row; N = 8: 4 or 8 threads a row; the chunked scans when no
+    # entry fits N, or N is read at run time)
+    "seq": {"time_major": [{"max_len": 8, "kernel": "seq", "rows": 32, "states": 6, "items": 2},
+                           {"kernel": "seq", "rows": 16, "states": 3, "items": 4},
+                           {"kernel": "seq", "rows": 8, "states": 2, "items": 8},
+                           {"threads": 32, "items": 4}],
+            "row_major": [{"max_len": 8, "kernel": "seq", "rows": 16, "states": 3, "items": 2, "poly": 2},
+                          {"kernel": "seq", "rows": 4, "states": 1, "items": 8},
+                          {"warps": 2, "items": 4}],
             "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}},
 }
 
@@ -406,29 +411,48 @@ def test_emulated_dtypes(regions, emu_dir, name, dtype, layout):
     _emu_case(regions, emu_dir, name, 520, dtype, layout, variant="split", seed=3)
 
 
+SEQ_PICKS = {   # (N, L, layout) -> the kernel of SMALL["seq"] that takes it (None: a chunked scan)
+    (6, 5, "time_major"): "sq32n6x2", (6, 37, "time_major"): "sq16n3x4",
+    (8, 5, "time_major"): "sq8n2x8", (8, 37, "time_major"): "sq8n2x8",
+    (6, 5, "row_major"): "sq16n3x2sp2", (6, 37, "row_major"): None,
+    (8, 5, "row_major"): "sq4n1x8s", (8, 37, "row_major"): "sq4n1x8s",
+}
+
+
 @pytest.mark.parametrize("name", ["mamba1", "mamba1_bdl", "mamba2", "gated", "s4d", "scan"])
 def test_emulated_seq(regions, emu_dir, name):
-    """The sequential kernel: short and long sequences, both data layouts, N fixed at compile
-    time (groups of 2 or 3 state elements, shares of 2 or 4 threads a row) and read at run time."""
-    for L in (5, 37):
-        for layout in ("time_major", "row_major"):
-            for static_n in (True, False):
-                k = _emu_case(regions, emu_dir, name, L, torch.float32, layout, variant="seq", seed=7,
-                              n=6, static_n=static_n)
-                assert k.last_launch["algorithm"] == "seq", k.last_launch
+    """The sequential kernel (state in registers, a row's state elements shared by 1 to 8 lanes):
+    short and long sequences (a partial last chunk, whole chunks), both data layouts, spare rows;
+    entries whose states do not divide N, and every entry when N is read at run time, are passed
+    over for a chunked scan."""
+    n_axes = name in ("mamba1", "mamba1_bdl", "s4d", "scan")      # regions whose state size is n
+    for n in (6, 8) if n_axes else (None,):
+        for L in (5, 37):
+            for layout in ("time_major", "row_major"):
+                for static_n in (True, False):
+                    k = _emu_case(regions, emu_dir, name, L, torch.float32, layout, variant="seq", seed=7,
+                                  n=n or 4, static_n=static_n)
+                    want = SEQ_PICKS.get((n, L, layout)) if static_n and n else None
+                    if want:
+                        assert k.last_launch["kernel"].endswith(want), (n, L, layout, k.last_launch)
+                    elif not static_n:
+                        assert k.last_launch["algorithm"] != "seq", k.last_launch
+                    if static_n and n and not want:
+                        assert k.last_launch["algorithm"] != "seq", k.last_launch
 
 
 def test_emulated_seq_bf16(regions, emu_dir):
-    """16-byte loads of 8 bf16 items per run where time is contiguous, a partial last chunk."""
-    variant = {"time_major": [{"kernel": "seq", "rows": 16, "split": 2, "items": 8, "group": 2}],
+    """16-byte loads of 8 bf16 items per run where time is contiguous, a partial last chunk; 4
+    threads a row, each computing the per-step values of 2 items of a chunk."""
+    variant = {"time_major": [{"kernel": "seq", "rows": 8, "states": 4, "items": 8}],
                "row_major": [], "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}}
     r = with_dtype(regions["mamba1_bdl"], "bfloat16")
     kernel = cuda.CudaKernel(r, plan(r), get_cache(str(emu_dir / "cache")), variants=variant)
     kernel.poison, kernel.force_layout = True, "time_major"
-    xs = region_inputs("mamba1_bdl", r, 53, torch.bfloat16, 8)
+    xs = region_inputs("mamba1_bdl", r, 53, torch.bfloat16, 8, n=16)
     outs = emulate(kernel, xs, emu_dir)
     check_close(outs, reference_run(r, [x.double() for x in xs]), torch.bfloat16, "seq bf16")
-    assert kernel.last_launch["kernel"].endswith("sq16x2x8g2")
+    assert kernel.last_launch["kernel"].endswith("sq8n4x8") and kernel.last_launch["block"] == 32
 
 
 def every_op_region(gated: ir.Region) -> ir.Region:
@@ -505,9 +529,15 @@ def test_emulated_production_variants(regions, emu_dir):
     assert kernel.last_launch["kernel"] == cuda._pick(kernel.rendered(90).configs, "time_major", 2100, 6)["kernel"]
     assert kernel.last_launch["ns"] == 4 and kernel.last_launch["group"] > 1
     check_close(outs, ref, torch.float32, "sm_90 table")
+    xs16 = region_inputs("mamba1_bdl", r, 300, torch.float32, seed=6, n=16)   # the sequential entries' N
+    ref16 = reference_run(r, [x.double() for x in xs16])
     for c in kernel.rendered(90).configs:
         kernel.force_kernel = c["kernel"]
-        check_close(emulate(kernel, xs, emu_dir, arch=90), ref, torch.float32, c["kernel"])
+        if c["layout"] == "seq" and not cuda._seq_split(c, 4):
+            assert cuda._seq_split(c, 16), c["kernel"]
+            check_close(emulate(kernel, xs16, emu_dir, arch=90), ref16, torch.float32, c["kernel"])
+        else:
+            check_close(emulate(kernel, xs, emu_dir, arch=90), ref, torch.float32, c["kernel"])
 
 
 @pytest.mark.parametrize("n", [3, 4, 5])

@@ -295,7 +295,11 @@ def test_rendered_source_hoists_and_folds():
     # tile before the time loop with log2(e) folded there, its column n read inside the loop;
     # the readout accumulated across the loop, no register sum
     body = _body(src, "rows")
-    before, chunk = body[:body.index("for t0 in range(")], body[body.index("for t0 in range("):]
+    before, chunks = body[:body.index("for t0 in range(")], body[body.index("for t0 in range("):]
+    # whole chunks with a constant time mask (its selects fold away), then the partial last one
+    full, tail = chunks.split("for t0 in range(L_full, L, CHUNK):")
+    assert "mt = tl.full((1, CHUNK), 1, tl.int1)" in full and "mt = tt < L" in tail
+    chunk = full
     outer, inner = chunk.split("for n in tl.static_range(BLOCK_N):")
     inner, after = inner.split("\n        v", 1)          # the loop body ends at the chunk's indent
     assert "_log1p(" in outer and "_log1p(" not in inner

@@ -60,7 +60,6 @@ STRATEGIES = ("chunked_scan", "chunked_ssd", "step")   # one kernel, numerically
 MIN_ARCH = 80
 SMEM_DEFAULT = 48 * 1024        # dynamic shared memory without opting in
 NS_MAX = 64                     # state sizes up to this get an instance with N fixed at compile time
-SMEM_SEQ_MAX = 96 * 1024        # the sequential kernel's carry above this: a chunked scan instead
 
 
 class CudaCompileError(RuntimeError):
@@ -234,10 +233,11 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
                     raise ValueError(f"row_major variant {c}: warps must be in [1, 32]")
                 name, block, per_block, targs = f"{prefix}_rm{w}x{it}", 32 * w, 32, f"{w}"
             elif algo == "seq":
-                rows, split = int(c.get("rows", 32)), int(c.get("split", 1))
-                if split not in (1, 2, 4, 8, 16, 32) or (rows * split) % 32 or not 32 <= rows * split <= 1024 or it < 1:
-                    raise ValueError(f"seq variant {c}: split a power of 2 <= 32, rows * split a multiple of 32, <= 1024")
-                name, block, per_block, targs = f"{prefix}_sq{rows}x{split}x{it}", rows * split, rows, f"{rows}, {split}"
+                rows, states = int(c.get("rows", 32)), int(c.get("states", 4))
+                if not 1 <= rows <= 1024 or states < 1 or it < 1:
+                    raise ValueError(f"seq variant {c}: rows in [1, 1024], states and items >= 1")
+                # threads per row = N / states, known when N is (an instance per N): see _seq_split
+                name, block, per_block, targs = f"{prefix}_sq{rows}n{states}x{it}", None, rows, f"{rows}, {states}"
             else:
                 raise ValueError(f"variant {c}: unknown kernel {algo!r}")
             if grp < 1:
@@ -245,9 +245,10 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
             vec = not c.get("strided", algo == "row_major" or (algo == "seq" and data_layout == "row_major"))
             name += (f"g{grp}" if grp > 1 else "") + ("" if vec == (algo != "row_major") else "s" if not vec else "v")
             name += f"p{poly}" if poly != poly0 else ""
-            mb = int(c.get("min_blocks", mins.get(block, 1)))
+            mb = int(c.get("min_blocks", mins.get(block, 1) if block else 1))
             name += f"m{mb}" if "min_blocks" in c else ""
-            cfg = dict(layout=algo, kernel=name, block=block, rows_per_block=per_block, template_args=targs,
+            bounds = str(block) if block else f"ssmc_seq_block({rows}, SSMC_NS, {states}, {it})"
+            cfg = dict(layout=algo, kernel=name, block=block, bounds=bounds, rows_per_block=per_block, template_args=targs,
                        items=it, poly=poly, pair=pair, min_blocks=mb, group=grp, vec=vec, max_len=c.get("max_len"),
                        min_rows=int(c.get("min_rows") or 0), layouts=(data_layout,))
             same = next((o for o in out if o["kernel"] == name), None)
@@ -467,7 +468,7 @@ class CudaKernel:
         args = [(k, inputs[v].data_ptr() if src == "in" else outputs[v].data_ptr() if src == "out" else v)
                 for k, src, v in pl["args"]]
         self.last_launch = pl["info"]
-        launch(pl["cfg"], pl["grid"], pl["cfg"]["block"], pl["smem"], args, pl["ns"])
+        launch(pl["cfg"], pl["grid"], pl["block"], pl["smem"], args, pl["ns"])
         return outputs
 
     def _plan_launch(self, inputs, arch: int) -> dict:
@@ -489,24 +490,27 @@ class CudaKernel:
             raise ValueError(f"sequence length {L} / state size {N} beyond the kernel's int32 indexing")
         rend = self.rendered(arch)
         probe = self._outputs_from(out_shapes, inputs[0].device, meta=True)
+        ns = N if (self.static_n and N <= NS_MAX) else 0
         if self.force_kernel:
             cfg = next(c for c in rend.configs if c["kernel"] == self.force_kernel)
             layout = self.force_layout or cfg["layouts"][0]
+            if cfg["layout"] == "seq" and not _seq_split(cfg, ns):
+                raise ValueError(f"{cfg['kernel']} has no instance for state size {N}"
+                                 f"{'' if ns else ' read at run time'}")
         else:
             layout = self._layout(inputs, probe, sizes, N)
-            cfg = _pick(rend.configs, layout, L, rows)
+            cfg = _pick(rend.configs, layout, L, rows, ns)
         esize = 8 if p.compute == "double" else 4
         if not self.force_kernel and cfg["layout"] == "row_major" and 2 * N * 32 * esize > SMEM_DEFAULT:
-            cfg = _pick(rend.configs, "time_major", L, rows)   # the row-major carry [2][N][32] would not fit
-        if not self.force_kernel and cfg["layout"] == "seq" and _carry_bytes(cfg, N, esize) > SMEM_SEQ_MAX:
-            cfg = _pick([c for c in rend.configs if c["layout"] != "seq"], "time_major", L, rows)
+            cfg = _pick(rend.configs, "time_major", L, rows, ns)   # the row-major carry [2][N][32] would not fit
+        block = cfg["block"] or cfg["rows_per_block"] * _seq_split(cfg, ns)
         grid, smem = -(-rows // cfg["rows_per_block"]), _carry_bytes(cfg, N, esize)
         if grid >= 2**31:
             raise ValueError(f"{rows} rows exceed the grid limit")
-        ns = N if (self.static_n and N <= NS_MAX) else 0
-        pl.update(cfg=cfg, grid=grid, smem=smem, ns=ns, args=self._arg_plan(inputs, probe, sizes, L, rows, N),
+        pl.update(cfg=cfg, grid=grid, block=block, smem=smem, ns=ns,
+                  args=self._arg_plan(inputs, probe, sizes, L, rows, N),
                   info=dict(kernel=cfg["kernel"], layout=layout, algorithm=cfg["layout"], grid=grid,
-                            block=cfg["block"], smem=smem, items=cfg["items"], group=cfg["group"], ns=ns,
+                            block=block, smem=smem, items=cfg["items"], group=cfg["group"], ns=ns,
                             arch=arch, variant=rend.variant))
         return pl
 
@@ -615,17 +619,34 @@ def _loads(p: ScanPlan):
 
 
 def _carry_bytes(cfg, N: int, esize: int) -> int:
-    """Dynamic shared memory of one block: the carried state. Chunked scans: [rows][2][N] (double
-    buffered by chunk); the sequential kernel: [N][threads], each thread's own elements."""
+    """Dynamic shared memory of one block: the carried state of the chunked scans, [rows][2][N]
+    (double buffered by chunk); none for the sequential kernel (its state is in registers)."""
     if cfg["layout"] == "seq":
-        return N * cfg["block"] * esize
+        return 0
     return 2 * N * cfg["rows_per_block"] * esize
 
 
-def _pick(configs, layout: str, L: int, rows: int) -> dict:
+def _seq_split(cfg, ns: int) -> int:
+    """Threads per row of a sequential-kernel instance for state size ns fixed at compile time
+    (as ssmc_seq_split in the prelude), 0 when it has none: N read at run time, N not a multiple
+    of the config's states, or the split not a power of two <= 32 dividing the chunk, or the block
+    not whole warps (the row's lanes exchange with full-warp shuffles) within 1024 threads."""
+    states, it = int(cfg["template_args"].split(",")[1]), cfg["items"]
+    if ns <= 0 or ns % states:
+        return 0
+    split = ns // states
+    if split > 32 or split & (split - 1) or it % split:
+        return 0
+    block = cfg["rows_per_block"] * split
+    return split if block <= 1024 and (split == 1 or block % 32 == 0) else 0
+
+
+def _pick(configs, layout: str, L: int, rows: int, ns: int = 0) -> dict:
     """The first entry of the data layout's list whose max_len (None: any) and min_rows admit
-    the call; the list's last entry otherwise."""
-    cands = sorted((c["rules"][layout] + (c,) for c in configs if layout in c["rules"]), key=lambda x: x[0])
+    the call; the list's last entry otherwise. Sequential-kernel entries need the state size ns
+    fixed at compile time, fitting their states (`_seq_split`)."""
+    cands = sorted((c["rules"][layout] + (c,) for c in configs if layout in c["rules"]
+                    and (c["layout"] != "seq" or _seq_split(c, ns))), key=lambda x: x[0])
     if not cands:
         raise ValueError(f"the variant table declares no kernel for {layout} inputs")
     for _, max_len, min_rows, c in cands:

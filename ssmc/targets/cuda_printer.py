@@ -340,6 +340,10 @@ class Code:
     drive: str = ""
     init: str = ""
     accs: list = dataclasses.field(default_factory=list)     # accumulator names, one per sum
+    time_shared: list = dataclasses.field(default_factory=list)  # time-level arrays the state loop reads
+    time_epi: list = dataclasses.field(default_factory=list)     # time-level arrays the epilogue reads
+                                                                 # (the sequential kernel computes time-level
+                                                                 # values for its share of the items only)
 
 
 _ARRAY_SECTIONS = (TIME, ST, "epi")
@@ -359,6 +363,7 @@ class Emitter:
         self.acc = {red: f"acc{j}" for j, red in enumerate(p.reduces)}
         self.code.accs = list(self.acc.values())
         self.init_lines: list = []
+        self.use_sec: str | None = None    # the section of the statement being printed (None: the template's)
 
     # where a node lives, given what is being printed
     def home(self, e, phase: str) -> str:
@@ -401,11 +406,20 @@ class Emitter:
         for sec in _VISIBLE[phase]:
             name = self.memo.get((sec, e))
             if name is not None:
-                return self._use(name, item)
+                return self._use(self._note(sec, name, phase), item)
         sec = self.home(e, phase)
         name = self._emit(e, sec, phase)
         self.memo[(sec, e)] = name
-        return self._use(name, item)
+        return self._use(self._note(sec, name, phase), item)
+
+    def _note(self, sec: str, name: str, phase: str) -> str:
+        """Records a time-level array read from outside the time section (by the state loop or
+        the epilogue)."""
+        if sec == TIME and self.use_sec != TIME:
+            used = self.code.time_shared if phase == "nloop" else self.code.time_epi if phase == "epi" else None
+            if used is not None and name not in used:
+                used.append(name)
+        return name
 
     def _use(self, name: str, item: bool) -> str:
         if name in self.garrays:
@@ -431,7 +445,11 @@ class Emitter:
         if isinstance(e, Load):
             out.append(self._load(e, name, array, phase, grouped) + comment)
         else:
-            args = [self.ref(a, phase, item) for a in e.args]
+            outer, self.use_sec = self.use_sec, sec
+            try:
+                args = [self.ref(a, phase, item) for a in e.args]
+            finally:
+                self.use_sec = outer
             rhs = op_expr(e, args, item)
             if grouped and array:
                 out.append(f"SSMC_ITEMS(i) {name}[g][i] = {rhs};" + comment)
