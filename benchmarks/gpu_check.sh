@@ -14,18 +14,18 @@ LOG="$OUT/gpu_check.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$LOG"
 STEPS=${SSMC_GPU_STEPS:-tests,region,moe,bsp}
 if [[ $STEPS == *tests* ]]; then      # one file at a time: a fault in one cannot hide the others' results
-  for f in tests/test_ssd.py tests/test_streams.py tests/test_triton_bwd.py tests/test_moe.py \
-           tests/test_block_sparse.py tests/test_cuda_codegen.py tests/test_robustness.py; do
+  for f in ${SSMC_TEST_FILES:-tests/test_ssd.py tests/test_streams.py tests/test_triton_bwd.py tests/test_moe.py \
+           tests/test_block_sparse.py tests/test_cuda_codegen.py tests/test_robustness.py}; do
     echo "== $f" >> "$LOG"
     timeout ${SSMC_TEST_TIMEOUT:-120} python -m pytest -m gpu -q -p no:cacheprovider -rf "$f" 2>&1 | tail -15 >> "$LOG"
   done
   # test_triton.py compiles every candidate config per shape (~8 min in one process): three at once
-  for k in mamba1 mamba2 "gated or end_to_end"; do
+  for k in ${SSMC_TEST_TRITON_K-mamba1 mamba2 "gated or end_to_end"}; do
     ( timeout ${SSMC_TEST_TIMEOUT_TRITON:-280} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton.py \
         -k "$k" > "$OUT/test_triton_${k%% *}.txt" 2>&1 ) &
   done
   wait
-  for k in mamba1 mamba2 gated; do echo "== tests/test_triton.py -k $k" >> "$LOG"; tail -5 "$OUT/test_triton_$k.txt" >> "$LOG"; rm -f "$OUT/test_triton_$k.txt"; done
+  for f in "$OUT"/test_triton_*.txt; do [[ -f $f ]] || continue; echo "== $f" >> "$LOG"; tail -5 "$f" >> "$LOG"; rm -f "$f"; done
 fi
 if [[ $STEPS == *region* ]]; then     # mamba-ssm baselines in the same run; no eager at these lengths
   timeout ${SSMC_BENCH_TIMEOUT:-240} python -m benchmarks.run --preset h200 --workloads mamba1,mamba2,decode \
@@ -34,10 +34,14 @@ if [[ $STEPS == *region* ]]; then     # mamba-ssm baselines in the same run; no 
   cp /tmp/ssmc_run/h200_regions.json "$OUT/" 2>/dev/null
 fi
 if [[ $STEPS == *m1tune* ]]; then    # Mamba-1 region per kernel config, b8 d1536 n16 bf16, mamba-ssm and associative_scan in the run
-  timeout ${SSMC_TUNE_TIMEOUT:-400} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_m1.json" \
-    --lengths "${SSMC_LENGTHS:-4096,2048}" --only "${SSMC_TUNE_ONLY:-triton,cuda}" --layouts bdl --baseline >> "$LOG" 2>&1
-  timeout ${SSMC_TUNE_BLD_TIMEOUT:-150} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_m1_bld.json" \
-    --lengths 4096 --only cuda --layouts bld >> "$LOG" 2>&1
+  TAG=${SSMC_TUNE_TAG:-m1}            # SSMC_TUNE_BASELINE= (empty): no baselines; SSMC_TUNE_BLD=0: no (b, L, d) run
+  timeout ${SSMC_TUNE_TIMEOUT:-400} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_$TAG.json" \
+    --lengths "${SSMC_LENGTHS:-4096,2048}" --only "${SSMC_TUNE_ONLY:-triton,cuda}" --layouts bdl \
+    --batch "${SSMC_BATCH:-8}" ${SSMC_TUNE_BASELINE---baseline} >> "$LOG" 2>&1
+  if [[ ${SSMC_TUNE_BLD:-1} == 1 ]]; then
+    timeout ${SSMC_TUNE_BLD_TIMEOUT:-150} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_${TAG}_bld.json" \
+      --lengths 4096 --only cuda --layouts bld >> "$LOG" 2>&1
+  fi
 fi
 if [[ $STEPS == *ssdseg* ]]; then    # per table config, each count in its own process
   timeout ${SSMC_SEG_TIMEOUT:-540} python -m benchmarks.tune_ssd --out "$OUT/h200_ssd_segments.json" --configs table \

@@ -180,7 +180,7 @@ def test_every_region_renders(regions, arch):
         assert "__shfl_up_sync" in src and "__syncthreads" in src, name
         code = [line for line in src.splitlines() if not line.lstrip().startswith("//")]
         assert not any("None" in line or "Undefined" in line for line in code), name
-        kernels = re.findall(r'extern "C" __global__ void __launch_bounds__\((?:\d+|ssmc_seq_block\([\w, ]+\)), \d+\)\n(\w+)\(', src)
+        kernels = re.findall(r'extern "C" __global__ void __launch_bounds__\((?:\d+|ssmc_seq_block\([\w, ]+\)), (?:\d+|ssmc_seq_min_blocks\([\w, ]+\))\)\n(\w+)\(', src)
         assert len(kernels) == len(cuda.render(r, arch).configs) >= 2, name
     _, v80 = cuda.variant_for(86)
     _, v90 = cuda.variant_for(120)

@@ -233,11 +233,12 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
                     raise ValueError(f"row_major variant {c}: warps must be in [1, 32]")
                 name, block, per_block, targs = f"{prefix}_rm{w}x{it}", 32 * w, 32, f"{w}"
             elif algo == "seq":
-                rows, states = int(c.get("rows", 32)), int(c.get("states", 4))
+                rows, states, pf = int(c.get("rows", 32)), int(c.get("states", 4)), bool(c.get("prefetch", False))
                 if not 1 <= rows <= 1024 or states < 1 or it < 1:
                     raise ValueError(f"seq variant {c}: rows in [1, 1024], states and items >= 1")
                 # threads per row = N / states, known when N is (an instance per N): see _seq_split
-                name, block, per_block, targs = f"{prefix}_sq{rows}n{states}x{it}", None, rows, f"{rows}, {states}"
+                name = f"{prefix}_sq{rows}n{states}x{it}" + ("f" if pf else "")
+                block, per_block, targs = None, rows, f"{rows}, {states}, {'true' if pf else 'false'}"
             else:
                 raise ValueError(f"variant {c}: unknown kernel {algo!r}")
             if grp < 1:
@@ -245,8 +246,13 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
             vec = not c.get("strided", algo == "row_major" or (algo == "seq" and data_layout == "row_major"))
             name += (f"g{grp}" if grp > 1 else "") + ("" if vec == (algo != "row_major") else "s" if not vec else "v")
             name += f"p{poly}" if poly != poly0 else ""
-            mb = int(c.get("min_blocks", mins.get(block, 1) if block else 1))
-            name += f"m{mb}" if "min_blocks" in c else ""
+            if block:
+                mb = int(c.get("min_blocks", mins.get(block, 1)))
+                name += f"m{mb}" if "min_blocks" in c else ""
+            else:      # the sequential kernel: blocks per SM for `warps` resident warps (register cap)
+                wps = int(c.get("warps", 12))
+                mb = f"ssmc_seq_min_blocks({rows}, SSMC_NS, {states}, {it}, {wps})"
+                name += f"w{wps}" if "warps" in c else ""
             bounds = str(block) if block else f"ssmc_seq_block({rows}, SSMC_NS, {states}, {it})"
             cfg = dict(layout=algo, kernel=name, block=block, bounds=bounds, rows_per_block=per_block, template_args=targs,
                        items=it, poly=poly, pair=pair, min_blocks=mb, group=grp, vec=vec, max_len=c.get("max_len"),
