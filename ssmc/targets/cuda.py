@@ -234,11 +234,15 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
                 name, block, per_block, targs = f"{prefix}_rm{w}x{it}", 32 * w, 32, f"{w}"
             elif algo == "seq":
                 rows, states, pf = int(c.get("rows", 32)), int(c.get("states", 4)), bool(c.get("prefetch", False))
+                xsmem = c.get("exchange", "shuffle") == "smem"
+                if c.get("exchange", "shuffle") not in ("shuffle", "smem"):
+                    raise ValueError(f"seq variant {c}: exchange is 'shuffle' or 'smem'")
                 if not 1 <= rows <= 1024 or states < 1 or it < 1:
                     raise ValueError(f"seq variant {c}: rows in [1, 1024], states and items >= 1")
                 # threads per row = N / states, known when N is (an instance per N): see _seq_split
-                name = f"{prefix}_sq{rows}n{states}x{it}" + ("f" if pf else "")
-                block, per_block, targs = None, rows, f"{rows}, {states}, {'true' if pf else 'false'}"
+                name = f"{prefix}_sq{rows}n{states}x{it}" + ("f" if pf else "") + ("x" if xsmem else "")
+                block, per_block = None, rows
+                targs = f"{rows}, {states}, {'true' if pf else 'false'}, {'true' if xsmem else 'false'}"
             else:
                 raise ValueError(f"variant {c}: unknown kernel {algo!r}")
             if grp < 1:
