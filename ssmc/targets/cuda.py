@@ -11,7 +11,8 @@ made on first launch; ``compile()`` builds the long-sequence one for the current
 failure shows at compile time. Each call picks the layout from the inputs' strides (lanes along
 time when time is contiguous, lanes along rows otherwise) and the instance from the sequence
 length and the number of rows; ``kernel.last_launch`` says which ran. A third algorithm, "seq"
-(a thread per row, no scan), is in the tables for tuning; on the H200 it measured slower.
+(no scan: a row's state elements in registers across a few adjacent lanes, each walking all of
+time), is the sm_90 pick when there are many rows and N is fixed at compile time.
 
 Toolchain, found at run time:
 - NVRTC: CuPy's low-level ``cupy_backends.cuda.libs.nvrtc`` (needs no GPU, so CPU CI compiles
@@ -28,8 +29,9 @@ version, flags); the rendered source of every compiled kernel is written beside 
 a failed compile raises `CudaCompileError` with that path, the options and the NVRTC log, so
 the backend falls back (triton, then torch) and the report shows why.
 
-Backward: the torch reference (``ReferenceKernel(region).backward``) for now; the adjoint
-recurrence as a generated kernel is future work.
+Backward: the CUDA template has no adjoint; a kernel runs its region's generated Triton
+backward when the backend gives it one (``backward_partner``), else the torch reference
+(``ReferenceKernel(region).backward``); ``backward_note()`` says which.
 """
 from __future__ import annotations
 
@@ -233,16 +235,11 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
                     raise ValueError(f"row_major variant {c}: warps must be in [1, 32]")
                 name, block, per_block, targs = f"{prefix}_rm{w}x{it}", 32 * w, 32, f"{w}"
             elif algo == "seq":
-                rows, states, pf = int(c.get("rows", 32)), int(c.get("states", 4)), bool(c.get("prefetch", False))
-                xsmem = c.get("exchange", "shuffle") == "smem"
-                if c.get("exchange", "shuffle") not in ("shuffle", "smem"):
-                    raise ValueError(f"seq variant {c}: exchange is 'shuffle' or 'smem'")
+                rows, states = int(c.get("rows", 32)), int(c.get("states", 4))
                 if not 1 <= rows <= 1024 or states < 1 or it < 1:
                     raise ValueError(f"seq variant {c}: rows in [1, 1024], states and items >= 1")
                 # threads per row = N / states, known when N is (an instance per N): see _seq_split
-                name = f"{prefix}_sq{rows}n{states}x{it}" + ("f" if pf else "") + ("x" if xsmem else "")
-                block, per_block = None, rows
-                targs = f"{rows}, {states}, {'true' if pf else 'false'}, {'true' if xsmem else 'false'}"
+                name, block, per_block, targs = f"{prefix}_sq{rows}n{states}x{it}", None, rows, f"{rows}, {states}"
             else:
                 raise ValueError(f"variant {c}: unknown kernel {algo!r}")
             if grp < 1:

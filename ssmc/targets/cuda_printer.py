@@ -489,7 +489,7 @@ class Emitter:
                 dst = f"{name}[g]" if grouped else name
                 decl = "" if grouped else f"ssmc_t {name}[ITEMS]; "
                 ptr = f"ssmc_fresh<SSMC_FRESH>(in{k})" if phase == "epi" else f"in{k}"
-                return (f"{decl}ssmc_load_run<ITEMS, MODE, SSMC_PF>({ptr} + ({off}), s{k}_{td}, t_begin, L, {dst});")
+                return (f"{decl}ssmc_load_run<ITEMS, MODE>({ptr} + ({off}), s{k}_{td}, t_begin, L, {dst});")
             if phase == "final":
                 return f"const ssmc_t {name} = ssmc_cvt(in{k}[{self.offset(e.index, f's{k}', 'L - 1')}]);"
             raise Unsupported(f"load {e} of a time step outside the time loop")
