@@ -305,14 +305,19 @@ SMALL = {   # small blocks so that short sequences span several chunks; every sc
               "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}},
     # the sequential kernel: a thread per (row, share of the state elements), lanes along rows;
     # several rows a block (spare rows), the shares' sums added across lanes
-    # (N = 6: a thread or 2 threads a row; N = 8: 4 or 8 threads a row; the chunked scans when no
-    # entry fits N, or N is read at run time)
+    # (N = 6: a thread or 2 threads a row; N = 8: 4 or 8 threads a row; Mamba-2's N = 5 and the
+    # gated recurrence's N = 1, decays shared by the state elements: a thread a row; the chunked
+    # scans when no entry fits N, or N is read at run time)
     "seq": {"time_major": [{"max_len": 8, "kernel": "seq", "rows": 32, "states": 6, "items": 2},
                            {"kernel": "seq", "rows": 16, "states": 3, "items": 4},
                            {"kernel": "seq", "rows": 8, "states": 2, "items": 8},
+                           {"kernel": "seq", "rows": 32, "states": 5, "items": 4},
+                           {"kernel": "seq", "rows": 32, "states": 1, "items": 4},
                            {"threads": 32, "items": 4}],
             "row_major": [{"max_len": 8, "kernel": "seq", "rows": 16, "states": 3, "items": 2, "poly": 2},
                           {"kernel": "seq", "rows": 4, "states": 1, "items": 8},
+                          {"kernel": "seq", "rows": 32, "states": 5, "items": 4},
+                          {"kernel": "seq", "rows": 32, "states": 1, "items": 4},
                           {"warps": 2, "items": 4}],
             "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}},
 }
@@ -416,7 +421,11 @@ SEQ_PICKS = {   # (N, L, layout) -> the kernel of SMALL["seq"] that takes it (No
     (8, 5, "time_major"): "sq8n2x8", (8, 37, "time_major"): "sq8n2x8",
     (6, 5, "row_major"): "sq16n3x2sp2", (6, 37, "row_major"): None,
     (8, 5, "row_major"): "sq4n1x8s", (8, 37, "row_major"): "sq4n1x8s",
+    **{(5, L, lay): "sq32n5x4" + sfx for L in (5, 37) for lay, sfx in (("time_major", ""), ("row_major", "s"))},
+    **{(1, L, "time_major"): "sq32n1x4" for L in (5, 37)},
+    **{(1, L, "row_major"): "sq4n1x8s" for L in (5, 37)},     # a thread a row: 4-thread blocks are allowed
 }
+SEQ_N = {"mamba2": 5, "gated": 1}   # the regions whose state size region_inputs fixes
 
 
 @pytest.mark.parametrize("name", ["mamba1", "mamba1_bdl", "mamba2", "gated", "s4d", "scan"])
@@ -425,19 +434,16 @@ def test_emulated_seq(regions, emu_dir, name):
     short and long sequences (a partial last chunk, whole chunks), both data layouts, spare rows;
     entries whose states do not divide N, and every entry when N is read at run time, are passed
     over for a chunked scan."""
-    n_axes = name in ("mamba1", "mamba1_bdl", "s4d", "scan")      # regions whose state size is n
-    for n in (6, 8) if n_axes else (None,):
+    for n in (SEQ_N[name],) if name in SEQ_N else (6, 8):
         for L in (5, 37):
             for layout in ("time_major", "row_major"):
                 for static_n in (True, False):
                     k = _emu_case(regions, emu_dir, name, L, torch.float32, layout, variant="seq", seed=7,
-                                  n=n or 4, static_n=static_n)
-                    want = SEQ_PICKS.get((n, L, layout)) if static_n and n else None
+                                  n=n, static_n=static_n)
+                    want = SEQ_PICKS[(n, L, layout)] if static_n else None
                     if want:
                         assert k.last_launch["kernel"].endswith(want), (n, L, layout, k.last_launch)
-                    elif not static_n:
-                        assert k.last_launch["algorithm"] != "seq", k.last_launch
-                    if static_n and n and not want:
+                    else:                          # no entry fits N, or N is read at run time
                         assert k.last_launch["algorithm"] != "seq", k.last_launch
 
 

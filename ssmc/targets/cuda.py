@@ -256,6 +256,7 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
                 name += f"w{wps}" if "warps" in c else ""
             bounds = str(block) if block else f"ssmc_seq_block({rows}, SSMC_NS, {states}, {it})"
             cfg = dict(layout=algo, kernel=name, block=block, bounds=bounds, rows_per_block=per_block, template_args=targs,
+                       states=states if algo == "seq" else None,
                        items=it, poly=poly, pair=pair, min_blocks=mb, group=grp, vec=vec, max_len=c.get("max_len"),
                        min_rows=int(c.get("min_rows") or 0), layouts=(data_layout,))
             same = next((o for o in out if o["kernel"] == name), None)
@@ -638,7 +639,7 @@ def _seq_split(cfg, ns: int) -> int:
     (as ssmc_seq_split in the prelude), 0 when it has none: N read at run time, N not a multiple
     of the config's states, or the split not a power of two <= 32 dividing the chunk, or the block
     not whole warps (the row's lanes exchange with full-warp shuffles) within 1024 threads."""
-    states, it = int(cfg["template_args"].split(",")[1]), cfg["items"]
+    states, it = cfg["states"], cfg["items"]
     if ns <= 0 or ns % states:
         return 0
     split = ns // states
