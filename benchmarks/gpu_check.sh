@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
-# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune" and
-# "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
+# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune",
+# "ncu", "decode" and "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
 #   $OUT/fuzz_gpu.json (SSMC_FUZZ_* as in tests/fuzz_harness.py; defaults below fit one call)
@@ -55,6 +55,18 @@ if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while t
   timeout ${SSMC_TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_bwd.py 2>&1 | tail -15 >> "$LOG"
   wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"
   timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline --configs >> "$LOG" 2>&1
+fi
+if [[ $STEPS == *ncu* ]]; then      # hardware counters of the Mamba-1 region's default pick per target, L4096
+  for t in ${SSMC_NCU_TARGETS:-cuda triton}; do
+    timeout ${SSMC_NCU_TIMEOUT:-200} ncu --clock-control none --profile-from-start off --set full \
+      --import-source no -f -o /tmp/ncu_$t python -m benchmarks.tune_mamba1 --out /dev/null \
+      --profile-once $t --lengths 4096 >> "$LOG" 2>&1
+    ncu -i /tmp/ncu_$t.ncu-rep --page details > "$OUT/ncu_$t.txt" 2>&1
+    ncu -i /tmp/ncu_$t.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_${t}_sass.csv" 2>&1
+  done
+fi
+if [[ $STEPS == *decode* ]]; then   # the decode step: Python call, host time, CUDA graph replay
+  timeout ${SSMC_DECODE_TIMEOUT:-150} python -m benchmarks.probe_decode --out "$OUT/h200_decode_probe.json" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *moe* ]]; then
   timeout 200 python -m benchmarks.bench_moe --out "$OUT/h200_moe.json" >> "$LOG" 2>&1
