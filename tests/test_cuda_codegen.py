@@ -70,11 +70,12 @@ def with_dtype(r: ir.Region, dtype: str) -> ir.Region:
     return dataclasses.replace(r, inputs=ins, outputs=outs)
 
 
-def region_inputs(name: str, r: ir.Region, L: int, dtype=torch.float32, seed=0, n: int = 4) -> list[torch.Tensor]:
+def region_inputs(name: str, r: ir.Region, L: int, dtype=torch.float32, seed=0, n: int = 4,
+                  d: int = 3) -> list[torch.Tensor]:
     """Random inputs for a captured region, in its input order, at sequence length L (Mamba-1
-    forms and s4d: state size n)."""
+    forms and s4d: state size n, d channels)."""
     g = torch.Generator().manual_seed(seed)
-    b, d = 2, 3
+    b = 2
     if name in ("mamba1", "mamba1_bdl", "scan"):
         x, dt, A, B, C, D, z, bias = P.mamba1_inputs(b, L, d, n, seed=seed, layout="bdl" if name == "mamba1_bdl" else "bld")
         named = {"l_x_": x, "l_dt_": dt, "l_a_": A, "l_b_": B, "l_c_": C, "l_d_": D, "l_z_": z, "l_bias_": bias,
@@ -303,6 +304,15 @@ SMALL = {   # small blocks so that short sequences span several chunks; every sc
               "row_major": [{"max_len": 100, "warps": 2, "items": 4, "group": 2},
                             {"kernel": "time_major", "threads": 32, "rows": 2, "items": 4, "group": 2}],
               "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}},
+    # the sequential kernel staging B and C in shared memory (a block's rows share them when its
+    # rows divide the channels: d = 16 with 8 rows, Mamba-2's h * p = 6 with 3), else a scan
+    "stage": {"time_major": [{"kernel": "seq", "rows": 8, "states": 2, "items": 8, "stage": True},
+                             {"kernel": "seq", "rows": 3, "states": 5, "items": 4, "stage": True},
+                             {"threads": 32, "items": 4}],
+              "row_major": [{"kernel": "seq", "rows": 8, "states": 2, "items": 8, "stage": True},
+                            {"kernel": "seq", "rows": 3, "states": 5, "items": 4, "stage": True},
+                            {"warps": 2, "items": 4}],
+              "exp2_poly_every": 0, "totals": "pair", "min_blocks": {}},
     # the sequential kernel: a thread per (row, share of the state elements), lanes along rows;
     # several rows a block (spare rows), the shares' sums added across lanes
     # (N = 6: a thread or 2 threads a row; N = 8: 4 or 8 threads a row; Mamba-2's N = 5 and the
@@ -369,7 +379,7 @@ def emulate(kernel: cuda.CudaKernel, inputs, workdir: Path, arch: int = 90):
 
 
 def _emu_case(regions, emu_dir, name, L, dtype, layout, variant="pair", how=None, seed=0, n=4, static_n=True,
-              region=None):
+              region=None, d=3):
     r = region or regions[name]
     if dtype != torch.float32:
         r = with_dtype(r, ir.dtype_name(dtype))
@@ -377,7 +387,7 @@ def _emu_case(regions, emu_dir, name, L, dtype, layout, variant="pair", how=None
     kernel.poison = True
     kernel.force_layout = layout
     kernel.static_n = static_n
-    xs = region_inputs(name, r, L, dtype, seed, n=n)
+    xs = region_inputs(name, r, L, dtype, seed, n=n, d=d)
     if how:
         xs = [scramble(x, how) for x in xs]
     outs = emulate(kernel, xs, emu_dir)
@@ -445,6 +455,27 @@ def test_emulated_seq(regions, emu_dir, name):
                         assert k.last_launch["kernel"].endswith(want), (n, L, layout, k.last_launch)
                     else:                          # no entry fits N, or N is read at run time
                         assert k.last_launch["algorithm"] != "seq", k.last_launch
+
+
+@pytest.mark.parametrize("name", ["mamba1", "mamba1_bdl", "mamba2"])
+def test_emulated_seq_stage(regions, emu_dir, name):
+    """The sequential kernel with B and C staged in shared memory once per block: asynchronous
+    copies a chunk ahead (whole, contiguous chunks), read from memory at the stage otherwise (the
+    partial last chunk, (b, L, d) data, misaligned runs); 4 lanes a row reading the swizzled
+    stage; bf16 and fp32. Where a block's rows would not share B and C (d = 3 with 8 rows a
+    block), the table passes the entry over."""
+    r = regions[name]
+    assert [ld.input for ld in cuda.stage_plan(plan(r)).loads], "B and C are the staged loads"
+    n, want = (5, "sq3n5x4b") if name == "mamba2" else (8, "sq8n2x8b")
+    for dtype in (torch.float32, torch.bfloat16):
+        for L in (5, 37, 40):      # 40: five whole chunks, every run 16-byte aligned (the copies a chunk ahead)
+            for layout in ("time_major", "row_major"):
+                for how in (None, "misaligned") if layout == "time_major" else (None,):
+                    k = _emu_case(regions, emu_dir, name, L, dtype, layout, variant="stage", how=how, seed=L, n=n, d=16)
+                    assert k.last_launch["kernel"].endswith(want + ("" if layout == "time_major" else "s")), k.last_launch
+    if name != "mamba2":
+        k = _emu_case(regions, emu_dir, name, 37, torch.float32, "time_major", variant="stage", seed=1, n=8, d=3)
+        assert k.last_launch["algorithm"] != "seq", k.last_launch
 
 
 def test_emulated_seq_bf16(regions, emu_dir):
@@ -518,6 +549,10 @@ def test_table_picks_and_duplicates():
     # many rows and N = 16 fixed: the sequential kernel, 4 lanes a row (both layouts)
     assert cuda._pick(cs, "time_major", 4096, 12288, 16)["kernel"] == "k_sq32n4x16"
     assert cuda._pick(cs, "row_major", 4096, 12288, 16)["kernel"] == "k_sq32n4x16s"
+    # ... staging B and C in shared memory where a block's rows share them
+    staged = lambda c: True
+    assert cuda._pick(cs, "time_major", 4096, 12288, 16, staged)["kernel"] == "k_sq32n4x16b"
+    assert cuda._pick(cs, "row_major", 4096, 12288, 16, staged)["kernel"] == "k_sq32n4x16bs"
     # N read at run time, or fewer rows (b2 d1536): a warp per row, 4 rows a block
     assert cuda._pick(cs, "time_major", 4096, 12288, 0)["kernel"] == "k_tm32x16r4g2p8"
     assert cuda._pick(cs, "time_major", 16384, 3072, 16)["kernel"] == "k_tm32x16r4g2p8"
@@ -542,9 +577,13 @@ def test_emulated_production_variants(regions, emu_dir):
     check_close(outs, ref, torch.float32, "sm_90 table")
     xs16 = region_inputs("mamba1_bdl", r, 300, torch.float32, seed=6, n=16)   # the sequential entries' N
     ref16 = reference_run(r, [x.double() for x in xs16])
+    xs32 = region_inputs("mamba1_bdl", r, 304, torch.float32, seed=7, n=16, d=32)   # blocks of rows sharing B, C
+    ref32 = reference_run(r, [x.double() for x in xs32])
     for c in kernel.rendered(90).configs:
         kernel.force_kernel = c["kernel"]
-        if c["layout"] == "seq" and not cuda._seq_split(c, 4):
+        if c.get("stage"):
+            check_close(emulate(kernel, xs32, emu_dir, arch=90), ref32, torch.float32, c["kernel"])
+        elif c["layout"] == "seq" and not cuda._seq_split(c, 4):
             assert cuda._seq_split(c, 16), c["kernel"]
             check_close(emulate(kernel, xs16, emu_dir, arch=90), ref16, torch.float32, c["kernel"])
         else:
@@ -607,8 +646,8 @@ def test_sm90_table_has_no_spills(regions):
     _toolchain()
     r = with_dtype(regions["mamba1_bdl"], "bfloat16")
     rend = cuda.render(r, 90)
-    picks = {cuda._pick(rend.configs, lay, L, rows, ns)["kernel"] for lay in ("time_major", "row_major")
-             for L in (100, 200, 1000, 4096) for rows in (3072, 12288) for ns in (0, 16)}
+    picks = {cuda._pick(rend.configs, lay, L, rows, ns, lambda c: st)["kernel"] for lay in ("time_major", "row_major")
+             for L in (100, 200, 1000, 4096) for rows in (3072, 12288) for ns in (0, 16) for st in (False, True)}
     allowed = {"ssmc_loop0_tm32x16r4g2p8": 12}   # spills 8 bytes (loads 12) under its cap; still the fastest measured
     for k in sorted(picks):
         _, _, _, log = cuda.nvrtc_compile(rend.source, 90, f"{k}.cu", ("-DSSMC_ONE_KERNEL", f"-DSSMC_KERNEL_{k}",

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from ssmc import ir
-from ssmc.targets.cuda_printer import CTYPES, ITEMSIZE, ScanPlan, Unsupported, emit, plan
+from ssmc.targets.cuda_printer import CTYPES, ITEMSIZE, ScanPlan, Unsupported, emit, plan, stage_plan
 
 log = logging.getLogger("ssmc")
 
@@ -62,6 +62,7 @@ STRATEGIES = ("chunked_scan", "chunked_ssd", "step")   # one kernel, numerically
 MIN_ARCH = 80
 SMEM_DEFAULT = 48 * 1024        # dynamic shared memory without opting in
 NS_MAX = 64                     # state sizes up to this get an instance with N fixed at compile time
+STAGE_MAX = 40 * 1024           # static shared memory the sequential kernel's stage may take (both buffers)
 
 
 class CudaCompileError(RuntimeError):
@@ -236,10 +237,12 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
                 name, block, per_block, targs = f"{prefix}_rm{w}x{it}", 32 * w, 32, f"{w}"
             elif algo == "seq":
                 rows, states = int(c.get("rows", 32)), int(c.get("states", 4))
+                stage = bool(c.get("stage", False))
                 if not 1 <= rows <= 1024 or states < 1 or it < 1:
                     raise ValueError(f"seq variant {c}: rows in [1, 1024], states and items >= 1")
                 # threads per row = N / states, known when N is (an instance per N): see _seq_split
-                name, block, per_block, targs = f"{prefix}_sq{rows}n{states}x{it}", None, rows, f"{rows}, {states}"
+                name, block, per_block = f"{prefix}_sq{rows}n{states}x{it}" + ("b" if stage else ""), None, rows
+                targs = f"{rows}, {states}, {'true' if stage else 'false'}"
             else:
                 raise ValueError(f"variant {c}: unknown kernel {algo!r}")
             if grp < 1:
@@ -256,7 +259,7 @@ def configs_of(variant: dict, prefix: str) -> list[dict]:
                 name += f"w{wps}" if "warps" in c else ""
             bounds = str(block) if block else f"ssmc_seq_block({rows}, SSMC_NS, {states}, {it})"
             cfg = dict(layout=algo, kernel=name, block=block, bounds=bounds, rows_per_block=per_block, template_args=targs,
-                       states=states if algo == "seq" else None,
+                       states=states if algo == "seq" else None, stage=algo == "seq" and stage,
                        items=it, poly=poly, pair=pair, min_blocks=mb, group=grp, vec=vec, max_len=c.get("max_len"),
                        min_rows=int(c.get("min_rows") or 0), layouts=(data_layout,))
             same = next((o for o in out if o["kernel"] == name), None)
@@ -293,7 +296,7 @@ def render(region: ir.Region, arch: int, variant: dict | None = None, p: ScanPla
         name=prefix, region_name=region.name, region_text=str(region), compute=p.compute, code=code,
         params=[x.decl for x in p.params], args=[x.name for x in p.params],
         outer=[region.axes.index(a) for a in p.outer], inner=[region.axes.index(a) for a in p.inner],
-        configs=configs)
+        configs=configs, stage_max=STAGE_MAX)
     src = re.sub(r"\n(?:[ \t]*\n)+(?=[ \t]+\S)", "\n", src)   # blank lines left by empty sections
     return Rendered(arch, vname, src, tuple(configs))
 
@@ -373,6 +376,7 @@ class CudaKernel:
     def __init__(self, region: ir.Region, p: ScanPlan, cache, variants: dict | None = None, extra_flags=()):
         from ssmc.targets.reference import ReferenceKernel
         self.region, self.plan, self.cache = region, p, cache
+        self.stage = stage_plan(p)        # the loads a staging sequential kernel reads once per block
         self.variants, self.extra_flags = variants, tuple(extra_flags)
         self.poison = False
         self.force_layout: str | None = None
@@ -505,12 +509,15 @@ class CudaKernel:
             if cfg["layout"] == "seq" and not _seq_split(cfg, ns):
                 raise ValueError(f"{cfg['kernel']} has no instance for state size {N}"
                                  f"{'' if ns else ' read at run time'}")
+            if cfg.get("stage") and not self._stage_ok(cfg, sizes, ns):
+                raise ValueError(f"{cfg['kernel']} stages inputs that differ between the rows of a block here")
         else:
             layout = self._layout(inputs, probe, sizes, N)
-            cfg = _pick(rend.configs, layout, L, rows, ns)
+            cfg = _pick(rend.configs, layout, L, rows, ns, lambda c: self._stage_ok(c, sizes, ns))
         esize = 8 if p.compute == "double" else 4
         if not self.force_kernel and cfg["layout"] == "row_major" and 2 * N * 32 * esize > SMEM_DEFAULT:
-            cfg = _pick(rend.configs, "time_major", L, rows, ns)   # the row-major carry [2][N][32] would not fit
+            cfg = _pick(rend.configs, "time_major", L, rows, ns,   # the row-major carry [2][N][32] would not fit
+                        lambda c: self._stage_ok(c, sizes, ns))
         block = cfg["block"] or cfg["rows_per_block"] * _seq_split(cfg, ns)
         grid, smem = -(-rows // cfg["rows_per_block"]), _carry_bytes(cfg, N, esize)
         if grid >= 2**31:
@@ -521,6 +528,17 @@ class CudaKernel:
                             block=block, smem=smem, items=cfg["items"], group=cfg["group"], ns=ns,
                             arch=arch, variant=rend.variant))
         return pl
+
+    def _stage_ok(self, cfg, sizes, ns: int) -> bool:
+        """Whether a staging instance of the sequential kernel may run: the staged loads are the
+        same for every row of each block, and their stage fits (as SSMC_STAGED in the kernel)."""
+        st = self.stage
+        if not st.loads or not _seq_split(cfg, ns):
+            return False
+        esize = 8 if self.plan.compute == "double" else 4
+        raw = sum(ITEMSIZE[self.region.inputs[ld.input].dtype] for ld in st.loads)
+        fits = 2 * ns * cfg["items"] * (len(st.loads) * esize + raw) <= STAGE_MAX
+        return fits and st.block_uniform(sizes, self.plan.outer, cfg["rows_per_block"])
 
     def _out_shapes(self, sizes, L) -> list:
         return [(tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index), ir.to_dtype(o.dtype))
@@ -649,12 +667,13 @@ def _seq_split(cfg, ns: int) -> int:
     return split if block <= 1024 and (split == 1 or block % 32 == 0) else 0
 
 
-def _pick(configs, layout: str, L: int, rows: int, ns: int = 0) -> dict:
+def _pick(configs, layout: str, L: int, rows: int, ns: int = 0, stage_ok=lambda c: False) -> dict:
     """The first entry of the data layout's list whose max_len (None: any) and min_rows admit
     the call; the list's last entry otherwise. Sequential-kernel entries need the state size ns
-    fixed at compile time, fitting their states (`_seq_split`)."""
+    fixed at compile time, fitting their states (`_seq_split`); staging ones also `stage_ok`."""
     cands = sorted((c["rules"][layout] + (c,) for c in configs if layout in c["rules"]
-                    and (c["layout"] != "seq" or _seq_split(c, ns))), key=lambda x: x[0])
+                    and (c["layout"] != "seq" or _seq_split(c, ns))
+                    and (not c.get("stage") or stage_ok(c))), key=lambda x: x[0])
     if not cands:
         raise ValueError(f"the variant table declares no kernel for {layout} inputs")
     for _, max_len, min_rows, c in cands:

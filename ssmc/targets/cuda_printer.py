@@ -344,6 +344,41 @@ class Code:
     time_epi: list = dataclasses.field(default_factory=list)     # time-level arrays the epilogue reads
                                                                  # (the sequential kernel computes time-level
                                                                  # values for its share of the items only)
+    staged: list = dataclasses.field(default_factory=list)   # per-(state, step) loads the sequential kernel
+                                                             # stages in shared memory (see `stage_plan`):
+                                                             # dicts of input k, ctype, time dim td, offset
+    stage_vec_ok: str = "true"  # every staged load's runs contiguous and aligned (async vector copies)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Loads of the state loop indexed by time and the state axes but by none of the row axes
+    that vary inside a block of consecutive rows (Mamba's B and C: (batch, n, t), the same for
+    every channel of a batch): the sequential kernel reads them once per block into shared
+    memory instead of once per row. They may use the first `prefix` outer axes; those are the
+    same for a block's rows when the outer sizes after them multiply to a multiple of the block's
+    rows (`block_uniform`)."""
+    loads: tuple            # ir.Load nodes, in first-use order
+    prefix: int             # how many leading outer axes the loads use (0: none)
+
+    def block_uniform(self, sizes: dict, outer, rows_per_block: int) -> bool:
+        after = 1
+        for a in outer[self.prefix:]:
+            after *= int(sizes[a])
+        return bool(self.loads) and (self.prefix == 0 or after % rows_per_block == 0)
+
+
+def stage_plan(p: ScanPlan) -> StagePlan:
+    loads, prefix = [], 0
+    for ld in _all_loads(p):
+        if ld in loads or "t" not in ld.index or level(ld, p.region, p.inner) != ST:
+            continue
+        used = [p.outer.index(a) for a in ld.index if isinstance(a, str) and a in p.outer]
+        if p.outer and len(p.outer) - 1 in used:      # the fastest row axis: differs between rows of a block
+            continue
+        loads.append(ld)
+        prefix = max([prefix, *(u + 1 for u in used)])
+    return StagePlan(tuple(loads), prefix)
 
 
 _ARRAY_SECTIONS = (TIME, ST, "epi")
@@ -364,6 +399,9 @@ class Emitter:
         self.code.accs = list(self.acc.values())
         self.init_lines: list = []
         self.use_sec: str | None = None    # the section of the statement being printed (None: the template's)
+        self.stage = stage_plan(p)
+        self.code.staged = [dict(k=ld.input, ctype=CTYPES[p.region.inputs[ld.input].dtype], td=ld.index.index("t"),
+                                 off=self.offset(ld.index, f"s{ld.input}", None)) for ld in self.stage.loads]
 
     # where a node lives, given what is being printed
     def home(self, e, phase: str) -> str:
@@ -489,7 +527,13 @@ class Emitter:
                 dst = f"{name}[g]" if grouped else name
                 decl = "" if grouped else f"ssmc_t {name}[ITEMS]; "
                 ptr = f"ssmc_fresh<SSMC_FRESH>(in{k})" if phase == "epi" else f"in{k}"
-                return (f"{decl}ssmc_load_run<ITEMS, MODE>({ptr} + ({off}), s{k}_{td}, t_begin, L, {dst});")
+                load = f"ssmc_load_run<ITEMS, MODE>({ptr} + ({off}), s{k}_{td}, t_begin, L, {dst});"
+                if grouped and phase == "nloop" and e in self.stage.loads:
+                    j = self.stage.loads.index(e)
+                    # the sequential kernel reads it from the block's stage, the others from memory
+                    return (f"if constexpr (SSMC_STAGED) ssmc_stage_get<ITEMS>(ssmc_stage_row({j}, g), {dst}, "
+                            f"ssmc_swz); else {load}")
+                return decl + load
             if phase == "final":
                 return f"const ssmc_t {name} = ssmc_cvt(in{k}[{self.offset(e.index, f's{k}', 'L - 1')}]);"
             raise Unsupported(f"load {e} of a time step outside the time loop")
@@ -542,6 +586,10 @@ def _all_loads(p: ScanPlan) -> list:
     for o in p.outputs:
         out += ir.loads(o.expr)
     return out
+
+
+def r_ndim(p: ScanPlan, k: int) -> int:
+    return p.region.inputs[k].ndim
 
 
 def emit(p: ScanPlan) -> Code:
@@ -599,6 +647,12 @@ def emit(p: ScanPlan) -> Code:
             conds.append(f"ssmc_vec_base<ITEMS>(out{o.k}, os{o.k}_{td})")
             conds += [f"ssmc_vec_stride<ITEMS>(out{o.k}, os{o.k}_{d})" for d in range(len(o.spec.index)) if d != td]
     c.vec_ok = " && ".join(dict.fromkeys(conds)) or "true"
+    sconds = []
+    for st in c.staged:
+        k, td, nd = st["k"], st["td"], r_ndim(p, st["k"])
+        sconds.append(f"ssmc_vec_base<ITEMS>(in{k}, s{k}_{td})")
+        sconds += [f"ssmc_vec_stride<ITEMS>(in{k}, s{k}_{d})" for d in range(nd) if d != td]
+    c.stage_vec_ok = " && ".join(dict.fromkeys(sconds)) or "true"
     # final outputs from the last state
     for o in p.outputs:
         if o.where != "final":
