@@ -551,7 +551,7 @@ def test_table_picks_and_duplicates():
     assert cuda._pick(cs, "row_major", 4096, 12288, 16)["kernel"] == "k_sq32n4x16s"
     # ... staging B and C in shared memory where a block's rows share them
     staged = lambda c: True
-    assert cuda._pick(cs, "time_major", 4096, 12288, 16, staged)["kernel"] == "k_sq32n4x16b"
+    assert cuda._pick(cs, "time_major", 4096, 12288, 16, staged)["kernel"] == "k_sq32n4x32b"
     assert cuda._pick(cs, "row_major", 4096, 12288, 16, staged)["kernel"] == "k_sq32n4x16bs"
     # N read at run time, or fewer rows (b2 d1536): a warp per row, 4 rows a block
     assert cuda._pick(cs, "time_major", 4096, 12288, 0)["kernel"] == "k_tm32x16r4g2p8"
@@ -648,7 +648,9 @@ def test_sm90_table_has_no_spills(regions):
     rend = cuda.render(r, 90)
     picks = {cuda._pick(rend.configs, lay, L, rows, ns, lambda c: st)["kernel"] for lay in ("time_major", "row_major")
              for L in (100, 200, 1000, 4096) for rows in (3072, 12288) for ns in (0, 16) for st in (False, True)}
-    allowed = {"ssmc_loop0_tm32x16r4g2p8": 12}   # spills 8 bytes (loads 12) under its cap; still the fastest measured
+    # spill under their caps and are still the fastest measured: tm32x16r4g2p8 8 bytes (loads 12),
+    # sq32n4x32b 460 (loads 664; its 32-item arrays; sq32n4x16b, no spills, is 10% slower)
+    allowed = {"ssmc_loop0_tm32x16r4g2p8": 12, "ssmc_loop0_sq32n4x32b": 700}
     for k in sorted(picks):
         _, _, _, log = cuda.nvrtc_compile(rend.source, 90, f"{k}.cu", ("-DSSMC_ONE_KERNEL", f"-DSSMC_KERNEL_{k}",
                                                                       "-DSSMC_NS=16", "--ptxas-options=-v"))
