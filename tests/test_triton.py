@@ -295,7 +295,8 @@ def test_rendered_source_hoists_and_folds():
     # tile before the time loop with log2(e) folded there, its column n read inside the loop;
     # the readout accumulated across the loop, no register sum
     body = _body(src, "rows")
-    before, chunks = body[:body.index("for t0 in range(")], body[body.index("for t0 in range("):]
+    loop_at = body.index("for t0 in tl.range(0, L_full, CHUNK, num_stages=NUM_STAGES):")
+    before, chunks = body[:loop_at], body[loop_at:]
     # whole chunks with a constant time mask (its selects fold away), then the partial last one
     full, tail = chunks.split("for t0 in range(L_full, L, CHUNK):")
     assert "mt = tl.full((1, CHUNK), 1, tl.int1)" in full and "mt = tt < L" in tail
@@ -406,6 +407,105 @@ def test_rows_every_config(n, interp):
         outs = [o.fill_(float("nan")) for o in kern.outputs(rin)]
         for g, w in match_outputs(kern.launch(rin, cfg, outs), want):
             assert rel_err(g, w) <= TOL[torch.float32], f"n={n} {cfg}"
+
+
+def only(monkeypatch, cfg: dict):
+    """The interpreter's one candidate config is `cfg`."""
+    table = dict(T.load_configs())
+    table["interpreter"] = [cfg]
+    monkeypatch.setattr(T, "load_configs", lambda: table)
+
+
+ROWS_PREFETCH = [
+    {"variant": "rows", "BLOCK_D": 2, "CHUNK": 4, "num_warps": 1, "num_stages": 1, "PREFETCH": 1},
+    {"variant": "rows", "BLOCK_D": 1, "CHUNK": 4, "num_warps": 1, "num_stages": 2, "PREFETCH": 1, "UNROLL": 2},
+]
+
+
+@pytest.mark.parametrize("cfg", ROWS_PREFETCH, ids=["unrolled", "unroll2"])
+def test_rows_prefetch(cfg, interp, monkeypatch):
+    """PREFETCH (the loads once per chunk double-buffered across the whole chunks) end to end
+    against the reference: whole chunks and a partial one, whole chunks only, no whole chunk,
+    a state axis that does not fill BLOCK_N, a partial channel block, (b, d, L) and strided
+    inputs, an initial state, bf16 inputs, Mamba-2."""
+    only(monkeypatch, cfg)
+    _, kern = check(P.mamba1("final"), P.mamba1_inputs(L=11, d=3, n=5, seed=70), "rows")    # 2 whole + 3
+    assert kern.config["PREFETCH"] == 1 and kern.rows_buffers() == 3                     # dt, x, z
+    body = _body(kern.source, "rows")
+    assert len(re.findall(r"v\d+_q = tl\.load\(", body)) == 3 and "if PREFETCH else tl.load(" in body
+    check(P.mamba1("final"), P.mamba1_inputs(L=8, d=4, n=4, seed=71), "rows")            # whole chunks only
+    check(P.mamba1_scan(), P.mamba1_inputs(L=3, seed=72), "rows")                        # no whole chunk
+    check(P.mamba1_bdl(), P.mamba1_inputs(L=9, layout="bdl", seed=73), "rows")
+    x, dt, A, B, C, *_ = P.mamba1_inputs(L=10, seed=74)
+    check(P.mamba1_h0(), (x, dt.abs(), A, B, C, torch.randn(x.shape[0], x.shape[2], A.shape[1])), "rows")
+    x, dt, A, B, C, D, z, bias = P.mamba1_inputs(L=9, d=6, n=4, seed=75, layout="bdl")
+    strided = (x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D,
+               z.transpose(1, 2), bias)
+    check(P.mamba1("final"), strided, "rows")
+    check(mamba1_scan_cast, P.mamba1_inputs(L=10, dtype=torch.bfloat16, seed=76), "rows", rest="eager")
+    check(P.mamba2("final"), P.mamba2_inputs(L=9, P=6, seed=77, with_h0=True), "rows")
+
+
+def test_rows_prefetch_candidates(monkeypatch):
+    """PREFETCH configs are candidates where the rows kernel has loads to double-buffer, and
+    their buffers count against max_tile_per_thread."""
+    fn = P.mamba1("final")
+    args = P.mamba1_inputs(b=1, L=4096, d=2, n=16, dtype=torch.bfloat16, seed=78)
+    region = region_of(fn, P.mamba1_inputs(L=9, n=16, seed=78))
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options())
+    rin = region_inputs(region, fn, args)
+    pf = [c for c in kern.candidates(rin, 90) if c.get("PREFETCH")]
+    assert {c.get("UNROLL") for c in pf} == {None, 8} and all(c["CHUNK"] == 256 for c in pf)
+    table = dict(T.load_configs())
+    table["max_tile_per_thread"] = 16           # CHUNK 256 a warp: 8 a thread, 32 with dt, x, z buffered
+    monkeypatch.setattr(T, "load_configs", lambda: table)
+    cands = kern.candidates(rin, 90)
+    assert not any(c.get("PREFETCH") for c in cands)
+    assert any(c["variant"] == "rows" and c["CHUNK"] == 256 for c in cands)
+
+
+def _launch_like(kern, cfg, seq):
+    """ASTSource for `cfg` with the hints a launch on contiguous tensors gets: each tensor's
+    last stride the constant 1, every other integer argument divisible by 16."""
+    fn, sig, cx = kern.signature(cfg, 16, seq)
+    names = list(sig)
+    last = {}
+    for n in names:
+        m = re.fullmatch(r"((?:in|out)\d+)_s(\d+)", n)
+        if m:
+            last[m.group(1)] = max(last.get(m.group(1), -1), int(m.group(2)))
+    for base, d in last.items():
+        sig[f"{base}_s{d}"] = "constexpr"
+        cx[f"{base}_s{d}"] = 1
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
+    return triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in cx.items()},
+                                     attrs=attrs)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"variant": "rows", "BLOCK_D": 1, "CHUNK": 256, "num_warps": 1, "num_stages": 1, "PREFETCH": 1},
+    {"variant": "rows", "BLOCK_D": 1, "CHUNK": 256, "num_warps": 1, "num_stages": 1, "UNROLL": 8, "PREFETCH": 1},
+    {"variant": "rows", "BLOCK_D": 1, "CHUNK": 256, "num_warps": 1, "num_stages": 2},
+], ids=["prefetch", "prefetch_unroll8", "stages2"])
+def test_rows_prefetch_compiles_for_sm90(cfg, monkeypatch, tmp_path):
+    """The double-buffered rows kernel compiles for sm_90 ((b, d, L) inputs: time contiguous, as
+    rows wants): the whole-chunk loop carries the bf16 rows of the next chunk (dt and x here);
+    with num_stages 2 Triton's pipeliner stages the chunk's loads in shared memory (async
+    copies) instead."""
+    from triton.backends.compiler import GPUTarget
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    region = region_of(P.mamba1_bdl(), P.mamba1_inputs(layout="bdl", seed=1))
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options(cache_dir=str(tmp_path)))
+    seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if i != region.init and s.ndim >= 3}
+    ck = triton.compile(_launch_like(kern, cfg, seq), target=GPUTarget("cuda", 90, 32),
+                        options=T.launch_options(cfg, torch.device("cuda")))
+    assert ".target sm_90" in ck.asm["ptx"] and ck.asm.get("cubin")
+    ttgir = ck.asm["ttgir"]
+    loop = next(l for l in ttgir.splitlines() if "scf.for" in l)       # the whole-chunk loop
+    carried = loop.split("->", 1)[1].count("x256xbf16")
+    assert kern.rows_buffers() == 2 and carried == (2 if cfg.get("PREFETCH") else 0)
+    assert ("async_copy_global_to_local" in ttgir) == (cfg["num_stages"] > 1)
 
 
 def test_autotune_bucket_tells_layouts_apart():

@@ -45,7 +45,7 @@ import torch
 from ssmc import ir
 from ssmc.ir import Const, Load, Reduce, Region, State
 
-from .triton_printer import Frame, TritonPrinter, unsupported
+from .triton_printer import Frame, TimeLoad, TritonPrinter, unsupported
 
 try:
     import triton
@@ -233,7 +233,12 @@ class RowsVariant:
     """The ``_rows`` kernel's blocks: per chunk of time, `outer` (values free of the register
     axis), then a loop over the register axis whose body is `pre`, the scan of `a`, `b`
     and `post` (accumulations into `accs`, stores of outputs indexed by that axis), then
-    `outer_post` (outputs that sum over the axis, read from the accumulators)."""
+    `outer_post` (outputs that sum over the axis, read from the accumulators).
+
+    Loads indexed by time and free of the register axis (once per chunk) are `TimeLoad` line
+    objects in `outer` and `outer_post`, also listed in `loads` (the plain line as a string; the
+    template's ``fetched`` filter prints the double-buffered form), each with its code for the
+    next chunk ("next") and the first one ("first"), for the PREFETCH constexpr."""
     prelude: list
     init: str | None
     outer: list
@@ -244,6 +249,7 @@ class RowsVariant:
     post: list
     outer_post: list
     final: list
+    loads: list = dataclasses.field(default_factory=list)
 
 
 def rows_declines(r: Region, plan: Plan) -> str | None:
@@ -273,6 +279,9 @@ def _print_rows(r: Region, plan: Plan, cdt: str) -> RowsVariant | None:
     p.set_prelude_frame(pre_f)
     p.block(pre_f)
     init = p.expr(Load(r.init, tuple(r.axes))) if r.init is not None else None
+    # loads once per chunk, also printed at the next chunk (tt_next: tt + CHUNK) and the first
+    # (before the time loop), for double buffering; their masks say which of those exist
+    p.double_buffer(plan.reg, {"next": {"t": ("tt_next", "mt_next")}, "first": {"t": ("tt_first", "mt_first")}})
     outer = []
     pre = p.block(inner_f)
     p.split(plan.reg, outer, outer_f)
@@ -296,11 +305,13 @@ def _print_rows(r: Region, plan: Plan, cdt: str) -> RowsVariant | None:
     for k, o in enumerate(r.outputs):
         if o.kind == "steps" and plan.reg not in o.index:
             outer_post.append(_store(p, k, o, p.expr(o.expr)))
+    p.double_buffer(None)
     final = p.block(dataclasses.replace(final_f, state="hc"))
     for k, o in enumerate(r.outputs):
         if o.kind == "final":
             final.append(_store(p, k, o, p.expr(o.expr)))
-    return RowsVariant(list(p.prelude), init, outer, list(accs.values()), pre, a, b, post, outer_post, final)
+    return RowsVariant(list(p.prelude), init, outer, list(accs.values()), pre, a, b, post, outer_post, final,
+                       list(p.time_loads))
 
 
 def kernel_args(r: Region, plan: Plan) -> list[str]:
@@ -334,7 +345,25 @@ def arg_lines(names: list[str]) -> list[str]:
 
 def _lines(items, indent: int, sep: str = "") -> str:
     pad = " " * indent
-    return (sep + "\n").join(pad + s for s in items)
+    return (sep + "\n").join(pad + str(s) for s in items)
+
+
+def _fetched(items, cond: str | None) -> list:
+    """Lines with each `TimeLoad` read from its value loaded ahead where the constexpr `cond`
+    holds (None: the plain lines)."""
+    if cond is None:
+        return list(items)
+    return [x.fetched(cond) if isinstance(x, TimeLoad) else x for x in items]
+
+
+def _buffers(loads, what: str) -> list[str]:
+    """The double buffers' assignments: "first" loads the first chunk's values, "ahead" the
+    next chunk's, "carry" hands those on to the next iteration."""
+    if what == "first":
+        return [f"{x.raw} = {x.at['first']}" for x in loads]
+    if what == "ahead":
+        return [f"{x.ahead} = {x.at['next']}" for x in loads]
+    return [f"{x.raw} = {x.ahead}" for x in loads]
 
 
 def tensor_args(tensors) -> list:
@@ -360,6 +389,8 @@ def _env():
     env = jinja2.Environment(loader=jinja2.FunctionLoader(load), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["lines"] = _lines
+    env.filters["fetched"] = _fetched
+    env.filters["buffers"] = _buffers
     env.filters["comment"] = lambda s: "\n".join("# " + l for l in str(s).splitlines())
     return env
 
@@ -452,8 +483,11 @@ def launch_options(config: dict, device) -> dict:
 
 def _rows_constexprs(config: dict, block_n: int, size_n: int) -> dict:
     """The rows kernel's own constexprs: no masks on the register axis when it fills BLOCK_N,
-    and how many of its indices are unrolled per iteration (all by default)."""
-    return {"EVEN_N": block_n == size_n, "UNROLL_N": min(int(config.get("UNROLL", block_n)), block_n)}
+    how many of its indices are unrolled per iteration (all by default), whether the loads once
+    per chunk are double-buffered in registers (PREFETCH: 0 or 1, default 0) and the software
+    pipeliner's stages of the whole-chunk loop (NUM_STAGES: the config's num_stages; 1: none)."""
+    return {"EVEN_N": block_n == size_n, "UNROLL_N": min(int(config.get("UNROLL", block_n)), block_n),
+            "PREFETCH": int(config.get("PREFETCH", 0)), "NUM_STAGES": int(config.get("num_stages", 1))}
 
 
 def _layout(inputs) -> tuple:
@@ -545,7 +579,9 @@ class TritonKernel:
     def candidates(self, inputs, arch) -> list[dict]:
         """The configs of this arch that fit these shapes: BLOCK_D clamped to the channel
         count, CHUNK to the length's bucket, tiles too big for the registers dropped (the smallest
-        one is kept when all are), duplicates removed."""
+        one is kept when all are; a rows config with PREFETCH counts its double buffers, one
+        (BLOCK_D, CHUNK) tile per load once per chunk), duplicates removed (PREFETCH is dropped
+        where the kernel has no load to double-buffer)."""
         table = load_configs()
         sizes, L = self.sizes(inputs)
         bn = _pow2(sizes[self.plan.reg]) if self.plan.reg else 1
@@ -561,11 +597,15 @@ class TritonKernel:
             c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L)))     # the same across a bucket
             if int(c.get("UNROLL", bn)) >= bn:                         # all of the axis: the default
                 c.pop("UNROLL", None)
+            if c["variant"] != "rows" or not int(c.get("PREFETCH", 0)) or not self.rows_buffers():
+                c.pop("PREFETCH", None)                                 # nothing to double-buffer
             sig = tuple(sorted(c.items()))
             if sig in seen:
                 continue
             seen.add(sig)
             tile = c["BLOCK_D"] * {"loop": bn, "scan": bn * c["CHUNK"], "rows": c["CHUNK"]}[c["variant"]]
+            if c.get("PREFETCH"):
+                tile += c["BLOCK_D"] * c["CHUNK"] * self.rows_buffers()
             tiles.append((tile / c["num_warps"], c))
             if tile <= budget * c["num_warps"]:
                 fits.append(c)
@@ -573,6 +613,14 @@ class TritonKernel:
             raise ValueError(f"no {arch_key(arch)} config in {CONFIGS} runs this region "
                              f"(rows configs need a register axis of <= {table.get('max_rows_unroll', 32)})")
         return fits or [min(tiles, key=lambda x: x[0])[1]]
+
+    def rows_buffers(self) -> int:
+        """How many loads the rows kernel double-buffers with PREFETCH (its loads once per
+        chunk; 0 where it declines the region)."""
+        if not hasattr(self, "_rows_buffers"):
+            rows = _print_rows(self.region, self.plan, self.cdt) if self.plan.reg else None
+            self._rows_buffers = len(rows.loads) if rows is not None else 0
+        return self._rows_buffers
 
     # -- launching -----------------------------------------------------------------------------------
     def outputs(self, inputs) -> list[torch.Tensor]:

@@ -97,6 +97,37 @@ class Frame:
     reg_mask: str | None
 
 
+@dataclasses.dataclass
+class TimeLoad:
+    """A load indexed by time, printed while the printer double-buffers such loads
+    (`TritonPrinter.double_buffer`; the rows variant's loads once per chunk): `str` gives the
+    plain line ``name = tl.load(...)``; `at` holds the same load at other positions (position ->
+    its code there: "next", the next chunk's; "first", the first chunk's, before the time loop),
+    which a kernel loads ahead into `ahead` and hands on as `raw`, in the input's dtype."""
+    name: str
+    code: str                        # tl.load(...) here, in the input's dtype
+    conv: str                        # ".to(<compute dtype>)" for float inputs, else ""
+    at: dict
+
+    def __str__(self) -> str:
+        return f"{self.name} = {self.code}{self.conv}"
+
+    @property
+    def raw(self) -> str:
+        """This step's value, loaded by the step before (or before the loop)."""
+        return f"{self.name}_r"
+
+    @property
+    def ahead(self) -> str:
+        """The next step's value, loaded by this one."""
+        return f"{self.name}_q"
+
+    def fetched(self, cond: str) -> str:
+        """The line that reads the value loaded ahead where the constexpr `cond` holds, and
+        loads it here otherwise."""
+        return f"{self.name} = ({self.raw} if {cond} else {self.code}){self.conv}"
+
+
 class TritonPrinter:
     """Prints expressions into named temporaries, once each (a DAG, not a tree).
 
@@ -110,6 +141,11 @@ class TritonPrinter:
     the axis (Mamba's A[d, n]) are hoisted as tiles over it, and the loop's body reads its
     index's column of them: one load before the time loop instead of one per chunk and index
     (and, measured with ptxas for sm_90, 143 registers a thread instead of 180).
+
+    `double_buffer(axis, at)` prints every load indexed by time and free of `axis` as a
+    `TimeLoad` (a line object, not a string) with its code at the positions `at` names (frame
+    codes that replace the current ones there), so a kernel can issue a later chunk's loads
+    early; ``time_loads`` lists them in printing order.
     """
 
     def __init__(self, region: ir.Region, cdt: str = "tl.float32", prefix: str = "v"):
@@ -125,6 +161,8 @@ class TritonPrinter:
         self._memo: dict = {}
         self._split: str | None = None           # the axis looped over inside a chunk
         self._outer: tuple | None = None         # (lines, memo, frame) of the per-chunk level
+        self._ahead: tuple | None = None         # (axis, positions) of double_buffer
+        self.time_loads: list[TimeLoad] = []
 
     # -- blocks --------------------------------------------------------------------------------
     def lit(self, v: float) -> str:
@@ -184,6 +222,31 @@ class TritonPrinter:
         return (self._split is not None and self._split in self.axes(e)
                 and self._steady(e) and not isinstance(e, Const))
 
+    def double_buffer(self, axis: str | None, at: dict | None = None):
+        """From now on print loads indexed by time and free of `axis` as `TimeLoad`s, with
+        their code at the positions of `at` (position -> {axis name or "t": (code, mask)}, which
+        replace the frame's codes there). ``double_buffer(None)`` ends it."""
+        self._ahead = None if axis is None else (axis, at or {})
+
+    def _time_load(self, e: Load, level: str) -> str:
+        lines, memo, frame = self._where(level)
+        saved = self.frame
+        try:
+            self.frame = frame
+            code, conv = self._load_parts(e)
+            at = {}
+            for pos, over in self._ahead[1].items():
+                self.frame = dataclasses.replace(frame, codes={**frame.codes, **over})
+                at[pos] = self._load_parts(e)[0]
+        finally:
+            self.frame = saved
+        name = self._name(False)
+        ld = TimeLoad(name, code, conv, at)
+        lines.append(ld)
+        memo[e] = name
+        self.time_loads.append(ld)
+        return name
+
     def memoize(self, e, name: str):
         """`e` reads as `name` in the current block (an accumulator the kernel keeps)."""
         self._memo[e] = name
@@ -241,6 +304,9 @@ class TritonPrinter:
         folded = self._fold(e)
         if folded is not None:
             return folded
+        if (self._ahead is not None and isinstance(e, Load) and level != "pre"
+                and "t" in self.axes(e) and self._ahead[0] not in self.axes(e)):
+            return self._time_load(e, level)
         saved, self.frame = self.frame, frame
         try:
             code = self._code(e)
@@ -282,6 +348,12 @@ class TritonPrinter:
         raise TypeError(f"cannot print {e!r}")
 
     def load(self, ld: Load) -> str:
+        code, conv = self._load_parts(ld)
+        return code + conv
+
+    def _load_parts(self, ld: Load) -> tuple[str, str]:
+        """(``tl.load(...)`` in the input's dtype, the conversion to the compute dtype) in the
+        current frame."""
         scal, vec, masks = [], [], []
         for d, ix in enumerate(ld.index):
             s = f"in{ld.input}_s{d}"
@@ -299,7 +371,7 @@ class TritonPrinter:
         other = "0.0" if is_float else "0"
         m = f", mask={' & '.join(masks)}, other={other}" if masks else ""
         conv = f".to({self.cdt})" if is_float else ""
-        return f"tl.load(in{ld.input}_ptr + ({off}){m}){conv}"
+        return f"tl.load(in{ld.input}_ptr + ({off}){m})", conv
 
     def _arg(self, a, other: str) -> str:
         """An operand of a @jit helper: a constant becomes a tensor shaped like `other`."""
