@@ -75,6 +75,8 @@ def main():
             y, hN = gm(*ins)
             row = {"batch": batch, "variant": f"ssmc[{t}]", "rel_err": max(rel(y, ref[0]), rel(hN, ref[1]))}
             row.update(three(lambda: gm(*ins)))
+            from ssmc.runtime.op import _REGISTRY
+            row["configs"] = {k: getattr(e.kernel, "config", None) for k, e in _REGISTRY.items() if "step" in k}
             row["GB_per_s_graph"] = state_bytes / row["graph_ms"] / 1e6
             res["rows"].append(row)
             print(row, flush=True)
