@@ -20,9 +20,12 @@ if [[ $STEPS == *tests* ]]; then      # one file at a time: a fault in one canno
     timeout ${SSMC_TEST_TIMEOUT:-120} python -m pytest -m gpu -q -p no:cacheprovider -rf "$f" 2>&1 | tail -15 >> "$LOG"
   done
   # test_triton.py compiles every candidate config per shape (~8 min in one process): three at once
-  for k in ${SSMC_TEST_TRITON_K-mamba1 mamba2 "gated or end_to_end"}; do
+  # SSMC_TEST_TRITON_K: ';'-separated -k expressions, one process each (empty: none)
+  IFS=';' read -ra KS <<< "${SSMC_TEST_TRITON_K-mamba1;mamba2;gated or end_to_end}"
+  for k in "${KS[@]}"; do
+    [[ -n ${k// } ]] || continue
     ( timeout ${SSMC_TEST_TIMEOUT_TRITON:-280} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton.py \
-        -k "$k" > "$OUT/test_triton_${k%% *}.txt" 2>&1 ) &
+        -k "$k" > "$OUT/test_triton_$(echo "${k%% *}" | tr -cd 'A-Za-z0-9_').txt" 2>&1 ) &
   done
   wait
   for f in "$OUT"/test_triton_*.txt; do [[ -f $f ]] || continue; echo "== $f" >> "$LOG"; tail -5 "$f" >> "$LOG"; rm -f "$f"; done
@@ -34,10 +37,11 @@ if [[ $STEPS == *region* ]]; then     # mamba-ssm baselines in the same run; no 
   cp /tmp/ssmc_run/h200_regions.json "$OUT/" 2>/dev/null
 fi
 if [[ $STEPS == *m1tune* ]]; then    # Mamba-1 region per kernel config, b8 d1536 n16 bf16, mamba-ssm and associative_scan in the run
-  TAG=${SSMC_TUNE_TAG:-m1}            # SSMC_TUNE_BASELINE= (empty): no baselines; SSMC_TUNE_BLD=0: no (b, L, d) run
+  TAG=${SSMC_TUNE_TAG:-m1}            # SSMC_TUNE_BASELINE= (empty): no baselines; SSMC_TUNE_BLD=0: no (b, L, d) run;
+                                      # SSMC_TUNE_KERNELS=sq32n4x32b,tm32x16r4: only those cuda instances
   timeout ${SSMC_TUNE_TIMEOUT:-400} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_$TAG.json" \
     --lengths "${SSMC_LENGTHS:-4096,2048}" --only "${SSMC_TUNE_ONLY:-triton,cuda}" --layouts bdl \
-    --batch "${SSMC_BATCH:-8}" ${SSMC_TUNE_BASELINE---baseline} >> "$LOG" 2>&1
+    --batch "${SSMC_BATCH:-8}" --kernels "${SSMC_TUNE_KERNELS:-}" ${SSMC_TUNE_BASELINE---baseline} >> "$LOG" 2>&1
   if [[ ${SSMC_TUNE_BLD:-1} == 1 ]]; then
     timeout ${SSMC_TUNE_BLD_TIMEOUT:-150} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_${TAG}_bld.json" \
       --lengths 4096 --only cuda --layouts bld >> "$LOG" 2>&1
