@@ -710,6 +710,27 @@ def test_gpu_every_variant_large(regions, gpu_cache):
 
 
 @pytest.mark.gpu
+def test_gpu_staged_copies(regions, gpu_cache):
+    """The staging instances of the sequential kernel on (b, d, L) data, where B and C runs are
+    contiguous and aligned, so the stage is filled by asynchronous copies a chunk ahead (the
+    emulator's copies are synchronous: only a GPU shows a missing wait): b2 d64 n16, whole
+    chunks and a partial one, bf16 in, outputs poisoned."""
+    r = with_dtype(regions["mamba1_bdl"], "bfloat16")
+    kernel = _gpu_kernel(r, gpu_cache)
+    arch = cuda._capability(torch.cuda.current_device())
+    staged = [c for c in kernel.rendered(arch).configs if c.get("stage")]
+    assert staged
+    for L in (2048, 4104):
+        xs = [x.cuda() for x in region_inputs("mamba1_bdl", r, L, torch.bfloat16, seed=L, n=16, d=64)]
+        ref = reference_run(r, [x.double().cpu() for x in xs])
+        for c in staged:
+            kernel.force_kernel = c["kernel"]
+            outs = kernel.forward(xs)
+            assert kernel.last_launch["kernel"] == c["kernel"]
+            check_close([o.cpu() for o in outs], ref, torch.bfloat16, f"L={L} {kernel.last_launch}")
+
+
+@pytest.mark.gpu
 def test_gpu_second_device(regions, gpu_cache):
     if torch.cuda.device_count() < 2:
         pytest.skip("one GPU")
