@@ -588,8 +588,12 @@ def _all_loads(p: ScanPlan) -> list:
     return out
 
 
-def r_ndim(p: ScanPlan, k: int) -> int:
-    return p.region.inputs[k].ndim
+def _run_conds(ptr: str, strides: str, index) -> list[str]:
+    """The run-time conditions for a tensor's runs of ITEMS steps to be read or written as
+    aligned vectors: contiguous in time, the base aligned, every other stride a multiple."""
+    td = index.index("t")
+    return [f"ssmc_vec_base<ITEMS>({ptr}, {strides}_{td})",
+            *(f"ssmc_vec_stride<ITEMS>({ptr}, {strides}_{d})" for d in range(len(index)) if d != td)]
 
 
 def emit(p: ScanPlan) -> Code:
@@ -636,22 +640,13 @@ def emit(p: ScanPlan) -> Code:
         c.epi.append(f"ssmc_store_run<ITEMS, MODE>(out{o.k} + ({off}), os{o.k}_{td}, t_begin, row_out ? L : 0, "
                      f"{v[:-3]});  // output {o.k}")
     # when the whole chunk may use unchecked vector loads and stores (uniform over the grid)
-    conds = []
-    for ld in dict.fromkeys(ld for ld in _all_loads(p) if "t" in ld.index):
-        k, td = ld.input, ld.index.index("t")
-        conds.append(f"ssmc_vec_base<ITEMS>(in{k}, s{k}_{td})")
-        conds += [f"ssmc_vec_stride<ITEMS>(in{k}, s{k}_{d})" for d in range(len(ld.index)) if d != td]
+    time_loads = list(dict.fromkeys(ld for ld in _all_loads(p) if "t" in ld.index))
+    conds = [x for ld in time_loads for x in _run_conds(f"in{ld.input}", f"s{ld.input}", ld.index)]
     for o in p.outputs:
         if o.where == "row":
-            td = o.spec.index.index("t")
-            conds.append(f"ssmc_vec_base<ITEMS>(out{o.k}, os{o.k}_{td})")
-            conds += [f"ssmc_vec_stride<ITEMS>(out{o.k}, os{o.k}_{d})" for d in range(len(o.spec.index)) if d != td]
+            conds += _run_conds(f"out{o.k}", f"os{o.k}", o.spec.index)
     c.vec_ok = " && ".join(dict.fromkeys(conds)) or "true"
-    sconds = []
-    for st in c.staged:
-        k, td, nd = st["k"], st["td"], r_ndim(p, st["k"])
-        sconds.append(f"ssmc_vec_base<ITEMS>(in{k}, s{k}_{td})")
-        sconds += [f"ssmc_vec_stride<ITEMS>(in{k}, s{k}_{d})" for d in range(nd) if d != td]
+    sconds = [x for ld in em.stage.loads for x in _run_conds(f"in{ld.input}", f"s{ld.input}", ld.index)]
     c.stage_vec_ok = " && ".join(dict.fromkeys(sconds)) or "true"
     # final outputs from the last state
     for o in p.outputs:
