@@ -39,7 +39,7 @@ fi
 if [[ $STEPS == *m1tune* ]]; then    # Mamba-1 region per kernel config, b8 d1536 n16 bf16, mamba-ssm and associative_scan in the run
   TAG=${SSMC_TUNE_TAG:-m1}            # SSMC_TUNE_BASELINE= (empty): no baselines; SSMC_TUNE_BLD=0: no (b, L, d) run;
                                       # SSMC_TUNE_KERNELS=sq32n4x32b,tm32x16r4: only those cuda instances
-  timeout ${SSMC_TUNE_TIMEOUT:-400} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_$TAG.json" \
+  timeout -s ABRT ${SSMC_TUNE_TIMEOUT:-400} python -m benchmarks.tune_mamba1 --out "$OUT/h200_tune_$TAG.json" \
     --lengths "${SSMC_LENGTHS:-4096,2048}" --only "${SSMC_TUNE_ONLY:-triton,cuda}" --layouts bdl \
     --batch "${SSMC_BATCH:-8}" --kernels "${SSMC_TUNE_KERNELS:-}" ${SSMC_TUNE_BASELINE---baseline} >> "$LOG" 2>&1
   if [[ ${SSMC_TUNE_BLD:-1} == 1 ]]; then

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def main():
     ap.add_argument("--kernels", default="", help="cuda: only the instances whose names contain one of "
                                                   "these comma-separated parts (every instance compiles: ~3 s each)")
     args = ap.parse_args()
+    logging.basicConfig(format="%(asctime)s %(message)s", level=logging.WARNING)
+    logging.getLogger("ssmc").setLevel(logging.INFO)     # the autotuner's progress, config by config
     if args.profile_once:
         b, d, n = 8, 1536, 16
         gm, _ = lowered_graph(mamba1_naive, mamba1_inputs(b, d, n, 16, torch.bfloat16, 0), target=args.profile_once)

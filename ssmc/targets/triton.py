@@ -817,7 +817,10 @@ class TritonKernel:
             return cands[0]
         times, errors = {}, []
         cuda = inputs[0].device.type == "cuda"
-        for c in cands:
+        log.info("ssmc triton: %s: autotuning over %d %s configs (each compiles first)",
+                 self.region.name, len(cands), arch_key(arch))
+        for i, c in enumerate(cands):
+            start = time.perf_counter()
             try:
                 if not cuda:                                   # the interpreter: nothing to compile
                     s = time.perf_counter()
@@ -834,8 +837,12 @@ class TritonKernel:
                 t1.record()
                 torch.cuda.synchronize()
                 times[json.dumps(c, sort_keys=True)] = t0.elapsed_time(t1) / reps
+                log.info("ssmc triton: config %d/%d %s: %.3f ms (compiled and timed in %.1f s)", i + 1, len(cands),
+                         c, t0.elapsed_time(t1) / reps, time.perf_counter() - start)
             except Exception as e:
                 errors.append(f"{c}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                log.info("ssmc triton: config %d/%d %s failed after %.1f s: %s", i + 1, len(cands), c,
+                         time.perf_counter() - start, errors[-1])
                 log.debug("ssmc triton: config %s failed", c, exc_info=True)
         self.timings[bucket] = times
         if errors:
