@@ -554,8 +554,8 @@ def test_table_picks_and_duplicates():
     assert cuda._pick(cs, "time_major", 4096, 12288, 16, staged)["kernel"] == "k_sq32n4x32b"
     assert cuda._pick(cs, "row_major", 4096, 12288, 16, staged)["kernel"] == "k_sq32n4x16bs"
     # N read at run time, or fewer rows (b2 d1536): a warp per row, 4 rows a block
-    assert cuda._pick(cs, "time_major", 4096, 12288, 0)["kernel"] == "k_tm32x16r4g2p16"
-    assert cuda._pick(cs, "time_major", 16384, 3072, 16)["kernel"] == "k_tm32x16r4g2p16"
+    assert cuda._pick(cs, "time_major", 4096, 12288, 0)["kernel"] == "k_tm32x16r4g2p32"
+    assert cuda._pick(cs, "time_major", 16384, 3072, 16)["kernel"] == "k_tm32x16r4g2p32"
     assert cuda._pick(cs, "row_major", 4096, 12288, 0)["kernel"] == "k_rm4x8g4"
     assert cuda._pick(cs, "time_major", 4096, 64, 16)["kernel"] == "k_tm64x16g2"     # few rows: 2 warps a row, 2 in flight
     twice = {"time_major": [{"threads": 32, "items": 4, "max_len": 8}, {"threads": 32, "items": 4}], "row_major": []}
@@ -648,9 +648,9 @@ def test_sm90_table_has_no_spills(regions):
     rend = cuda.render(r, 90)
     picks = {cuda._pick(rend.configs, lay, L, rows, ns, lambda c: st)["kernel"] for lay in ("time_major", "row_major")
              for L in (100, 200, 1000, 4096) for rows in (3072, 12288) for ns in (0, 16) for st in (False, True)}
-    # spill under their caps and are still the fastest measured: tm32x16r4g2p16 8 bytes (loads 12),
+    # spill under their caps and are still the fastest measured: tm32x16r4g2p32 8 bytes (loads 12),
     # sq32n4x32b 460 (loads 664; its 32-item arrays; sq32n4x16b, no spills, is 10% slower)
-    allowed = {"ssmc_loop0_tm32x16r4g2p16": 12, "ssmc_loop0_sq32n4x32b": 700}
+    allowed = {"ssmc_loop0_tm32x16r4g2p32": 12, "ssmc_loop0_sq32n4x32b": 700}
     for k in sorted(picks):
         _, _, _, log = cuda.nvrtc_compile(rend.source, 90, f"{k}.cu", ("-DSSMC_ONE_KERNEL", f"-DSSMC_KERNEL_{k}",
                                                                       "-DSSMC_NS=16", "--ptxas-options=-v"))
