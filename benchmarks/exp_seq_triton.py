@@ -29,6 +29,18 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_gpu import bench, env_info, lowered_graph, mamba1_inputs, mamba1_naive, rel  # noqa: E402
 
+@triton.jit
+def _last(h, rt, CH: tl.constexpr):
+    return tl.sum(tl.where(rt == CH - 1, h, 0.0), axis=2)
+
+@triton.jit
+def _state(c, A2, dts, dtx, Bp, Cp, rt, CH: tl.constexpr):
+    a = tl.exp2(dts * A2)                      # (BD, NQ, CH)
+    b = dtx * tl.load(Bp).to(tl.float32)       # (1, NQ, CH) broadcast
+    b = tl.where(rt == 0, a * c[:, :, None] + b, b)
+    _, h = tl.associative_scan((a, b), axis=2, combine_fn=_comb)
+    return h, h * tl.load(Cp).to(tl.float32)
+
 _INTERP = tl.constexpr(bool(os.environ.get("TRITON_INTERPRET")))
 
 @triton.jit
