@@ -33,7 +33,7 @@ from ssmc.runtime.op import lookup
 triton = pytest.importorskip("triton")
 T = pytest.importorskip("ssmc.targets.triton")
 
-VARIANTS = ["loop", "scan", "rows"]
+VARIANTS = ["loop", "scan", "rows"]      # the interpreter table's (the seq variants: test_seq_variant)
 FLAT_VARIANTS = ["loop", "scan"]     # what runs a region without a register axis (rows declines it)
 
 
@@ -222,7 +222,7 @@ def test_compiles_for_sm80_sm90_without_gpu(name, cc, monkeypatch, tmp_path):
     seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if i != region.init and s.ndim >= 3}
     block_n = 16 if kern.plan.reg else 1
     table = T.load_configs()[f"sm_{cc}"]
-    for variant in VARIANTS if kern.plan.reg else FLAT_VARIANTS:
+    for variant in VARIANTS + ["seq4"] if kern.plan.reg else FLAT_VARIANTS:
         cfg = next(c for c in table if c["variant"] == variant)
         fn, sig, cx = kern.signature(cfg, block_n, seq)
         assert isinstance(fn, triton.runtime.jit.JITFunction)
@@ -446,6 +446,70 @@ def test_rows_prefetch(cfg, interp, monkeypatch):
     check(P.mamba2("final"), P.mamba2_inputs(L=9, P=6, seed=77, with_h0=True), "rows")
 
 
+def mamba1_states_out(x, dt, A, B, C, D, z, bias):
+    """Mamba-1's recurrence returning its readout and every step's state (a per-step output
+    indexed by the register axis n)."""
+    h = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
+    ys, hs = [], []
+    for t in range(x.shape[1]):
+        delta = F.softplus(dt[:, t] + bias)
+        h = torch.exp(delta[..., None] * A) * h + (delta * x[:, t])[..., None] * B[:, t, None, :]
+        ys.append((h * C[:, t, None, :]).sum(-1))
+        hs.append(h * 2.0)
+    return torch.stack(ys, 1), torch.stack(hs, 1)
+
+
+SEQ = [
+    {"variant": "seq2", "BLOCK_D": 2, "CHUNK": 4, "num_warps": 1, "num_stages": 1},
+    {"variant": "seq4", "BLOCK_D": 4, "CHUNK": 2, "num_warps": 1, "num_stages": 1},
+]
+
+
+@pytest.mark.parametrize("cfg", SEQ, ids=["s2", "s4"])
+def test_seq_variant(cfg, interp, monkeypatch):
+    """The seq variant (the register axis split over lanes and unrolled copies, scans along a
+    thread-local time axis) end to end against the reference: whole chunks and a partial one, a
+    state axis that does not fill BLOCK_N (and one whose BLOCK_N the copies do not divide:
+    another variant runs), a partial channel block, (b, d, L) and strided inputs, an initial
+    state and the final state, bf16 inputs, Mamba-2."""
+    only(monkeypatch, cfg)
+    _, kern = check(P.mamba1("final"), P.mamba1_inputs(L=11, d=3, n=6, seed=90), cfg["variant"])
+    body = _body(kern.source, cfg["variant"])
+    assert "tl.associative_scan((a, b), axis=2" in body and "_sum(acc0, 1)" in body
+    check(P.mamba1("final"), P.mamba1_inputs(L=8, d=4, n=4, seed=91), cfg["variant"])
+    check(P.mamba1_scan(), P.mamba1_inputs(L=3, seed=92), cfg["variant"])            # no whole chunk
+    check(P.mamba1_bdl(), P.mamba1_inputs(L=9, layout="bdl", seed=93), cfg["variant"])
+    x, dt, A, B, C, *_ = P.mamba1_inputs(L=10, seed=94)
+    check(P.mamba1_h0(), (x, dt.abs(), A, B, C, torch.randn(x.shape[0], x.shape[2], A.shape[1])), cfg["variant"])
+    x, dt, A, B, C, D, z, bias = P.mamba1_inputs(L=9, d=6, n=4, seed=95, layout="bdl")
+    strided = (x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D,
+               z.transpose(1, 2), bias)
+    check(P.mamba1("final"), strided, cfg["variant"])
+    check(mamba1_scan_cast, P.mamba1_inputs(L=10, dtype=torch.bfloat16, seed=96), cfg["variant"], rest="eager")
+    check(P.mamba2("final"), P.mamba2_inputs(L=9, P=6, seed=97, with_h0=True), cfg["variant"])
+
+
+def test_seq_declines_and_candidates(monkeypatch):
+    """seq configs are candidates only where S divides BLOCK_N; regions without a register axis
+    (the gated recurrence) or whose per-step output indexes it are declined."""
+    gated = region_of(P.gated(), P.gated_inputs(L=7, seed=98))
+    assert T.seq_declines(gated, T.make_plan(gated)) == "no register axis to loop over"
+    per_state = region_of(mamba1_states_out, P.mamba1_inputs(L=5, seed=98))
+    assert "indexes the register axis" in T.seq_declines(per_state, T.make_plan(per_state))
+    fn = P.mamba1("final")
+    region = region_of(fn, P.mamba1_inputs(L=9, n=16, seed=99))
+    assert T.seq_declines(region, T.make_plan(region)) is None
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options())
+    table = dict(T.load_configs())
+    table["sm_90"] = [dict(SEQ[0], CHUNK=16), dict(SEQ[1], CHUNK=16), {"variant": "seq8", "BLOCK_D": 4, "CHUNK": 16,
+                      "num_warps": 1, "num_stages": 1}]
+    monkeypatch.setattr(T, "load_configs", lambda: table)
+    for n, want in ((16, {"seq2", "seq4", "seq8"}), (4, {"seq2", "seq4"}), (2, {"seq2"})):
+        args = P.mamba1_inputs(b=1, L=64, d=8, n=n, seed=99)
+        got = {c["variant"] for c in kern.candidates(region_inputs(region, fn, args), 90)}
+        assert got == want, (n, got)
+
+
 def test_rows_prefetch_candidates(monkeypatch):
     """PREFETCH configs are candidates where the rows kernel has loads to double-buffer, and
     their buffers count against max_tile_per_thread."""
@@ -454,9 +518,14 @@ def test_rows_prefetch_candidates(monkeypatch):
     region = region_of(fn, P.mamba1_inputs(L=9, n=16, seed=78))
     kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options())
     rin = region_inputs(region, fn, args)
+    table = dict(T.load_configs())              # no sm_90 entry uses PREFETCH (measured slower): add two
+    table["sm_90"] = table["sm_90"] + [dict(c, PREFETCH=1) for c in table["sm_90"]
+                                       if c["variant"] == "rows" and c["CHUNK"] == 256 and c.get("UNROLL") in (None, 8)
+                                       and "maxnreg" not in c]
+    monkeypatch.setattr(T, "load_configs", lambda: table)
     pf = [c for c in kern.candidates(rin, 90) if c.get("PREFETCH")]
     assert {c.get("UNROLL") for c in pf} == {None, 8} and all(c["CHUNK"] == 256 for c in pf)
-    table = dict(T.load_configs())
+    table = dict(table)
     table["max_tile_per_thread"] = 16           # CHUNK 256 a warp: 8 a thread, 32 with dt, x, z buffered
     monkeypatch.setattr(T, "load_configs", lambda: table)
     cands = kern.candidates(rin, 90)
@@ -480,6 +549,27 @@ def _launch_like(kern, cfg, seq):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr"}
     return triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in cx.items()},
                                      attrs=attrs)
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_seq_keeps_time_in_registers(cc, monkeypatch, tmp_path):
+    """The seq kernel compiled with the hints a launch on time-contiguous tensors gets: every
+    tile takes the loads' layout (a thread's CHUNK steps in its registers), so its only
+    shuffles are the readout's sum over a row's NQ lanes, log2(NQ) rounds a step in each of the
+    two chunk loops (Triton put the scan's time axis across 8 lanes, 272 shuffles in the loop,
+    where B and C loaded as (1, NQ, CHUNK) tiles)."""
+    from triton.backends.compiler import GPUTarget
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    region = region_of(P.mamba1_bdl(), P.mamba1_inputs(layout="bdl", seed=1))       # (b, d, L): time contiguous
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options(cache_dir=str(tmp_path)))
+    seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if i != region.init and s.ndim >= 3}
+    cfg = {"variant": "seq4", "BLOCK_D": 8, "CHUNK": 8, "num_warps": 1, "num_stages": 1}
+    ck = triton.compile(_launch_like(kern, cfg, seq), target=GPUTarget("cuda", cc, 32),
+                        options=T.launch_options(cfg, torch.device("cuda")))
+    ptx = ck.asm["ptx"]
+    assert ptx.count("shfl.sync") <= 2 * cfg["CHUNK"] * 2, ptx.count("shfl.sync")     # NQ = 16 / 4 lanes
+    assert ptx.count("ex2.approx") >= 2 * 4 * cfg["CHUNK"]                              # an exp a state-step
 
 
 @pytest.mark.parametrize("cfg", [

@@ -314,6 +314,95 @@ def _print_rows(r: Region, plan: Plan, cdt: str) -> RowsVariant | None:
                        list(p.time_loads))
 
 
+SEQ_STATES = (2, 4, 8)       # the seq variant's state elements a lane: one kernel function each
+
+
+@dataclasses.dataclass
+class SeqVariant:
+    """The ``_seq<S>`` kernels' blocks. The register axis is split as n = q * S + s: q over the
+    NQ = BLOCK_N / S lanes of a row (``on3`` = q * S + s, a (1, NQ, 1) tile), s over the S
+    copies of the per-index code the template unrolls (each with its own carry ``hc<s>``).
+    Per chunk of time: `outer` (values free of the register axis, every time-indexed load
+    shaped (BLOCK_D, NQ, CHUNK) so that all tiles get the load's layout: CHUNK steps in one
+    thread's registers), then per s `pre`, the scan of `a`, `b` along the thread-local time
+    axis (the carry folded into the first step) and `post` (accumulations into `accs`), then
+    `outer_post` (outputs that sum over the axis, from the accumulators summed over the NQ
+    lanes; (BLOCK_D, 1, CHUNK) tiles). `init`: per s, the lines that set ``h0`` (None: zeros);
+    `final_outer` once and `final` per s after the last step."""
+    prelude: list
+    init: list | None
+    outer: list
+    accs: list
+    pre: list
+    a: str
+    b: str
+    post: list
+    outer_post: list
+    final_outer: list
+    final: list
+
+
+def seq_declines(r: Region, plan: Plan) -> str | None:
+    """Why the seq variant cannot compute `r` (None: it can)."""
+    why = rows_declines(r, plan)
+    if why:
+        return why
+    for o in r.outputs:
+        if o.kind == "steps" and plan.reg in o.index:
+            return f"output {o.index} indexes the register axis at every step"
+        if o.kind == "final" and any(isinstance(x, Reduce) for x in ir.walk(o.expr)):
+            return f"final output {o.index} sums over the register axis"
+    return None
+
+
+def _print_seq(r: Region, plan: Plan, cdt: str) -> SeqVariant | None:
+    """The seq variant (see `SeqVariant`); None when `seq_declines`."""
+    if seq_declines(r, plan):
+        return None
+    p = TritonPrinter(r, cdt)
+    p.columns = False
+    codes = {a: (f"idx_{a}", None) for a in plan.scalars}
+    if plan.block:
+        codes[plan.block] = ("od3", "md3")
+    pre_f = Frame({**codes, plan.reg: ("on3", "mn3")}, None, 1, "mn3")
+    outer_f = Frame({**codes, "t": ("tt2", "mt2")}, None, None, None)
+    inner_f = Frame({**codes, "t": ("tt3", "mt3"), plan.reg: ("on3", "mn3")}, None, None, None)
+    p.set_prelude_frame(pre_f)
+    init = None
+    if r.init is not None:
+        init = p.block(pre_f)
+        p.split(plan.reg, [], pre_f)                 # h0 is indexed by the axis: printed per s
+        init.append(f"h0 = {p.expr(Load(r.init, tuple(r.axes)))}")
+    outer = []
+    pre = p.block(inner_f)
+    p.split(plan.reg, outer, outer_f)
+    a, b = p.expr(r.decay), p.expr(r.drive)
+    post, accs = [], {}
+    p.switch(post, state="H")
+    for o in r.outputs:
+        if o.kind == "steps":
+            for x in ir.walk(o.expr):
+                if isinstance(x, Reduce) and x not in accs:
+                    accs[x] = f"acc{len(accs)}"
+                    post.append(f"{accs[x]} += tl.where(mn3, {p.expr(x.arg)}, 0.0)")
+    p.split(None)
+    outer_post = p.block(Frame({**codes, "t": ("tt2", "mt2")}, None, None, None))
+    for x, name in accs.items():
+        p.memoize(x, f"tl.expand_dims(_sum({name}, 1), 1)")
+    for k, o in enumerate(r.outputs):
+        if o.kind == "steps":
+            outer_post.append(_store(p, k, o, p.expr(o.expr)))
+    final_outer = []
+    final = p.block(Frame({**codes, plan.reg: ("on3", "mn3"), "t": ("t_last", None)}, "hc", 1, "mn3"))
+    p.split(plan.reg, final_outer, Frame({**codes, "t": ("t_last", None)}, None, None, None))
+    for k, o in enumerate(r.outputs):
+        if o.kind == "final":
+            final.append(_store(p, k, o, p.expr(o.expr)))
+    p.split(None)
+    return SeqVariant(list(p.prelude), init, outer, list(accs.values()), pre, a, b, post, outer_post,
+                      final_outer, final)
+
+
 def kernel_args(r: Region, plan: Plan) -> list[str]:
     """The runtime arguments of both kernels, in order (the constexprs follow)."""
     args = [f"in{i}_ptr" for i in plan.inputs] + [f"out{k}_ptr" for k in range(len(r.outputs))]
@@ -406,7 +495,7 @@ def render(r: Region, plan: Plan, cdt: str = "tl.float32") -> str:
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=kernel_name(r),
         plan=plan, args=arg_lines(kernel_args(r, plan)),
         loop=_print_variant(r, plan, cdt, False), scan=_print_variant(r, plan, cdt, True),
-        rows=_print_rows(r, plan, cdt))
+        rows=_print_rows(r, plan, cdt), seq=_print_seq(r, plan, cdt), seq_states=SEQ_STATES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -479,6 +568,12 @@ def launch_options(config: dict, device) -> dict:
     if config.get("maxnreg"):
         opts["maxnreg"] = config["maxnreg"]
     return opts
+
+
+def _seq_states(config: dict) -> int:
+    """S of a ``seq<S>`` config (state elements a lane), 0 for the other variants."""
+    v = config["variant"]
+    return int(v[3:]) if v.startswith("seq") else 0
 
 
 def _rows_constexprs(config: dict, block_n: int, size_n: int) -> dict:
@@ -588,10 +683,14 @@ class TritonKernel:
         bd_max = _pow2(sizes[self.plan.block]) if self.plan.block else 1
         budget = int(table.get("max_tile_per_thread", 64)) * 32
         rows = rows_declines(self.region, self.plan) is None and bn <= int(table.get("max_rows_unroll", 32))
+        seq = seq_declines(self.region, self.plan) is None
         fits, tiles, seen = [], [], set()
         for c in table[arch_key(arch)]:
             c = dict(c)
             if c["variant"] == "rows" and not rows:
+                continue
+            S = _seq_states(c)
+            if S and (not seq or bn % S):                  # n = q * S + s: S must divide BLOCK_N
                 continue
             c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
             c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L)))     # the same across a bucket
@@ -603,7 +702,8 @@ class TritonKernel:
             if sig in seen:
                 continue
             seen.add(sig)
-            tile = c["BLOCK_D"] * {"loop": bn, "scan": bn * c["CHUNK"], "rows": c["CHUNK"]}[c["variant"]]
+            tile = c["BLOCK_D"] * (bn // S * c["CHUNK"] if S else
+                                   {"loop": bn, "scan": bn * c["CHUNK"], "rows": c["CHUNK"]}[c["variant"]])
             if c.get("PREFETCH"):
                 tile += c["BLOCK_D"] * c["CHUNK"] * self.rows_buffers()
             tiles.append((tile / c["num_warps"], c))
@@ -643,6 +743,8 @@ class TritonKernel:
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": bn, "CHUNK": config["CHUNK"]}
         if config["variant"] == "rows":
             cx.update(_rows_constexprs(config, bn, sizes[self.plan.reg]))
+        if _seq_states(config):
+            cx["EVEN_N"] = bn == sizes[self.plan.reg]
         return cx
 
     def grid(self, inputs, config) -> tuple[int]:
@@ -670,6 +772,8 @@ class TritonKernel:
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n if p.reg else 1, "CHUNK": config["CHUNK"]}
         if config["variant"] == "rows":
             cx.update(_rows_constexprs(config, cx["BLOCK_N"], cx["BLOCK_N"]))
+        if _seq_states(config):
+            cx["EVEN_N"] = True
         sig.update({k: "constexpr" for k in cx})
         cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
         return self._fn(self._module(cdt), config["variant"]), sig, cx

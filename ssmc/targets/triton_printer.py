@@ -142,6 +142,9 @@ class TritonPrinter:
     index's column of them: one load before the time loop instead of one per chunk and index
     (and, measured with ptxas for sm_90, 143 registers a thread instead of 180).
 
+    ``columns = False`` (the ``seq`` variant) prints such values in the loop's body instead, at
+    the rank of the axis's code there.
+
     `double_buffer(axis, at)` prints every load indexed by time and free of `axis` as a
     `TimeLoad` (a line object, not a string) with its code at the positions `at` names (frame
     codes that replace the current ones there), so a kernel can issue a later chunk's loads
@@ -163,6 +166,7 @@ class TritonPrinter:
         self._outer: tuple | None = None         # (lines, memo, frame) of the per-chunk level
         self._ahead: tuple | None = None         # (axis, positions) of double_buffer
         self.time_loads: list[TimeLoad] = []
+        self.columns = True                      # hoist values along the split axis as tiles (rows)
 
     # -- blocks --------------------------------------------------------------------------------
     def lit(self, v: float) -> str:
@@ -219,7 +223,7 @@ class TritonPrinter:
 
     def _columnar(self, e) -> bool:
         """Hoisted as a tile over the split axis, read by column in the loop over it."""
-        return (self._split is not None and self._split in self.axes(e)
+        return (self.columns and self._split is not None and self._split in self.axes(e)
                 and self._steady(e) and not isinstance(e, Const))
 
     def double_buffer(self, axis: str | None, at: dict | None = None):
