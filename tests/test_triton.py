@@ -471,7 +471,7 @@ def test_seq_variant(cfg, interp, monkeypatch):
     thread-local time axis) end to end against the reference: whole chunks and a partial one, a
     state axis that does not fill BLOCK_N (and one whose BLOCK_N the copies do not divide:
     another variant runs), a partial channel block, (b, d, L) and strided inputs, an initial
-    state and the final state, bf16 inputs, Mamba-2."""
+    state and the final state, bf16 and fp64 inputs, Mamba-2."""
     only(monkeypatch, cfg)
     _, kern = check(P.mamba1("final"), P.mamba1_inputs(L=11, d=3, n=6, seed=90), cfg["variant"])
     body = _body(kern.source, cfg["variant"])
@@ -487,6 +487,7 @@ def test_seq_variant(cfg, interp, monkeypatch):
     check(P.mamba1("final"), strided, cfg["variant"])
     check(mamba1_scan_cast, P.mamba1_inputs(L=10, dtype=torch.bfloat16, seed=96), cfg["variant"], rest="eager")
     check(P.mamba2("final"), P.mamba2_inputs(L=9, P=6, seed=97, with_h0=True), cfg["variant"])
+    check(P.mamba1("final"), P.mamba1_inputs(L=6, d=5, n=8, dtype=torch.float64, seed=98), cfg["variant"])
 
 
 def test_seq_declines_and_candidates(monkeypatch):

@@ -6,8 +6,11 @@ Python decides, the template holds the kernel (templates/triton/selective_scan_f
   *channel* axis, e.g. d), and which parallel axes get one program per index (batch, heads).
   A region that does not fit (a sum over two axes, over a parallel axis, an op the printer
   lacks, reverse time) gets a reason string, and select_strategy falls back to ``torch``.
-- `render` prints decay, drive and outputs with `TritonPrinter` into two kernel variants
-  (``_loop``: sequential steps; ``_scan``: tl.associative_scan over chunks of steps).
+- `render` prints decay, drive and outputs with `TritonPrinter` into the kernel variants
+  (``_loop``: sequential steps; ``_scan``: tl.associative_scan over chunks of steps; ``_rows``:
+  time along the lanes, a loop over the register axis; ``_seq2/4/8``: a thread's steps of a
+  chunk in its registers, the register axis over lanes and unrolled copies), where the
+  region fits them (`rows_declines`, `seq_declines`).
 - `TritonKernel` writes the source to the kernel cache (runtime/cache.py; Triton's @jit needs a
   real file), imports it, autotunes over the per-arch configs next to the template
   (selective_scan_fwd.configs.json) on the first call per (source, shape bucket, arch) and
