@@ -328,7 +328,8 @@ class SeqVariant:
     Per chunk of time: `outer` (values free of the register axis, every time-indexed load
     shaped (BLOCK_D, NQ, CHUNK) so that all tiles get the load's layout: CHUNK steps in one
     thread's registers), then per s `pre`, the scan of `a`, `b` along the thread-local time
-    axis (the carry folded into the first step) and `post` (accumulations into `accs`), then
+    axis (the carry folded into the first step) and `post` (accumulations into `accs`, which the
+    first copy's `post_first` sets), then
     `outer_post` (outputs that sum over the axis, from the accumulators summed over the NQ
     lanes; (BLOCK_D, 1, CHUNK) tiles). `init`: per s, the lines that set ``h0`` (None: zeros);
     `final_outer` once and `final` per s after the last step."""
@@ -343,6 +344,7 @@ class SeqVariant:
     outer_post: list
     final_outer: list
     final: list
+    post_first: list                 # `post` of the first copy: it sets the accumulators
 
 
 def seq_declines(r: Region, plan: Plan) -> str | None:
@@ -380,7 +382,7 @@ def _print_seq(r: Region, plan: Plan, cdt: str) -> SeqVariant | None:
     pre = p.block(inner_f)
     p.split(plan.reg, outer, outer_f)
     a, b = p.expr(r.decay), p.expr(r.drive)
-    post, accs = [], {}
+    post, post_first, accs = [], [], {}
     p.switch(post, state="H")
     for o in r.outputs:
         if o.kind == "steps":
@@ -388,6 +390,9 @@ def _print_seq(r: Region, plan: Plan, cdt: str) -> SeqVariant | None:
                 if isinstance(x, Reduce) and x not in accs:
                     accs[x] = f"acc{len(accs)}"
                     post.append(f"{accs[x]} += tl.where(mn3, {p.expr(x.arg)}, 0.0)")
+    for line in post:               # the first copy sets the accumulators (no adds of 0.0)
+        name = line.split(" ", 1)[0]
+        post_first.append(line.replace(" += ", " = ", 1) if name in accs.values() else line)
     p.split(None)
     outer_post = p.block(Frame({**codes, "t": ("tt2", "mt2")}, None, None, None))
     for x, name in accs.items():
@@ -403,7 +408,7 @@ def _print_seq(r: Region, plan: Plan, cdt: str) -> SeqVariant | None:
             final.append(_store(p, k, o, p.expr(o.expr)))
     p.split(None)
     return SeqVariant(list(p.prelude), init, outer, list(accs.values()), pre, a, b, post, outer_post,
-                      final_outer, final)
+                      final_outer, final, post_first)
 
 
 def kernel_args(r: Region, plan: Plan) -> list[str]:
