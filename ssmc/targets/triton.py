@@ -325,13 +325,14 @@ class SeqVariant:
     """The ``_seq<S>`` kernels' blocks. The register axis is split as n = q * S + s: q over the
     NQ = BLOCK_N / S lanes of a row (``on3`` = q * S + s, a (1, NQ, 1) tile), s over the S
     copies of the per-index code the template unrolls (each with its own carry ``hc<s>``).
-    Per chunk of time: `outer` (values free of the register axis, every time-indexed load
-    shaped (BLOCK_D, NQ, CHUNK) so that all tiles get the load's layout: CHUNK steps in one
-    thread's registers), then per s `pre`, the scan of `a`, `b` along the thread-local time
-    axis (the carry folded into the first step) and `post` (accumulations into `accs`, which the
-    first copy's `post_first` sets), then
-    `outer_post` (outputs that sum over the axis, from the accumulators summed over the NQ
-    lanes; (BLOCK_D, 1, CHUNK) tiles). `init`: per s, the lines that set ``h0`` (None: zeros);
+    Per chunk of time: `outer` (values free of the register axis, on (BLOCK_D, 1, CHUNK) tiles,
+    which Triton spreads over the lanes and converts once into the state loop's layout), then
+    per s `pre` (every time-indexed load shaped (BLOCK_D, NQ, CHUNK), so that the loop's tiles
+    all get the load's layout: CHUNK steps in one thread's registers), the scan of `a`, `b`
+    along that thread-local time axis (the carry folded into the first step) and `post`
+    (accumulations into `accs`, which the first copy's `post_first` sets), then `outer_post`
+    (outputs that sum over the axis, from the accumulators summed over the NQ lanes; (BLOCK_D,
+    1, CHUNK) tiles). `init`: per s, the lines that set ``h0`` (None: zeros);
     `final_outer` once and `final` per s after the last step."""
     prelude: list
     init: list | None
