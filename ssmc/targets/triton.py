@@ -255,6 +255,20 @@ class RowsVariant:
     loads: list = dataclasses.field(default_factory=list)
 
 
+def _accumulate(p: TritonPrinter, r: Region, mask: str) -> dict:
+    """Print into the current block one line ``acc<k> += tl.where(mask, <arg>, 0.0)`` per sum
+    over the register axis in the per-step outputs (the rows and seq variants accumulate them
+    across their loop over that axis); returns each Reduce's accumulator name."""
+    accs = {}
+    for o in r.outputs:
+        if o.kind == "steps":
+            for x in ir.walk(o.expr):
+                if isinstance(x, Reduce) and x not in accs:
+                    accs[x] = f"acc{len(accs)}"
+                    p.lines.append(f"{accs[x]} += tl.where({mask}, {p.expr(x.arg)}, 0.0)")
+    return accs
+
+
 def rows_declines(r: Region, plan: Plan) -> str | None:
     """Why the rows variant cannot compute `r` (None: it can)."""
     if plan.reg is None:
@@ -289,17 +303,11 @@ def _print_rows(r: Region, plan: Plan, cdt: str) -> RowsVariant | None:
     pre = p.block(inner_f)
     p.split(plan.reg, outer, outer_f)
     a, b = p.expr(r.decay), p.expr(r.drive)
-    post, accs = [], {}
+    post = []
     p.switch(post, state="H")
+    accs = _accumulate(p, r, "nm")
     for k, o in enumerate(r.outputs):
-        if o.kind != "steps":
-            continue
-        sums = [x for x in ir.walk(o.expr) if isinstance(x, Reduce)]
-        for x in sums:
-            if x not in accs:
-                accs[x] = f"acc{len(accs)}"
-                post.append(f"{accs[x]} += tl.where(nm, {p.expr(x.arg)}, 0.0)")
-        if not sums and plan.reg in o.index:
+        if o.kind == "steps" and plan.reg in o.index and not any(isinstance(x, Reduce) for x in ir.walk(o.expr)):
             post.append(_store(p, k, o, p.expr(o.expr)))
     outer_post = p.block(outer_f)
     p.inherit()              # what is only needed after the loop is computed there (registers)
@@ -383,19 +391,13 @@ def _print_seq(r: Region, plan: Plan, cdt: str) -> SeqVariant | None:
     pre = p.block(inner_f)
     p.split(plan.reg, outer, outer_f)
     a, b = p.expr(r.decay), p.expr(r.drive)
-    post, post_first, accs = [], [], {}
+    post = []
     p.switch(post, state="H")
-    for o in r.outputs:
-        if o.kind == "steps":
-            for x in ir.walk(o.expr):
-                if isinstance(x, Reduce) and x not in accs:
-                    accs[x] = f"acc{len(accs)}"
-                    post.append(f"{accs[x]} += tl.where(mn3, {p.expr(x.arg)}, 0.0)")
-    for line in post:               # the first copy sets the accumulators (no adds of 0.0)
-        name = line.split(" ", 1)[0]
-        post_first.append(line.replace(" += ", " = ", 1) if name in accs.values() else line)
+    accs = _accumulate(p, r, "mn3")
+    post_first = [line.replace(" += ", " = ", 1) if line.split(" ", 1)[0] in accs.values() else line
+                  for line in post]   # the first copy sets the accumulators (no adds of 0.0)
     p.split(None)
-    outer_post = p.block(Frame({**codes, "t": ("tt2", "mt2")}, None, None, None))
+    outer_post = p.block(outer_f)
     for x, name in accs.items():
         p.memoize(x, f"tl.expand_dims(_sum({name}, 1), 1)")
     for k, o in enumerate(r.outputs):
