@@ -7,7 +7,7 @@ mamba1:  the Mamba-1 region (softplus(dt + bias), D, z gate; bf16 in, fp32 state
          selective_scan forward and torch associative_scan + Inductor. Checked against a float64
          reference first (fresh random inputs), then timed with triton.testing.do_bench (median).
 block:   the naive Mamba block of examples/naive_mamba.py at b8 L2048 d_model 768, ssmc vs eager,
-         time and peak memory.
+         time and peak memory, once per --block-targets entry (default auto).
 compile: cold and warm compile time of that block at L2048 (warm = a second process, caches kept).
 """
 from __future__ import annotations
@@ -188,13 +188,14 @@ def run_block(res, L=2048, target="auto"):
         torch.cuda.synchronize()
         ssmc_peak = torch.cuda.max_memory_allocated() - base_mem
         t_ssmc = bench(lambda: fast(u))
-    res[f"naive_block_b8_L{L}_d768"] = {
+    key = f"naive_block_b8_L{L}_d768" + ("" if target == "auto" else f"_{target}")
+    res[key] = {
         "eager_ms": t_eager, "ssmc_ms": t_ssmc, "speedup": t_eager / t_ssmc, "rel_err_vs_eager": err,
         "eager_peak_bytes": eager_peak, "ssmc_peak_bytes": ssmc_peak, "first_call_s": compile_s,
         "ssmc_compile_ms": report.graphs[0].compile_ms if report.graphs else None,
         "regions": [(r.name, r.strategy, r.target) for r in report.regions],
         "fallbacks": [list(f) for f in report.fallbacks]}
-    print(json.dumps(res[f"naive_block_b8_L{L}_d768"], indent=1), flush=True)
+    print(json.dumps(res[key], indent=1), flush=True)
 
 
 def run_compile(res, L=2048):
@@ -226,6 +227,7 @@ def main():
     ap.add_argument("--workloads", default="mamba1,block,compile")
     ap.add_argument("--lengths", default="2048,4096")
     ap.add_argument("--targets", default="triton,cuda,torch")
+    ap.add_argument("--block-targets", default="auto", help="ssmc targets the block runs with, e.g. auto,triton")
     args = ap.parse_args()
     res = {"env": env_info()}
     work = args.workloads.split(",")
@@ -234,7 +236,8 @@ def main():
             if w == "mamba1":
                 run_mamba1(res, [int(x) for x in args.lengths.split(",")], args.targets.split(","))
             elif w == "block":
-                run_block(res)
+                for t in args.block_targets.split(","):
+                    run_block(res, target=t)
             elif w == "compile":
                 run_compile(res)
         except Exception as e:
