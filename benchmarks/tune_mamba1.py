@@ -27,7 +27,7 @@ from benchmarks.bench_gpu import bench, env_info, lowered_graph, mamba1_inputs, 
 from ssmc.runtime.op import lookup  # noqa: E402
 
 
-def _lower_untuned(small, target):
+def _lower_untuned(small, target, autotune="all"):
     """The graph lowered on the L16 inputs without autotuning the Triton kernel there: CHUNK is
     clamped to the length, so those are other kernels than the ones timed (72 s of compiling on
     the H200 host for nothing)."""
@@ -35,7 +35,7 @@ def _lower_untuned(small, target):
     orig = T.TritonKernel._autotune
     T.TritonKernel._autotune = lambda self, inputs, arch, bucket: self.candidates(inputs, arch)[0]
     try:
-        return lowered_graph(mamba1_naive, small, target=target)
+        return lowered_graph(mamba1_naive, small, target=target, autotune=autotune)
     finally:
         T.TritonKernel._autotune = orig
 
@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="batch size (d1536 n16)")
     ap.add_argument("--kernels", default="", help="cuda: only the instances whose names contain one of "
                                                   "these comma-separated parts (every instance compiles: ~3 s each)")
+    ap.add_argument("--autotune", default="all", choices=("all", "prune"),
+                    help="triton: time every config (default) or prune as a user's first call does")
     args = ap.parse_args()
     logging.basicConfig(format="%(asctime)s %(message)s", level=logging.WARNING)
     logging.getLogger("ssmc").setLevel(logging.INFO)     # the autotuner's progress, config by config
@@ -87,7 +89,7 @@ def main():
             res["mamba_ssm_error"] = f"{type(e).__name__}: {e}"[:500]
             print(res["mamba_ssm_error"], flush=True)
     for target, layout in [(t, lay) for t in args.only.split(",") for lay in args.layouts.split(",")]:
-        gm, rep = _lower_untuned(small, target)
+        gm, rep = _lower_untuned(small, target, args.autotune)
         entry = lookup(rep.regions[0].key)
         k = entry.kernel
         for L in map(int, args.lengths.split(",")):

@@ -6,6 +6,7 @@ This is the only module that reads environment variables:
     SSMC_TARGET           default target ("auto", "torch", "triton", "cuda", or a plugin's name)
     SSMC_DEBUG_DIR        write the IR after each pass and every generated source here
     SSMC_CACHE_DIR        kernel cache directory (default ~/.cache/ssmc)
+    SSMC_AUTOTUNE         "prune" (default) or "all": how much of a config table the autotuner times
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 _RESTS = ("auto", "inductor", "eager")
+_AUTOTUNES = ("prune", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Options:
     chunk: int = 64               # time-chunk of the torch reference executor
     validate: bool = True         # shape-check the rewritten graph with fake tensors
     deterministic: bool = False   # backward kernels: no atomics (partial sums + a torch sum)
+    autotune: str = "prune"       # prune: skip the rest of a variant family whose first config is slow; all
 
     def with_(self, **kw) -> "Options":
         return dataclasses.replace(self, **kw)
@@ -63,6 +66,9 @@ def make_options(options: Mapping[str, Any] | Options | None = None, **kw) -> Op
     merged.setdefault("target", os.environ.get("SSMC_TARGET") or "auto")
     merged.setdefault("debug_dir", os.environ.get("SSMC_DEBUG_DIR") or None)
     merged.setdefault("cache_dir", default_cache_dir())
+    merged.setdefault("autotune", os.environ.get("SSMC_AUTOTUNE") or "prune")
+    if merged["autotune"] not in _AUTOTUNES:
+        raise ValueError(f"ssmc: option autotune={merged['autotune']!r} must be one of {_AUTOTUNES}")
     if merged.get("rest", "auto") not in _RESTS:
         raise ValueError(f"ssmc: option rest={merged['rest']!r} must be one of {_RESTS}")
     if not isinstance(merged["target"], str):

@@ -511,6 +511,53 @@ def test_seq_declines_and_candidates(monkeypatch):
         assert got == want, (n, got)
 
 
+def test_autotune_prunes_slow_families(monkeypatch, tmp_path):
+    """autotune='prune' times each variant family's first config, then the rest of only the
+    families within prune_ratio of the best first one (a family whose first config fails is
+    skipped too) and says what it skipped; autotune='all' times every candidate."""
+    fn = P.mamba1("final")
+    region = region_of(fn, P.mamba1_inputs(L=9, n=16, seed=77))
+    rin = region_inputs(region, fn, P.mamba1_inputs(b=1, L=64, d=8, n=16, seed=77))
+    lead_ms = {"seq": 1.0, "scan": 1.4, "rows": 2.0}          # loop's first config fails
+
+    def fake(kern, timed):
+        firsts = {}
+
+        def time_config(inputs, c, cuda):
+            fam = T._family(c)
+            timed.append(c)
+            if fam not in firsts:
+                firsts[fam] = c
+                if fam == "loop":
+                    raise RuntimeError("out of resources")
+                return lead_ms[fam]
+            return lead_ms.get(fam, 3.0) * 0.9 - 0.01 * len(timed)
+        monkeypatch.setattr(kern, "_time_config", time_config)
+
+    kern = T.TritonTarget().compile(region, "chunked_scan", ssmc.make_options(cache_dir=str(tmp_path)))
+    cands = kern.candidates(rin, 90)
+    fams = {f: [c for c in cands if T._family(c) == f] for f in ("seq", "rows", "scan", "loop")}
+    assert all(len(v) > 1 for v in fams.values()), fams
+    timed = []
+    fake(kern, timed)
+    best = kern._autotune(rin, 90, ("sm_90", "b"))
+    want = fams["seq"] + fams["scan"] + fams["rows"][:1] + fams["loop"][:1]
+    assert sorted(map(str, timed)) == sorted(map(str, want))
+    assert T._family(best) == "seq" and best != fams["seq"][0]   # the fastest of the timed seq configs
+    why = " ".join(kern.pruned[("sm_90", "b")])
+    assert f"{len(fams['rows']) - 1} more rows" in why and "2.00x" in why and "loop config failed" in why
+    assert "autotune for sm_90 skipped" in T.TritonTarget().source(kern)
+
+    kern = T.TritonTarget().compile(region, "chunked_scan",
+                                    ssmc.make_options(cache_dir=str(tmp_path), autotune="all"))
+    timed = []
+    fake(kern, timed)
+    kern._autotune(rin, 90, ("sm_90", "b"))
+    assert len(timed) == len(cands) and not kern.pruned
+    with pytest.raises(ValueError, match="autotune"):
+        ssmc.make_options(autotune="some")
+
+
 def test_rows_prefetch_candidates(monkeypatch):
     """PREFETCH configs are candidates where the rows kernel has loads to double-buffer, and
     their buffers count against max_tile_per_thread."""

@@ -631,6 +631,7 @@ class TritonKernel:
         self.fallback: str | None = None
         self.timings: dict = {}            # bucket -> {config json: ms} of the last search
         self.failed_configs: dict = {}     # bucket -> ["config: error"] of configs that failed
+        self.pruned: dict = {}             # bucket -> ["family: why"] of families the search skipped
         self._ref = None
         self._lock = threading.Lock()
         self._replays: dict = {}           # call_signature -> prepared launch (forward)
@@ -925,40 +926,59 @@ class TritonKernel:
             return cfg
 
     def _autotune(self, inputs, arch, bucket) -> dict | None:
-        """Time every candidate (a failing one, e.g. out of registers, is skipped)."""
+        """Time the candidates (a failing one, e.g. out of registers, is skipped). With
+        ``autotune="prune"`` (the default) the first config of each variant family is timed
+        first, and the rest of a family only where that first one is within the table's
+        ``prune_ratio`` of the best first one; ``autotune="all"`` times every candidate."""
         cands = self.candidates(inputs, arch)
         if len(cands) == 1:                    # nothing to choose between
             self.timings[bucket] = {json.dumps(cands[0], sort_keys=True): None}
             return cands[0]
         times, errors = {}, []
         cuda = inputs[0].device.type == "cuda"
-        log.info("ssmc triton: %s: autotuning over %d %s configs (each compiles first)",
-                 self.region.name, len(cands), arch_key(arch))
-        for i, c in enumerate(cands):
-            start = time.perf_counter()
-            try:
-                if not cuda:                                   # the interpreter: nothing to compile
-                    s = time.perf_counter()
-                    self.launch(inputs, c)
-                    times[json.dumps(c, sort_keys=True)] = (time.perf_counter() - s) * 1e3
-                    continue
-                outs = self.launch(inputs, c)                  # compiles
-                torch.cuda.synchronize()
-                reps = 10
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                for _ in range(reps):
-                    self.launch(inputs, c, outs)
-                t1.record()
-                torch.cuda.synchronize()
-                times[json.dumps(c, sort_keys=True)] = t0.elapsed_time(t1) / reps
-                log.info("ssmc triton: config %d/%d %s: %.3f ms (compiled and timed in %.1f s)", i + 1, len(cands),
-                         c, t0.elapsed_time(t1) / reps, time.perf_counter() - start)
-            except Exception as e:
-                errors.append(f"{c}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                log.info("ssmc triton: config %d/%d %s failed after %.1f s: %s", i + 1, len(cands), c,
-                         time.perf_counter() - start, errors[-1])
-                log.debug("ssmc triton: config %s failed", c, exc_info=True)
+        ratio = float(self.table().get("prune_ratio", 0)) if self.options.autotune == "prune" else 0
+        families: dict[str, list] = {}
+        for c in cands:
+            families.setdefault(_family(c), []).append(c)
+        prune = ratio > 0 and len(families) > 1
+        log.info("ssmc triton: %s: autotuning over %d %s configs (each compiles first%s)",
+                 self.region.name, len(cands), arch_key(arch),
+                 f"; the rest of a family whose first config is over {ratio}x the best first is skipped"
+                 if prune else "")
+        first = [f[0] for f in families.values()] if prune else cands
+        done = 0
+
+        def run(group):
+            nonlocal done
+            for c in group:
+                done += 1
+                start = time.perf_counter()
+                try:
+                    times[json.dumps(c, sort_keys=True)] = ms = self._time_config(inputs, c, cuda)
+                    log.info("ssmc triton: config %d/%d %s: %.3f ms (compiled and timed in %.1f s)", done,
+                             len(cands), c, ms, time.perf_counter() - start)
+                except Exception as e:
+                    errors.append(f"{c}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    log.info("ssmc triton: config %d/%d %s failed after %.1f s: %s", done, len(cands), c,
+                             time.perf_counter() - start, errors[-1])
+                    log.debug("ssmc triton: config %s failed", c, exc_info=True)
+
+        run(first)
+        if prune:
+            lead = {f: times.get(json.dumps(cs[0], sort_keys=True)) for f, cs in families.items()}
+            best = min((ms for ms in lead.values() if ms is not None), default=None)
+            rest = []
+            for f, cs in families.items():
+                if best is None or (lead[f] is not None and lead[f] <= ratio * best):
+                    rest += cs[1:]
+                elif len(cs) > 1:
+                    why = (f"{lead[f]:.3f} ms, {lead[f] / best:.2f}x the best first config" if lead[f] is not None
+                           else "failed")
+                    self.pruned.setdefault(bucket, []).append(
+                        f"{len(cs) - 1} more {f} config(s): the first {f} config {why} (prune_ratio {ratio}; "
+                        "autotune='all' times them)")
+                    log.info("ssmc triton: %s: skipped %s", self.region.name, self.pruned[bucket][-1])
+            run(rest)
         self.timings[bucket] = times
         if errors:
             self.failed_configs[bucket] = errors
@@ -968,6 +988,24 @@ class TritonKernel:
             log.warning("ssmc: %s", self.fallback)
             return None
         return json.loads(min(times, key=times.get))
+
+    def _time_config(self, inputs, c, cuda: bool) -> float:
+        """Milliseconds a launch of config c takes: the mean of 10 after one that compiles it
+        (CUDA events); in the interpreter, the wall time of one."""
+        if not cuda:                                   # the interpreter: nothing to compile
+            s = time.perf_counter()
+            self.launch(inputs, c)
+            return (time.perf_counter() - s) * 1e3
+        outs = self.launch(inputs, c)                  # compiles
+        torch.cuda.synchronize()
+        reps = 10
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(reps):
+            self.launch(inputs, c, outs)
+        t1.record()
+        torch.cuda.synchronize()
+        return t0.elapsed_time(t1) / reps
 
     def backward(self, inputs, grads, needs):
         """The generated backward kernel (triton_bwd.py); the torch reference for what it
@@ -982,6 +1020,12 @@ class TritonKernel:
         if self.bwd_fallback is None:
             return f"backward: generated Triton kernel {self.bwd.path}"
         return f"backward: torch reference ({self.bwd_fallback})"
+
+
+def _family(config: dict) -> str:
+    """The variant family a config belongs to, for the autotuner's pruning: seq2/4/8 are one."""
+    v = str(config.get("variant", ""))
+    return "seq" if _seq_states(config) else v
 
 
 @functools.lru_cache(maxsize=None)
@@ -1071,6 +1115,8 @@ class TritonTarget:
                         f"configs ({kernel.configs_file})")
         for (arch, bucket), errors in kernel.failed_configs.items():
             head.extend(f"# config failed for {arch}: {e}" for e in errors)
+        for (arch, bucket), why in kernel.pruned.items():
+            head.extend(f"# autotune for {arch} skipped {w}" for w in why)
         launch = kernel.launch_text()
         if launch:
             head.append(f"# launch: {launch}")
