@@ -150,6 +150,47 @@ def test_gradients_match_eager_and_the_reference_adjoint(case, interp):
     check_against_adjoint(kern, region, rin)
 
 
+SEQ_CASES = {
+    "mamba1_n3": CASES["mamba1"],                  # n 3 in BLOCK_N 4: masked state lanes
+    "mamba1_final_state": CASES["mamba1_final_state"],
+    "mamba1_h0": CASES["mamba1_h0"],
+    "mamba1_n8": (P.mamba1("stack"), lambda: P.mamba1_inputs(b=2, L=9, d=5, n=8, seed=28)),
+    "s4d": CASES["s4d"],
+}
+
+
+@pytest.mark.parametrize("variant", ["seq2", "seq4"])
+@pytest.mark.parametrize("case", sorted(SEQ_CASES))
+def test_seq_backward_matches_the_reference_adjoint(case, variant, interp, monkeypatch):
+    """The seq layout's backward (S state elements a lane, S copies of the per-index code, the
+    chunk's steps in a thread): every input's gradient against the reference adjoint in
+    float64, poisoned buffers, a partial last chunk and masked channel lanes."""
+    fn, make = SEQ_CASES[case]
+    region, rin, kern, _, _ = captured(fn, make())
+    bp = B.make_bwd_plan(region)
+    assert B.seq_bwd_declines(region, bp) is None
+    table = dict(B.load_configs())
+    table["interpreter"] = [{"variant": variant, "BLOCK_D": 4, "CHUNK": 4, "num_warps": 1, "num_stages": 1}]
+    monkeypatch.setattr(B, "load_configs", lambda: table)
+    orig = torch.empty
+
+    def poisoned(*a, **k):                               # every buffer the kernel must fill: NaN
+        x = orig(*a, **k)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+    monkeypatch.setattr(B.torch, "empty", poisoned)
+    check_against_adjoint(kern, region, rin)
+    assert kern.bwd.config["variant"] == variant
+
+
+def test_seq_backward_declines():
+    """What the seq backward cannot lay out: no register axis, per-step outputs indexing it."""
+    from test_triton import mamba1_states_out, region_of
+    gated = region_of(P.gated(), P.gated_inputs(L=7, seed=98))
+    assert B.seq_bwd_declines(gated, B.make_bwd_plan(gated)) == "no register axis to loop over"
+    per_state = region_of(mamba1_states_out, P.mamba1_inputs(L=5, seed=98))
+    assert "indexes the register axis" in B.seq_bwd_declines(per_state, B.make_bwd_plan(per_state))
+
+
 # -- the plan ---------------------------------------------------------------------------------------------
 
 def test_plan_owned_and_shared_gradients():
@@ -183,7 +224,8 @@ def test_scratch_is_one_state_tile_per_chunk(interp):
     for i, buf, slots in bufs.grads:
         assert buf.numel() <= max(xs[i].numel(), 1) * slots < b * d * n * L
     src = bk.source
-    assert src.count("tl.store(ck") == 1 and "tl.atomic_add(" in src
+    scan = src[src.index("_bwd("):src.index("_bwd_seq")] if "_bwd_seq" in src else src[src.index("_bwd("):]
+    assert scan.count("tl.store(ck") == 1 and "tl.atomic_add(" in scan
     assert "tl.associative_scan((a, a * direct, one3, zero3)" in src and "reverse=True" in src
 
 

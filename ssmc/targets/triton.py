@@ -491,6 +491,7 @@ def _env():
     env.filters["lines"] = _lines
     env.filters["fetched"] = _fetched
     env.filters["buffers"] = _buffers
+    env.filters["copy"] = lambda items, s: [str(x).replace("@s", f"_{s}") for x in items]   # per-copy names
     env.filters["comment"] = lambda s: "\n".join("# " + l for l in str(s).splitlines())
     return env
 
@@ -583,7 +584,7 @@ def launch_options(config: dict, device) -> dict:
 
 def _seq_states(config: dict) -> int:
     """S of a ``seq<S>`` config (state elements a lane), 0 for the other variants."""
-    v = config["variant"]
+    v = config.get("variant", "")
     return int(v[3:]) if v.startswith("seq") else 0
 
 

@@ -332,7 +332,205 @@ def render_bwd(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> str:
         plan=bp.fwd, args=T.arg_lines(kernel_args(r, bp)), needs=needs, slots=slots,
         prelude=list(p.prelude), init=init, fwd_pre=fwd_pre, fwd_a=fwd_a, fwd_b=fwd_b,
         acc_init=acc_init, final=final, mu_final=mu_final, pre=pre, a=a, b=b, mid=mid,
-        direct=direct, post=post, end=end)
+        direct=direct, post=post, end=end, seq=render_bwd_seq(r, bp, cdt), seq_states=T.SEQ_STATES)
+
+
+# -- the seq backward: the forward's seq layout (ssmc.targets.triton._print_seq) ---------------------
+
+class SeqAdjointPrinter(AdjointPrinter):
+    """The adjoint printer for the seq layout: the seeds vary along every state axis and time
+    (each copy of the per-index code has its own), so nothing holding one is printed outside
+    a copy."""
+
+    def axes(self, e) -> frozenset:
+        return value_axes(e, self.r)
+
+
+def _reduces(e) -> list:
+    return [x for x in ir.walk(e) if isinstance(x, Reduce)]
+
+
+def _term_kind(e, g: Grad, r: Region, reg: str) -> str:
+    """Where a gradient term is summed in the seq backward: "copy" (per copy of the per-index
+    code, the gradient is indexed by the register axis), "sum" (per copy, accumulated across
+    copies and then over the row's lanes) or "after" (once a chunk after the copies: free of
+    the register axis, or reading a sum over it that all copies accumulate first); "no: why"."""
+    keep = set(ix for ix in g.index if isinstance(ix, str))
+    ax = value_axes(e, r)
+    if _reduces(e):
+        if reg in ax or reg in keep:
+            return f"no: a term of in{g.input}'s gradient reads a sum over {reg} and varies along it"
+        return "after"
+    if reg in keep:
+        return "copy"
+    return "sum" if reg in ax else "after"
+
+
+def seq_bwd_declines(r: Region, bp: BwdPlan) -> str | None:
+    """Why the seq backward cannot compute `r`'s gradients (None: it can)."""
+    why = T.seq_declines(r, bp.fwd)
+    if why:
+        return why
+    reg = bp.reg
+    for name, e in (("decay", r.decay), ("drive", r.drive), ("state adjoint", bp.adj.state_steps),
+                    ("final state adjoint", bp.adj.state_final)):
+        if e is not None and _reduces(e):
+            return f"the {name} sums over an axis"
+    for g in bp.grads:
+        if g.final:
+            return f"in{g.input}'s gradient has terms from a final output"
+        for e in g.steps:
+            kind = _term_kind(e, g, r, reg)
+            if kind.startswith("no"):
+                return kind[4:]
+            if kind == "after" and any(_reduces(x) for x in ir.walk(e)):
+                for x in _reduces(e):
+                    if x.axes != (reg,):
+                        return f"a sum over {list(x.axes)} in in{g.input}'s gradient"
+    return None
+
+
+def _seq_reduce(value: str, axes, dims: dict, keep, lines: list, name: str) -> str:
+    """`value` summed over the tile axes in `axes` that `keep` lacks (dims: axis -> (dim,
+    mask)), into a temporary."""
+    sums = [dims[a] for a in dims if a in axes and a not in keep]
+    if not sums:
+        return value
+    x = f"tl.where({' & '.join(m for _, m in sums)}, {value}, 0.0)"
+    for k, _ in sums:
+        x = f"tl.expand_dims(_sum({x}, {k}), {k})"
+    lines.append(f"{name} = {x}")
+    return name
+
+
+def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | None:
+    """The pieces of the ``_bwd_seq<S>`` kernels (None when `seq_bwd_declines`). Names holding
+    ``@s`` are per copy of the per-index code; the template writes the copy's number there."""
+    if seq_bwd_declines(r, bp):
+        return None
+    reg, blk = bp.reg, bp.block
+    p = SeqAdjointPrinter(with_grad_inputs(r), cdt)
+    p.columns = False
+    em = _Emitter(r, bp, p)
+    codes = {a: (f"idx_{a}", None) for a in bp.scalars}
+    if blk:
+        codes[blk] = ("od3", "md3")
+    pre_f = T.Frame({**codes, reg: ("on3", "mn3")}, None, 1, "mn3")
+    outer_f = T.Frame({**codes, "t": ("tt2", "mt2")}, None, None, None)
+    inner_f = T.Frame({**codes, "t": ("tt3", "mt3"), reg: ("on3", "mn3")}, None, None, None)
+    final_f = T.Frame({**codes, reg: ("on3", "mn3"), "t": ("t_last", None)}, "hc", None, None)
+    copy_dims = {a: d for a, d in ((blk, (0, "md3")), ("t", (2, "mt3"))) if a}
+    after_dims = {a: d for a, d in ((blk, (0, "md3")), ("t", (2, "mt2"))) if a}
+    p.set_prelude_frame(pre_f)
+    init = None
+    if r.init is not None:
+        init = p.block(pre_f)
+        p.split(reg, [], pre_f)
+        init.append(f"h0 = {p.expr(Load(r.init, tuple(r.axes)))}")
+    # pass 1: the forward recurrence
+    fwd_outer: list[str] = []
+    fwd_pre = p.block(inner_f)
+    p.split(reg, fwd_outer, outer_f)
+    fwd_a, fwd_b = p.expr(r.decay), p.expr(r.drive)
+    # after the last step: the final state's adjoint, per copy
+    final_outer: list[str] = []
+    final = p.block(final_f)
+    p.split(reg, final_outer, T.Frame({**codes, "t": ("t_last", None)}, None, None, None))
+    mu_final = p.expr(bp.adj.state_final) if bp.adj.state_final is not None else None
+    acc_init = []
+    for g in bp.grads:
+        if not g.timed:
+            per_copy = reg in g.index
+            shape = ", ".join(["BLOCK_D" if blk in g.index else "1", "NQ" if per_copy else "1", "1"])
+            acc_init.append((per_copy, f"acc{g.input}{'@s' if per_copy else ''} = tl.full(({shape}), 0.0, {cdt})"))
+    # pass 2: chunks in reverse time, per copy
+    outer: list[str] = []
+    pre = p.block(inner_f)
+    p.split(reg, outer, outer_f)
+    a, b = p.expr(r.decay), p.expr(r.drive)
+    mid: list[str] = []
+    p.switch(mid, state="H")
+    direct = p.expr(bp.adj.state_steps) if bp.adj.state_steps is not None else "0.0"
+    post: list[str] = []
+    first_only: set[int] = set()              # post lines the first copy turns into assignments
+    p.switch(post)
+    sums: dict = {}                           # ("sum", term) or ("red", Reduce) -> accumulator
+    plan_after: list = []                     # (g, terms summed across copies, terms after)
+
+    def accumulate(key, value: str, mask: str):
+        if key in sums:                       # one term of several gradients: summed once
+            return
+        sums[key] = f"sr{len(sums)}"
+        first_only.add(len(post))
+        post.append(f"{sums[key]} += tl.where({mask}, {value}, 0.0)")
+
+    n_tmp = [0]
+
+    def tmp():
+        n_tmp[0] += 1
+        return f"q{n_tmp[0]}"
+
+    for g in bp.grads:
+        keep = set(ix for ix in g.index if isinstance(ix, str))
+        kinds = {e: _term_kind(e, g, r, reg) for e in g.steps}
+        copy = [e for e in g.steps if kinds[e] == "copy"]
+        if copy:
+            post.append(f"# d/d in{g.input}[{', '.join(map(str, g.index))}]")
+            vals = [_seq_reduce(p.expr(e), value_axes(e, r), copy_dims, keep, post, tmp()) for e in copy]
+            v = " + ".join(vals)
+            if g.timed:          # time read as (1, 1, CHUNK): one address per element of a sum over rows
+                post.extend(em.write(g, v, {**inner_f.codes, "t": ("tt2", "mt2")}, atomic_ok=True))
+            else:
+                post.extend([f"if NEED_{g.input}:", f"    acc{g.input}@s += {v}"])
+        summed = [e for e in g.steps if kinds[e] == "sum"]
+        for e in summed:
+            if ("sum", e) not in sums:
+                accumulate(("sum", e), p.expr(e), "mn3")
+        after = [e for e in g.steps if kinds[e] == "after"]
+        for e in after:
+            for x in _reduces(e):
+                if ("red", x) not in sums:
+                    accumulate(("red", x), p.expr(x.arg), "mn3")
+        if summed or after:
+            plan_after.append((g, keep, summed, after))
+    # once a chunk after the copies: what the copies' sums feed
+    outer_post = p.after_split(outer_f)
+    for (kind, x), name in sums.items():
+        if kind == "red":
+            p.memoize(x, f"tl.expand_dims(_sum({name}, 1), 1)")
+    for g, keep, summed, after in plan_after:
+        outer_post.append(f"# d/d in{g.input}[{', '.join(map(str, g.index))}]")
+        vals = []
+        for e in summed:
+            lanes = tmp()
+            outer_post.append(f"{lanes} = tl.expand_dims(_sum({sums[('sum', e)]}, 1), 1)")
+            vals.append(_seq_reduce(lanes, value_axes(e, r) - {reg}, after_dims, keep, outer_post, tmp()))
+        for e in after:
+            vals.append(_seq_reduce(p.expr(e), value_axes(e, r), after_dims, keep, outer_post, tmp()))
+        v = " + ".join(vals)
+        if g.timed:
+            outer_post.extend(em.write(g, v, outer_f.codes, atomic_ok=True))
+        else:
+            outer_post.extend([f"if NEED_{g.input}:", f"    acc{g.input} += {v}"])
+    post_first = [line.replace(" += ", " = ", 1) if k in first_only else line for k, line in enumerate(post)]
+    # before the first step: per copy, the initial state's gradient and the per-index sums
+    end_copy, end = [], []
+    if bp.init_grad:
+        off, masks = em.offsets(f"g{r.init}", tuple(r.axes), pre_f.codes)
+        m = f", mask={' & '.join(masks)}" if masks else ""
+        end_copy += [f"if NEED_{r.init}:",
+                     f"    tl.store(g{r.init}_ptr + ({off}), mu@s.to(g{r.init}_ptr.dtype.element_ty){m})"]
+    for g in bp.grads:
+        if not g.timed:
+            if reg in g.index:
+                end_copy += em.write(g, f"acc{g.input}@s", pre_f.codes, atomic_ok=False)
+            else:
+                end += em.write(g, f"acc{g.input}", pre_f.codes, atomic_ok=False)
+    return dict(prelude=list(p.prelude), init=init, fwd_outer=fwd_outer, fwd_pre=fwd_pre, fwd_a=fwd_a,
+                fwd_b=fwd_b, final_outer=final_outer, final=final, mu_final=mu_final,
+                acc_init=[x for c, x in acc_init if not c], acc_init_copy=[x for c, x in acc_init if c],
+                outer=outer, pre=pre, a=a, b=b, mid=mid, direct=direct, post=post, post_first=post_first,
+                outer_post=outer_post, accs=list(sums.values()), end_copy=end_copy, end=end)
 
 
 @functools.lru_cache(maxsize=None)
@@ -373,8 +571,9 @@ class BackwardKernel(T.TritonKernel):
     def _render(self, cdt: str) -> str:
         return render_bwd(self.region, self.plan, cdt)
 
-    def _fn(self, mod, variant: str = "bwd"):
-        return getattr(mod, f"{T.kernel_name(self.region)}_bwd")
+    def _fn(self, mod, variant: str = "scan"):
+        S = T._seq_states({"variant": variant})
+        return getattr(mod, f"{T.kernel_name(self.region)}_bwd" + (f"_seq{S}" if S else ""))
 
     def table(self) -> dict:
         return load_configs()
@@ -397,26 +596,38 @@ class BackwardKernel(T.TritonKernel):
         bn = T._pow2(sizes[self.plan.reg]) if self.plan.reg else 1
         bd_max = T._pow2(sizes[self.plan.block]) if self.plan.block else 1
         budget = int(table.get("max_tile_per_thread", 16)) * 32
+        seq = self.seq_declines() is None
         fits, tiles, seen = [], [], set()
         for c in table[T.arch_key(arch)]:
             c = dict(c)
+            S = T._seq_states(c)
+            if S and (not seq or bn % S):              # n = q * S + s: S must divide BLOCK_N
+                continue
             c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
             c["CHUNK"] = max(1, min(int(c["CHUNK"]), T._pow2(L)))
             sig = tuple(sorted(c.items()))
             if sig in seen:
                 continue
             seen.add(sig)
-            tile = c["BLOCK_D"] * bn * c["CHUNK"]
+            tile = c["BLOCK_D"] * (bn // S if S else bn) * c["CHUNK"]
             tiles.append((tile / c["num_warps"], c))
             if tile <= budget * c["num_warps"]:
                 fits.append(c)
         return fits or [min(tiles, key=lambda x: x[0])[1]]
 
+    def seq_declines(self) -> str | None:
+        """Why the seq variant is not offered for this region (None: it is)."""
+        if not hasattr(self, "_seq_why"):
+            self._seq_why = seq_bwd_declines(self.region, self.plan)
+        return self._seq_why
+
     def constexprs(self, call, config) -> dict:
         sizes, _ = self.sizes(call)
-        cx = {"BLOCK_D": config["BLOCK_D"],
-              "BLOCK_N": T._pow2(sizes[self.plan.reg]) if self.plan.reg else 1,
+        bn = T._pow2(sizes[self.plan.reg]) if self.plan.reg else 1
+        cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": bn,
               "CHUNK": config["CHUNK"], "DETERMINISTIC": self.deterministic}
+        if T._seq_states(config):
+            cx["EVEN_N"] = bn == sizes[self.plan.reg]
         for i in self.plan.grad_inputs(self.region):
             cx[f"NEED_{i}"] = bool(call.needs[i])
         return cx
@@ -492,7 +703,7 @@ class BackwardKernel(T.TritonKernel):
         args += [slot_of[g.input] for g in bp.grads if g.shared]
         args += [sizes[a] for a in bp.scalars]
         args += [sizes[bp.block] if bp.block else 1, sizes[bp.reg] if bp.reg else 1, L]
-        fn = self._fn(self._module(self._cdt(call)))
+        fn = self._fn(self._module(self._cdt(call)), config.get("variant", "scan"))
         extra = T.launch_options(config, dev)
         fn[self.grid(call, config)](*args, **self.constexprs(call, config), **extra)
         return self._finish(call, bufs)
@@ -538,9 +749,11 @@ class BackwardKernel(T.TritonKernel):
                 sig[name] = "i32"
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n if bp.reg else 1, "CHUNK": config["CHUNK"],
               "DETERMINISTIC": self.deterministic}
+        if T._seq_states(config):
+            cx["EVEN_N"] = True
         cx.update({f"NEED_{i}": True for i in bp.grad_inputs(r)})
         sig.update({k: "constexpr" for k in cx})
-        return self._fn(self._module(cdt)), sig, cx
+        return self._fn(self._module(cdt), config.get("variant", "scan")), sig, cx
 
     def _why_not(self, call, sizes: dict, L: int) -> str | None:
         why = super()._why_not(call, sizes, L)

@@ -202,6 +202,15 @@ class TritonPrinter:
         if outer is not None:
             self._memo.update(outer[1])
 
+    def after_split(self, frame: Frame) -> list[str]:
+        """Start a block after the loop over the split axis (the seq backward's per-chunk
+        epilogue): it reads what the per-chunk level printed by its names, and is that level
+        from now on (the split axis stays split, so nothing along it is hoisted)."""
+        lines, memo, _ = self._outer
+        self.frame, self.lines, self._memo = frame, [], dict(memo)
+        self._outer = (self.lines, self._memo, frame)
+        return self.lines
+
     def _tile(self, e) -> str:
         """`e` (free of time and state) printed before the time loop over the whole split axis."""
         saved, self._split = self._split, None
