@@ -327,15 +327,21 @@ def test_backward_compiles_for_sm80_sm90_without_gpu(cc, program, deterministic,
     opts = ssmc.make_options(cache_dir=str(tmp_path), deterministic=deterministic)
     bk = B.BackwardKernel(region, "chunked_scan", bp, opts, None)
     seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if i != region.init and s.ndim >= 3}
-    cfg = B.load_configs()[f"sm_{cc}"][0]
-    fn, sig, cx = bk.signature(cfg, 16, seq)
-    assert isinstance(fn, triton.runtime.jit.JITFunction) and "*bf16" in sig.values()
-    ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
-                        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    ptx = ck.asm["ptx"]
-    assert f".target sm_{cc}" in ptx and ck.asm.get("cubin")
-    atomics = "red.global" in ptx or "atom.global" in ptx
-    assert atomics != deterministic                    # shared gradients: atomics or slots
+    table = B.load_configs()[f"sm_{cc}"]
+    cfgs = [table[0]]
+    if B.seq_bwd_declines(region, bp) is None:         # the seq layout's backward too
+        cfgs.append(next(c for c in table if c.get("variant") == "seq4"))
+    for cfg in cfgs:
+        fn, sig, cx = bk.signature(cfg, 16, seq)
+        assert isinstance(fn, triton.runtime.jit.JITFunction) and "*bf16" in sig.values()
+        assert fn.__name__.endswith("_bwd_seq4" if cfg.get("variant") else "_bwd")
+        ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
+                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+        ptx = ck.asm["ptx"]
+        assert f".target sm_{cc}" in ptx and ck.asm.get("cubin")
+        atomics = "red.global" in ptx or "atom.global" in ptx
+        assert atomics != deterministic                # shared gradients: atomics or slots
+    assert program != "mamba1" or len(cfgs) == 2
 
 
 # -- on a GPU -----------------------------------------------------------------------------------------------------
