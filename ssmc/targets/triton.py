@@ -910,7 +910,8 @@ class TritonKernel:
             if bucket in self.chosen:
                 return self.chosen[bucket]
             src_key = self._source(self._cdt(inputs))[1]
-            tkey = self._cache_key("triton-autotune", src_key, repr(bucket))
+            tkey = self._cache_key("triton-autotune", src_key, repr(bucket),   # a full search is its own entry
+                                   *(("all",) if self.options.autotune == "all" else ()))
             got = self.cache.get(tkey, "config.json")
             if got is not None:
                 try:
