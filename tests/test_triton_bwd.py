@@ -159,18 +159,23 @@ SEQ_CASES = {
 }
 
 
-@pytest.mark.parametrize("variant", ["seq2", "seq4"])
+@pytest.mark.parametrize("variant", ["seq2", "seq4", "seq4/SEG2", "seq2/SEG3"])
 @pytest.mark.parametrize("case", sorted(SEQ_CASES))
 def test_seq_backward_matches_the_reference_adjoint(case, variant, interp, monkeypatch):
     """The seq layout's backward (S state elements a lane, S copies of the per-index code, the
     chunk's steps in a thread): every input's gradient against the reference adjoint in
-    float64, poisoned buffers, a partial last chunk and masked channel lanes."""
+    float64, poisoned buffers, a partial last chunk and masked channel lanes; with SEG > 1 a
+    checkpoint every SEG chunks and each segment recomputed (a partial last segment too)."""
     fn, make = SEQ_CASES[case]
     region, rin, kern, _, _ = captured(fn, make())
     bp = B.make_bwd_plan(region)
     assert B.seq_bwd_declines(region, bp) is None
     table = dict(B.load_configs())
-    table["interpreter"] = [{"variant": variant, "BLOCK_D": 4, "CHUNK": 4, "num_warps": 1, "num_stages": 1}]
+    name, _, seg = variant.partition("/SEG")
+    cfg = {"variant": name, "BLOCK_D": 4, "CHUNK": 2 if seg else 4, "num_warps": 1, "num_stages": 1}
+    if seg:
+        cfg["SEG"] = int(seg)
+    table["interpreter"] = [cfg]
     monkeypatch.setattr(B, "load_configs", lambda: table)
     orig = torch.empty
 
@@ -179,7 +184,23 @@ def test_seq_backward_matches_the_reference_adjoint(case, variant, interp, monke
         return x.fill_(float("nan")) if x.is_floating_point() else x
     monkeypatch.setattr(B.torch, "empty", poisoned)
     check_against_adjoint(kern, region, rin)
-    assert kern.bwd.config["variant"] == variant
+    assert kern.bwd.config == cfg
+
+
+def test_seq_backward_checkpoints_every_seg_chunks(interp):
+    """SEG > 1: the state every SEG chunks, plus one segment's chunk-start states a program."""
+    fn = P.mamba1("stack")
+    b, L, d, n = 2, 64, 8, 4
+    region, _, kern, _, _ = captured(fn, P.mamba1_inputs(b=2, L=6, d=8, n=4, seed=5))
+    from test_triton import region_inputs
+    xs = region_inputs(region, fn, P.mamba1_inputs(b=b, L=L, d=d, n=n, seed=5))
+    bk = B.backward_kernel(kern)
+    call = B._Call(xs, fresh_grads(kern._reference().forward(xs)), [True] * len(xs))
+    tile = (b * d // 4) * 4 * 4                                     # programs x BLOCK_D x BLOCK_N
+    for seg, cks, sks in ((1, 16, 0), (4, 4, 4), (5, 4, 5)):       # 16 chunks of 4 steps
+        cfg = {"variant": "seq2", "BLOCK_D": 4, "CHUNK": 4, "SEG": seg, "num_warps": 1, "num_stages": 1}
+        bufs = bk.buffers(call, cfg)
+        assert bufs.ck.numel() == cks * tile and bufs.sk.numel() == max(sks * tile, 1)
 
 
 def test_seq_backward_declines():

@@ -268,7 +268,7 @@ def kernel_args(r: Region, bp: BwdPlan) -> list[str]:
     n = len(r.inputs)
     gi = bp.grad_inputs(r)
     args = [f"in{i}_ptr" for i in bp.inputs] + [f"in{n + k}_ptr" for k in range(len(r.outputs))]
-    args += ["ck_ptr"] + [f"g{i}_ptr" for i in gi]
+    args += ["ck_ptr", "sk_ptr"] + [f"g{i}_ptr" for i in gi]
     args += [f"in{i}_s{d}" for i in bp.inputs for d in range(r.inputs[i].ndim)]
     args += [f"in{n + k}_s{d}" for k, o in enumerate(r.outputs) for d in range(len(o.index))]
     args += [f"g{i}_s{d}" for i in gi for d in range(r.inputs[i].ndim)]
@@ -552,6 +552,7 @@ class _Call(list):
 @dataclasses.dataclass
 class _Buffers:
     ck: torch.Tensor
+    sk: torch.Tensor            # the seq variant's per-segment chunk-start states (SEG > 1)
     grads: list                 # per kernel gradient input: (input index, buffer, slots)
 
 
@@ -628,6 +629,7 @@ class BackwardKernel(T.TritonKernel):
               "CHUNK": config["CHUNK"], "DETERMINISTIC": self.deterministic}
         if T._seq_states(config):
             cx["EVEN_N"] = bn == sizes[self.plan.reg]
+            cx["SEG"] = _seg(config)
         for i in self.plan.grad_inputs(self.region):
             cx[f"NEED_{i}"] = bool(call.needs[i])
         return cx
@@ -653,7 +655,10 @@ class BackwardKernel(T.TritonKernel):
         cdt = torch.float64 if self._cdt(call) == "tl.float64" else torch.float32
         bn = T._pow2(sizes[bp.reg]) if bp.reg else 1
         nprog = self.grid(call, config)[0]
-        ck = torch.empty(triton_cdiv(L, config["CHUNK"]) * nprog * config["BLOCK_D"] * bn, dtype=cdt, device=dev)
+        seg = _seg(config)
+        tile = nprog * config["BLOCK_D"] * bn
+        ck = torch.empty(triton_cdiv(triton_cdiv(L, config["CHUNK"]), seg) * tile, dtype=cdt, device=dev)
+        sk = torch.empty(seg * tile if seg > 1 else 1, dtype=cdt, device=dev)
         nblk = triton_cdiv(sizes[bp.block], config["BLOCK_D"]) if bp.block else 1
         out = []
         items = [(g.input, g.index, g) for g in bp.grads]
@@ -674,7 +679,7 @@ class BackwardKernel(T.TritonKernel):
             direct = (g is None or not g.shared) and list(shape) == list(call[i].shape)
             dt = call[i].dtype if direct else cdt
             out.append((i, make([slots, *shape], dtype=dt, device=dev), slots))
-        return _Buffers(ck, out)
+        return _Buffers(ck, sk, out)
 
     def launch(self, call, config, outs=None) -> list:
         """Run one config; returns the gradient of every input (None where not needed)."""
@@ -687,7 +692,7 @@ class BackwardKernel(T.TritonKernel):
             if g is None or not g.numel():        # not needed: a zero read through stride 0
                 g = torch.zeros((1,) * len(o.index), dtype=ir.to_dtype(o.dtype), device=dev)
             grads.append(g)
-        args = [call[i] for i in bp.inputs] + grads + [bufs.ck] + [b for _, b, _ in bufs.grads]
+        args = [call[i] for i in bp.inputs] + grads + [bufs.ck, bufs.sk] + [b for _, b, _ in bufs.grads]
         for i in bp.inputs:
             x = call[i]
             args += [0 if x.shape[d] == 1 else x.stride(d) for d in range(x.dim())]
@@ -751,6 +756,7 @@ class BackwardKernel(T.TritonKernel):
               "DETERMINISTIC": self.deterministic}
         if T._seq_states(config):
             cx["EVEN_N"] = True
+            cx["SEG"] = _seg(config)
         cx.update({f"NEED_{i}": True for i in bp.grad_inputs(r)})
         sig.update({k: "constexpr" for k in cx})
         return self._fn(self._module(cdt), config.get("variant", "scan")), sig, cx
@@ -781,6 +787,11 @@ class BackwardKernel(T.TritonKernel):
         self.config = config
         self.fallback = None
         return self.launch(call, config)
+
+
+def _seg(config: dict) -> int:
+    """Chunks per checkpoint of the seq variant (SEG, default 1: every chunk's start state)."""
+    return max(1, int(config.get("SEG", 1))) if T._seq_states(config) else 1
 
 
 def triton_cdiv(a: int, b: int) -> int:
