@@ -383,10 +383,9 @@ def seq_bwd_declines(r: Region, bp: BwdPlan) -> str | None:
             kind = _term_kind(e, g, r, reg)
             if kind.startswith("no"):
                 return kind[4:]
-            if kind == "after" and any(_reduces(x) for x in ir.walk(e)):
-                for x in _reduces(e):
-                    if x.axes != (reg,):
-                        return f"a sum over {list(x.axes)} in in{g.input}'s gradient"
+            for x in _reduces(e):                 # the copies accumulate sums over the register axis only
+                if tuple(x.axes) != (reg,):
+                    return f"a sum over {list(x.axes)} in in{g.input}'s gradient"
     return None
 
 
