@@ -1026,8 +1026,7 @@ class TritonKernel:
 
 def _family(config: dict) -> str:
     """The variant family a config belongs to, for the autotuner's pruning: seq2/4/8 are one."""
-    v = str(config.get("variant", ""))
-    return "seq" if _seq_states(config) else v
+    return "seq" if _seq_states(config) else str(config.get("variant", "scan"))   # a backward config: scan
 
 
 @functools.lru_cache(maxsize=None)
