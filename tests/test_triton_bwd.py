@@ -187,15 +187,20 @@ def test_seq_backward_matches_the_reference_adjoint(case, variant, interp, monke
     assert kern.bwd.config == cfg
 
 
+def _mamba1_backward_call(b, L, d, n):
+    """The backward kernel of Mamba-1 (captured at L6) and a call of it at (b, L, d, n)."""
+    from test_triton import region_inputs
+    fn = P.mamba1("stack")
+    region, _, kern, _, _ = captured(fn, P.mamba1_inputs(b=2, L=6, d=d, n=n, seed=5))
+    xs = region_inputs(region, fn, P.mamba1_inputs(b=b, L=L, d=d, n=n, seed=5))
+    call = B._Call(xs, fresh_grads(kern._reference().forward(xs)), [True] * len(xs))
+    return B.backward_kernel(kern), call
+
+
 def test_seq_backward_checkpoints_every_seg_chunks(interp):
     """SEG > 1: the state every SEG chunks, plus one segment's chunk-start states a program."""
-    fn = P.mamba1("stack")
     b, L, d, n = 2, 64, 8, 4
-    region, _, kern, _, _ = captured(fn, P.mamba1_inputs(b=2, L=6, d=8, n=4, seed=5))
-    from test_triton import region_inputs
-    xs = region_inputs(region, fn, P.mamba1_inputs(b=b, L=L, d=d, n=n, seed=5))
-    bk = B.backward_kernel(kern)
-    call = B._Call(xs, fresh_grads(kern._reference().forward(xs)), [True] * len(xs))
+    bk, call = _mamba1_backward_call(b, L, d, n)
     tile = (b * d // 4) * 4 * 4                                     # programs x BLOCK_D x BLOCK_N
     for seg, cks, sks in ((1, 16, 0), (4, 4, 4), (5, 4, 5)):       # 16 chunks of 4 steps
         cfg = {"variant": "seq2", "BLOCK_D": 4, "CHUNK": 4, "SEG": seg, "num_warps": 1, "num_stages": 1}
@@ -230,14 +235,9 @@ def test_plan_owned_and_shared_gradients():
 
 def test_scratch_is_one_state_tile_per_chunk(interp):
     """Nothing of size (b, d, n, L): the chunk-start states and gradient-sized buffers only."""
-    fn = P.mamba1("stack")
     b, L, d, n = 2, 64, 8, 4
-    region, _, kern, _, _ = captured(fn, P.mamba1_inputs(b=2, L=6, d=8, n=4, seed=5))
-    from test_triton import region_inputs
-    xs = region_inputs(region, fn, P.mamba1_inputs(b=b, L=L, d=d, n=n, seed=5))
-    bk = B.backward_kernel(kern)
-    outs = kern._reference().forward(xs)
-    call = B._Call(xs, fresh_grads(outs), [True] * len(xs))
+    bk, call = _mamba1_backward_call(b, L, d, n)
+    xs = list(call)
     cfg = {"BLOCK_D": 4, "CHUNK": 16, "num_warps": 4, "num_stages": 1}
     bufs = bk.buffers(call, cfg)
     assert bufs.ck.numel() == (L // 16) * (b * d // 4) * 4 * 4       # chunks x programs x tile

@@ -206,17 +206,26 @@ class _Emitter:
     def reduced(self, e, keep, lines: list[str], drop_t: bool = False) -> str:
         """The value of term `e` summed over the tile axes it varies along and `keep` lacks
         (masked lanes are zeroed first)."""
-        v = self.p.expr(e)
         ax = value_axes(e, self.r) - ({"t"} if drop_t else set())
-        sums = [self.dims[a] for a in (self.bp.block, self.bp.reg, "t") if a and a in ax and a not in keep]
+        return self.summed(self.p.expr(e), ax, keep, lines)
+
+    def summed(self, v: str, ax, keep, lines: list[str], dims: dict | None = None) -> str:
+        """Code `v`, varying along the axes `ax`, summed over those of them that `keep` lacks
+        and `dims` (axis -> (tile dim, mask); default the scan layout's) has, into a temporary."""
+        dims = self.dims if dims is None else dims
+        sums = [dims[a] for a in (self.bp.block, self.bp.reg, "t") if a in dims and a in ax and a not in keep]
         if not sums:
             return v
         x = f"tl.where({' & '.join(m for _, m in sums)}, {v}, 0.0)"
         for k, _ in sums:
             x = f"tl.expand_dims(_sum({x}, {k}), {k})"
+        return self.temp(x, lines)
+
+    def temp(self, code: str, lines: list[str]) -> str:
+        """A new temporary holding `code`."""
         self._n += 1
         name = f"r{self._n}"
-        lines.append(f"{name} = {x}")
+        lines.append(f"{name} = {code}")
         return name
 
     def total(self, g: Grad, terms, lines: list[str], drop_t: bool = False) -> str | None:
@@ -389,19 +398,6 @@ def seq_bwd_declines(r: Region, bp: BwdPlan) -> str | None:
     return None
 
 
-def _seq_reduce(value: str, axes, dims: dict, keep, lines: list, name: str) -> str:
-    """`value` summed over the tile axes in `axes` that `keep` lacks (dims: axis -> (dim,
-    mask)), into a temporary."""
-    sums = [dims[a] for a in dims if a in axes and a not in keep]
-    if not sums:
-        return value
-    x = f"tl.where({' & '.join(m for _, m in sums)}, {value}, 0.0)"
-    for k, _ in sums:
-        x = f"tl.expand_dims(_sum({x}, {k}), {k})"
-    lines.append(f"{name} = {x}")
-    return name
-
-
 def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | None:
     """The pieces of the ``_bwd_seq<S>`` kernels (None when `seq_bwd_declines`). Names holding
     ``@s`` are per copy of the per-index code; the template writes the copy's number there."""
@@ -463,19 +459,13 @@ def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | No
         first_only.add(len(post))
         post.append(f"{sums[key]} += tl.where({mask}, {value}, 0.0)")
 
-    n_tmp = [0]
-
-    def tmp():
-        n_tmp[0] += 1
-        return f"q{n_tmp[0]}"
-
     for g in bp.grads:
         keep = set(ix for ix in g.index if isinstance(ix, str))
         kinds = {e: _term_kind(e, g, r, reg) for e in g.steps}
         copy = [e for e in g.steps if kinds[e] == "copy"]
         if copy:
             post.append(f"# d/d in{g.input}[{', '.join(map(str, g.index))}]")
-            vals = [_seq_reduce(p.expr(e), value_axes(e, r), copy_dims, keep, post, tmp()) for e in copy]
+            vals = [em.summed(p.expr(e), value_axes(e, r), keep, post, copy_dims) for e in copy]
             v = " + ".join(vals)
             if g.timed:          # time read as (1, 1, CHUNK): one address per element of a sum over rows
                 post.extend(em.write(g, v, {**inner_f.codes, "t": ("tt2", "mt2")}, atomic_ok=True))
@@ -501,11 +491,10 @@ def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | No
         outer_post.append(f"# d/d in{g.input}[{', '.join(map(str, g.index))}]")
         vals = []
         for e in summed:
-            lanes = tmp()
-            outer_post.append(f"{lanes} = tl.expand_dims(_sum({sums[('sum', e)]}, 1), 1)")
-            vals.append(_seq_reduce(lanes, value_axes(e, r) - {reg}, after_dims, keep, outer_post, tmp()))
+            lanes = em.temp(f"tl.expand_dims(_sum({sums[('sum', e)]}, 1), 1)", outer_post)   # masked when summed
+            vals.append(em.summed(lanes, value_axes(e, r) - {reg}, keep, outer_post, after_dims))
         for e in after:
-            vals.append(_seq_reduce(p.expr(e), value_axes(e, r), after_dims, keep, outer_post, tmp()))
+            vals.append(em.summed(p.expr(e), value_axes(e, r), keep, outer_post, after_dims))
         v = " + ".join(vals)
         if g.timed:
             outer_post.extend(em.write(g, v, outer_f.codes, atomic_ok=True))
