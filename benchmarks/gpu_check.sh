@@ -56,9 +56,11 @@ if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while t
   python -c "from benchmarks import baselines as B; B.build_selective_scan_fwd(backward=('bf16_real', 'fp32_real'))" \
     > "$OUT/mamba_ssm_build.log" 2>&1 & BUILD=$!
   echo "== tests/test_triton_bwd.py" >> "$LOG"
-  timeout ${SSMC_TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_bwd.py 2>&1 | tail -15 >> "$LOG"
+  timeout ${SSMC_TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_bwd.py \
+    -k "${SSMC_TRAIN_K:-gpu}" 2>&1 | tail -15 >> "$LOG"
   wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"
-  timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline --configs >> "$LOG" 2>&1
+  timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline --configs \
+    --workloads "${SSMC_TRAIN_WORKLOADS:-mamba1,mamba2}" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *ncu* ]]; then      # hardware counters of the Mamba-1 region's default pick per target, L4096
   for t in ${SSMC_NCU_TARGETS:-cuda triton}; do
