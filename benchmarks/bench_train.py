@@ -113,6 +113,18 @@ def run_mamba1(res, L, targets, baseline, configs):
     dout = (torch.randn(M1["b"], M1["d"], L, device=DEV) / 16).to(dtype)
     want = fwd_bwd(gm64, [x.double() for x in ins], dout.double())()
     rows = {}
+    if baseline:
+        try:
+            from benchmarks import baselines as BL
+            ext = BL.build_selective_scan_fwd(backward=("bf16_real", "fp32_real"))
+            fwd, step = mamba_ssm_calls(ext, ins, dout)
+            row = rows["mamba_ssm_cuda"] = {"grad_rel_err": dict(zip(M1_NAMES, grad_errors(step(), want)))}
+            add_timing(row, step)
+            row["fwd_ms"] = bench(fwd, warmup=5, rep=50)
+            print(f"mamba-ssm: {row}", flush=True)
+        except Exception as e:
+            rows["mamba_ssm_cuda"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print("mamba-ssm failed:", rows["mamba_ssm_cuda"]["error"], flush=True)
     for t, (gm, rep) in graphs.items():
         row = rows[t] = {"target_used": rep.regions[0].target if rep.regions else None}
         step = fwd_bwd(gm, ins, dout)
@@ -126,19 +138,9 @@ def run_mamba1(res, L, targets, baseline, configs):
             entry = lookup(rep.regions[0].key)
             note = getattr(entry.kernel, "backward_note", lambda: None)()
             row["backward"] = note
+            bwd = getattr(entry.kernel, "bwd", None)
+            row["bwd_config"] = getattr(bwd, "config", None)
         print(f"ssmc {t}: {row}", flush=True)
-    if baseline:
-        try:
-            from benchmarks import baselines as BL
-            ext = BL.build_selective_scan_fwd(backward=("bf16_real", "fp32_real"))
-            fwd, step = mamba_ssm_calls(ext, ins, dout)
-            row = rows["mamba_ssm_cuda"] = {"grad_rel_err": dict(zip(M1_NAMES, grad_errors(step(), want)))}
-            add_timing(row, step)
-            row["fwd_ms"] = bench(fwd, warmup=5, rep=50)
-            print(f"mamba-ssm: {row}", flush=True)
-        except Exception as e:
-            rows["mamba_ssm_cuda"] = {"error": f"{type(e).__name__}: {e}"[:500]}
-            print("mamba-ssm failed:", rows["mamba_ssm_cuda"]["error"], flush=True)
     base = rows.get("mamba_ssm_cuda", {}).get("ms")
     for t in targets:
         if base and rows[t].get("ms"):

@@ -48,7 +48,7 @@ if [[ $STEPS == *m1tune* ]]; then    # Mamba-1 region per kernel config, b8 d153
   fi
 fi
 if [[ $STEPS == *ssdseg* ]]; then    # per table config, each count in its own process
-  timeout ${SSMC_SEG_TIMEOUT:-540} python -m benchmarks.tune_ssd --out "$OUT/h200_ssd_segments.json" --configs table \
+  timeout ${SSMC_SEG_TIMEOUT:-540} python -m benchmarks.tune_ssd --out "$OUT/h200_ssd_segments.json" --configs "${SSMC_SEG_CONFIGS:-table}" \
     --shape '{"b": 4, "h": 24, "p": 64, "n": 128, "L": 16384}' --segments "${SSMC_SEGMENTS:-auto,1,2,3,4}" \
     --baseline >> "$LOG" 2>&1
 fi
@@ -60,7 +60,7 @@ if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while t
     -k "${SSMC_TRAIN_K:-gpu}" 2>&1 | tail -15 >> "$LOG"
   wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"
   timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline --configs \
-    --workloads "${SSMC_TRAIN_WORKLOADS:-mamba1,mamba2}" >> "$LOG" 2>&1
+    --workloads "${SSMC_TRAIN_WORKLOADS:-mamba1,mamba2}" --targets "${SSMC_TRAIN_TARGETS:-triton,auto}" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *ncu* ]]; then      # hardware counters of the Mamba-1 region's default pick per target, L4096
   for t in ${SSMC_NCU_TARGETS:-cuda triton}; do

@@ -89,12 +89,13 @@ def _child(argv: list[str], timeout: int) -> dict:
 
 def configs(which: str) -> list[dict]:
     """"sweep": CHUNK x BLOCK_P x warps (the search the table came from); "table": this GPU's
-    arch's configs in ssd_fwd.configs.json."""
-    if which == "table":
+    arch's configs in ssd_fwd.configs.json; "first": the table's first (its measured best)."""
+    if which in ("table", "first"):
         from ssmc.targets import triton as T
         from ssmc.targets.triton_ssd import SSD_CONFIGS, _table
         major, minor = torch.cuda.get_device_capability()
-        return [dict(c) for c in _table(SSD_CONFIGS)[T.arch_key(major * 10 + minor)]]
+        rows = [dict(c) for c in _table(SSD_CONFIGS)[T.arch_key(major * 10 + minor)]]
+        return rows[:1] if which == "first" else rows
     return [{"variant": "ssd", "CHUNK": chunk, "BLOCK_P": bp, "num_warps": warps, "num_stages": stages}
             for chunk, bp, warps, stages in itertools.product([64, 128], [32, 64], [4, 8], [2])]
 
@@ -107,7 +108,7 @@ def main():
     ap.add_argument("--shape", default='{"b": 8, "h": 24, "p": 64, "n": 128, "L": 4096}')
     ap.add_argument("--segments", default="auto",
                     help="comma-separated segment counts per config: auto (the kernel's policy) or numbers (forced)")
-    ap.add_argument("--configs", default="sweep", choices=["sweep", "table"])
+    ap.add_argument("--configs", default="sweep", choices=["sweep", "table", "first"])
     ap.add_argument("--baseline", action="store_true", help="also time mamba-ssm's mamba_chunk_scan_combined")
     ap.add_argument("--timeout", type=int, default=180, help="seconds per child process")
     args = ap.parse_args()
