@@ -492,7 +492,7 @@ def test_ssd_split_numerics(case, interp):
 
 def test_ssd_split_policy(tmp_path, monkeypatch):
     """Segments from the grid and the SM count (shapes only: meta tensors): b4 L16384 h24 p64
-    n128 on 132 SMs gives 96 programs, so 3 segments; b8 fills the SMs; short L keeps one."""
+    n128 on 132 SMs gives 96 programs, so 8 segments (5.5 per SM); b8 fills the SMs; short L keeps one."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     region = region_of(mamba2_h0, inputs(L=4, H=3, Pd=8, N=8, seed=21, h0=True))
     kern = T.TritonTarget().compile(region, "chunked_ssd", ssmc.make_options(cache_dir=str(tmp_path)))
@@ -507,11 +507,12 @@ def test_ssd_split_policy(tmp_path, monkeypatch):
     assert split(4, 16384)[:3] == (1, 16384, 96) and "not on a GPU" in split(4, 16384)[3]
     kern.sm_count = 132
     n, seg_len, progs, why = split(4, 16384)
-    assert (n, seg_len, progs) == (3, 86 * 64, 96) and why == "96 programs for 132 SMs: 3 segments for 2 per SM"
+    assert (n, seg_len, progs) == (8, 32 * 64, 96) and why == "96 programs for 132 SMs: 8 segments for 5.5 per SM"
     assert split(8, 4096)[:3] == (1, 4096, 192)                      # the grid fills the SMs
     n, _, _, why = split(4, 1024)                                    # 16 chunks: at least 16 per segment
     assert n == 1 and "capped at 1" in why
-    assert split(1, 16384)[:2] == (11, 24 * 64)                      # 24 programs: 11 segments
+    n, seg_len, _, why = split(1, 16384)                              # 24 programs: 31 wanted, 16 at most
+    assert (n, seg_len) == (16, 16 * 64) and "capped at 16" in why
     assert split(1, 16384, H=1)[:2] == (16, 16 * 64)                 # 1 program: at most 256 / 16 chunks
     kern.force_segments = 5
     n, seg_len, _, why = split(4, 16384)
@@ -526,7 +527,7 @@ def test_ssd_split_end_to_end(interp, monkeypatch):
     notes and the source header say so."""
     from ssmc.explain import refresh
     table = dict(S._table(S.SSD_CONFIGS))
-    table["segments"] = {**table["segments"], "min_chunks": 1}
+    table["segments"] = {**table["segments"], "min_chunks": 1, "programs_per_sm": 2}
     monkeypatch.setattr(S.SSDKernel, "table", lambda self: table)
     monkeypatch.setattr(S.SSDKernel, "sm_count", 16)
     report, kern = check_run(mamba2_h0, inputs(L=37, seed=22, h0=True), "chunked_ssd", S.SSDKernel)

@@ -632,7 +632,7 @@ class SSDKernel(T.TritonKernel):
     # -- splitting time ---------------------------------------------------------------------------
     def policy(self) -> dict:
         """When to split time (the "segments" entry of the configs table, with defaults)."""
-        pol = {"split_below": 1.0, "programs_per_sm": 2, "min_chunks": 16, "max_segments": 64}
+        pol = {"split_below": 1.0, "programs_per_sm": 5.5, "min_chunks": 16, "max_segments": 64}
         pol.update({k: v for k, v in self.table().get("segments", {}).items() if not k.startswith("_")})
         return pol
 
