@@ -85,12 +85,35 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
     greport.compile_ms = (time.perf_counter() - t0) * 1e3
     log.info("ssmc: graph of %d nodes -> %d nodes, %d region(s), %.0f ms",
              greport.nodes_in, greport.nodes_out, len(greport.regions), greport.compile_ms)
+    if greport.rest == "inductor" and n_regions and _only_regions(gm):
+        greport.rest = "eager"
+        log.info("ssmc: nothing outside the regions for Inductor; the graph runs eagerly")
     if greport.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, example_inputs)
+    if n_regions:
+        _direct_calls(gm)
     if not n_regions and greport.nodes_in > 2000:
         log.info("ssmc: no region found; running the captured graph of %d nodes eagerly", greport.nodes_in)
     return gm.forward
+
+
+def _only_regions(gm: fx.GraphModule) -> bool:
+    """Whether the graph computes nothing but region calls and their outputs' selection."""
+    import operator
+    return all(n.op in ("placeholder", "output") or
+               (n.op == "call_function" and n.target in (torch.ops.ssmc.region.default, operator.getitem))
+               for n in gm.graph.nodes)
+
+
+def _direct_calls(gm: fx.GraphModule) -> None:
+    """An eagerly run graph calls its regions through `call_region`, which skips the custom
+    op's dispatch when nothing needs it (inference); traced again, it records the op."""
+    from ssmc.runtime.op import call_region
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.ssmc.region.default:
+            n.target = call_region
+    gm.recompile()
 
 
 def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphReport) -> int:

@@ -138,3 +138,43 @@ def test_dynamic_batch_keeps_the_fusion():
     assert not any("before the region" in s.name for s in r.inputs), str(r)
     ins = P.mamba1_inputs(b=5, L=6, seed=3)
     assert rel_err(f(*ins), reference(fn, ins)[0]) < TOL[torch.float32]
+
+
+def test_eager_graphs_skip_the_op_only_when_nothing_needs_it(monkeypatch, compiled_region):
+    """An eagerly run graph calls its region through call_region: under no_grad the kernel runs
+    without the custom op; with an input that needs a gradient, under a dispatch mode, or while
+    profiling, the op runs (autograd, tracing and profiles see it); results agree either way."""
+    import torch.utils._python_dispatch as pd
+    from ssmc.runtime.op import call_region
+    ins = P.mamba1_inputs(seed=60)
+    fn = P.mamba1("stack")
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="ssmc")
+    want = reference(fn, ins)
+    with torch.no_grad():
+        f(*ins)                                          # compiles
+    real, calls = torch.ops.ssmc.region.default, []
+    monkeypatch.setattr(torch.ops.ssmc.region, "default", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        got = f(*ins)
+    assert calls == [] and rel_err(got, want[0]) <= TOL[torch.float32]
+    x = ins[0].clone().requires_grad_()
+    got = f(x, *ins[1:])                                 # (a recompile for requires_grad may trace it too)
+    assert calls and rel_err(got.detach(), want[0]) <= TOL[torch.float32]
+    got.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    calls.clear()
+
+    class Mode(pd.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    key, xs = compiled_region
+    plain = call_region(key, xs)
+    assert calls == []
+    with Mode():
+        traced = call_region(key, xs)
+    assert calls == [1]
+    with torch.profiler.profile():
+        call_region(key, xs)
+    assert calls == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced))

@@ -472,6 +472,51 @@ def tensor_args(tensors) -> list:
     return list(tensors) + [0 if x.shape[d] == 1 else x.stride(d) for x in tensors for d in range(x.dim())]
 
 
+class Direct:
+    """A Triton kernel launched through its compiled launcher, without the JIT: the arguments
+    in the kernel's parameter order (constexprs included, as the launcher takes them), the grid
+    fixed. `keep` takes the compiled kernel of a JIT launch; until then, and for calls whose
+    inputs' 16-byte alignment differs from that launch's (the JIT specializes pointers on it),
+    `__call__` returns False and the caller launches through the JIT. `launches` counts the
+    direct launches (tests)."""
+
+    def __init__(self, fn, grid, n_args: int, kw: dict, inputs: list[int]):
+        self.grid, self.inputs, self.runner, self.launches = tuple(grid), inputs, None, 0
+        self.tail = None
+        params = getattr(fn, "params", None)
+        if params is None or interpreting():
+            return
+        tail = []
+        for p in params[n_args:]:
+            if p.name in kw:
+                tail.append(kw[p.name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                return
+        self.tail = tail
+
+    @staticmethod
+    def _aligned(xs, inputs) -> tuple:
+        return tuple(xs[i].data_ptr() % 16 == 0 for i in inputs)
+
+    def keep(self, compiled, xs) -> None:
+        if hasattr(compiled, "result"):          # an asynchronous compile's future
+            compiled = compiled.result()
+        if self.tail is None or self.runner is not None or not hasattr(compiled, "packed_metadata"):
+            return
+        self.aligned, self.device = self._aligned(xs, self.inputs), torch.cuda.current_device()
+        self.runner = compiled[self.grid]
+
+    def __call__(self, call, xs) -> bool:
+        if self.runner is None or self._aligned(xs, self.inputs) != self.aligned \
+                or torch.cuda.current_device() != self.device:
+            return False
+        self.runner(*call, *self.tail)
+        self.launches += 1
+        return True
+
+
 def call_signature(inputs) -> tuple:
     """What a launch depends on besides the data: shapes, strides, dtypes, devices, and whether
     Triton interprets (tests switch it per test)."""
@@ -878,9 +923,12 @@ class TritonKernel:
 
     def _replay(self, inputs, config, outs):
         """The launch of this call with everything that depends only on the inputs' shapes,
-        strides, dtypes and device bound once: the kernel, grid, integer arguments and
-        constexprs. A decode step is a few microseconds of GPU work, so the Python between the
-        custom op and the launch is most of its time."""
+        strides, dtypes and device bound once: the kernel, grid, integer arguments, constexprs
+        and the output shapes. A decode step is a few microseconds of GPU work, so the Python
+        between the custom op and the launch is most of its time. The first replay launches
+        through Triton's JIT and keeps the compiled kernel it returns; later ones call that
+        kernel's launcher directly (`Direct`), skipping the JIT's argument binding and cache
+        lookup, as long as the inputs keep the 16-byte alignment the kernel was specialized on."""
         fn = self._fn(self._module(self._cdt(inputs)), config["variant"])
         extra = launch_options(config, inputs[0].device)
         args = self.launch_args(inputs, outs)
@@ -890,16 +938,22 @@ class TritonKernel:
                 j = next((j for j, o in enumerate(outs) if o is a), None)
                 slots[k] = (True, j) if j is not None else (False, next(i for i, x in enumerate(inputs) if x is a))
         template = [None if k in slots else a for k, a in enumerate(args)]   # holds no tensor
-        kern = fn[self.grid(inputs, config)]
+        grid = self.grid(inputs, config)
+        kern = fn[grid]
         kw = {**self.constexprs(inputs, config), **extra}
+        shapes = [(tuple(o.shape), o.dtype) for o in outs]
+        dev = inputs[0].device
+        direct = Direct(fn, grid, len(args), kw, [i for k, (out, i) in slots.items() if not out])
 
         def replay(xs):
-            os_ = self.outputs(xs)
+            os_ = [torch.empty(s, dtype=d, device=dev) for s, d in shapes]
             call = list(template)
             for k, (out, i) in slots.items():
                 call[k] = os_[i] if out else xs[i]
-            kern(*call, **kw)
+            if not direct(call, xs):
+                direct.keep(kern(*call, **kw), xs)
             return os_
+        replay.direct = direct
         return replay
 
     def _config(self, inputs, arch) -> dict | None:
