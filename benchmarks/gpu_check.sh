@@ -32,7 +32,7 @@ if [[ $STEPS == *tests* ]]; then      # one file at a time: a fault in one canno
 fi
 if [[ $STEPS == *region* ]]; then     # mamba-ssm baselines in the same run; no eager at these lengths
   timeout ${SSMC_BENCH_TIMEOUT:-240} python -m benchmarks.run --preset h200 --workloads "${SSMC_WORKLOADS:-mamba1,mamba2,decode}" \
-    --lengths "${SSMC_LENGTHS:-4096}" --targets "${SSMC_TARGETS:-triton,cuda,auto}" --eager-max-len 0 \
+    --lengths "${SSMC_LENGTHS:-4096}" --targets "${SSMC_TARGETS:-triton,cuda,auto}" --eager-max-len 0 ${SSMC_BENCH_FLAGS:-} \
     --out /tmp/ssmc_run --name h200_regions >> "$LOG" 2>&1
   cp /tmp/ssmc_run/h200_regions.json "$OUT/" 2>/dev/null
 fi

@@ -43,6 +43,7 @@ COLUMNS = ["workload", "variant", "kind", "pass", "L", "shape", "ms", "speedup_v
            "GB_per_s", "frac_of_byte_floor", "TFLOP_per_s", "rel_err", "compile_cold_s", "compile_warm_s",
            "peak_mem_bytes", "target_used"]
 PASSES = ["fuse_prologue", "fuse_epilogue", "select_strategy"]
+ABLATIONS = True                  # --no-ablations: no passes-off rows
 COPY_BW = {"cuda": 4.3e12, "cpu": 2e10}      # bytes/s ceilings used for the byte floor
 
 
@@ -227,7 +228,8 @@ class Runner:
         small64 = [x.double() if x.is_floating_point() else x for x in make(cfg, 8, torch.float64, p.device)]
         oracle = lowered(loop, small64, target="torch")["gm"]
         variants = [(f"ssmc[{t}]", dict(target=t), None) for t in p.targets]
-        variants += [(f"ssmc[-{ps}]", dict(target=p.targets[-1], disable_passes=[ps]), ps) for ps in PASSES]
+        variants += [(f"ssmc[-{ps}]", dict(target=p.targets[-1], disable_passes=[ps]), ps) for ps in PASSES
+                     if ABLATIONS]
         compiled = {}
         for label, opts, ps in variants:
             h = lowered(loop, small, **opts)
@@ -450,7 +452,10 @@ def main(argv=None):
     ap.add_argument("--eager-max-len", type=int, default=4096)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--name", default=None)
+    ap.add_argument("--no-ablations", action="store_true", help="no ssmc[-pass] rows (passes on/off)")
     args = ap.parse_args(argv)
+    global ABLATIONS
+    ABLATIONS = not args.no_ablations
     preset = PRESETS[args.preset]
     if args.lengths:
         preset.lengths = [int(x) for x in args.lengths.split(",")]

@@ -481,7 +481,9 @@ class Direct:
     direct launches (tests)."""
 
     def __init__(self, fn, grid, n_args: int, kw: dict, inputs: list[int]):
-        self.grid, self.inputs, self.runner, self.launches = tuple(grid), inputs, None, 0
+        grid = tuple(grid)
+        self.grid = grid + (1,) * (3 - len(grid))   # the compiled kernel's runner reads three axes
+        self.inputs, self.runner, self.launches = inputs, None, 0
         self.tail = None
         params = getattr(fn, "params", None)
         if params is None or interpreting():
