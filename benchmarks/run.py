@@ -470,8 +470,9 @@ def main(argv=None):
     stem = args.name or f"bench_{args.preset}"
     env = {"device": torch.cuda.get_device_name() if preset.device == "cuda" else "cpu", "torch": torch.__version__,
            "ssmc": ssmc.__version__, "preset": args.preset,
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip() or os.environ.get("SSMC_COMMIT", ""), "columns": COLUMNS}
+           "commit": os.environ.get("SSMC_COMMIT") or subprocess.run(   # the device's copy has a stale .git
+               ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+           "columns": COLUMNS}
     (out_dir / f"{stem}.json").write_text(json.dumps({"env": env, "rows": runner.rows}, indent=1, default=str) + "\n")
     made = plots(runner.rows, out_dir, stem)
     print(table(runner.rows))

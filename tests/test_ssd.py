@@ -719,10 +719,10 @@ def test_gpu_decode_step(batch, monkeypatch, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_decode_loop_runs_without_inductor_or_the_op(monkeypatch, tmp_path):
-    """A compiled decode step with default options holds nothing but its region, so the graph
-    runs eagerly (no Inductor), calls the kernel without the custom op under no_grad, and
-    launches through the compiled launcher from the third token on: fresh data each token,
-    poisoned outputs, against float64."""
+    """A compiled decode of two tokens a call (one token has no loop to re-roll) with default
+    options holds nothing but its region, so the graph runs eagerly (no Inductor), calls the
+    kernel without the custom op under no_grad, and launches through the compiled launcher from
+    the third call on: fresh data each call, poisoned outputs, against float64."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
     poison_outputs(monkeypatch)
@@ -732,12 +732,12 @@ def test_gpu_decode_loop_runs_without_inductor_or_the_op(monkeypatch, tmp_path):
                                                                           _report=report))
     shape = dict(H=24, Pd=64, N=128)
     for seed in range(4):
-        args = inputs(b=64, L=1, dtype=torch.bfloat16, seed=70 + seed, h0=True, device="cuda", **shape)
+        args = inputs(b=64, L=2, dtype=torch.bfloat16, seed=70 + seed, h0=True, device="cuda", **shape)
         with torch.no_grad():
             got = f(*args)
         for g, w in zip(got, reference(mamba2_h0, args)):
             assert torch.isfinite(g).all()
-            assert rel_err(g, w) <= (TOL[torch.bfloat16] if g.dtype == torch.bfloat16 else 1e-5), f"token {seed}"
+            assert rel_err(g, w) <= (TOL[torch.bfloat16] if g.dtype == torch.bfloat16 else 1e-5), f"call {seed}"
     assert len(report.graphs) == 1 and report.graphs[0].rest == "eager", str(report)
     kern = lookup(report.regions[0].key).kernel
     assert type(kern) is S.StepKernel
