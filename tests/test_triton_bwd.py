@@ -208,6 +208,36 @@ def test_seq_backward_checkpoints_every_seg_chunks(interp):
         assert bufs.ck.numel() == cks * tile and bufs.sk.numel() == max(sks * tile, 1)
 
 
+def test_backward_autotune_keeps_less_memory_within_the_slack(interp, monkeypatch):
+    """Among configs within memory_slack of the fastest the autotuner keeps the one with the
+    least checkpoint memory (scratch_bytes, as buffers allocates it) and says why; slack 1
+    keeps the fastest."""
+    bk, call = _mamba1_backward_call(2, 256, 8, 16)             # 64 chunks: 64 tiles, or 4 + 16 at SEG 16
+    fast = {"variant": "seq4", "BLOCK_D": 8, "CHUNK": 4, "num_warps": 1, "num_stages": 1}
+    lean = {**fast, "SEG": 16}
+    slow = {"BLOCK_D": 8, "CHUNK": 2, "num_warps": 2, "num_stages": 1}
+    for cfg in (fast, lean, slow):
+        bufs = bk.buffers(call, cfg)
+        assert bk.scratch_bytes(call, cfg) == 4 * (bufs.ck.numel() + bufs.sk.numel())
+    assert bk.scratch_bytes(call, lean) < bk.scratch_bytes(call, fast)
+    ms = {str(fast): 1.0, str(lean): 1.08, str(slow): 0.99 * 1.2}
+    monkeypatch.setattr(bk, "candidates", lambda call, arch: [fast, lean, slow])
+    monkeypatch.setattr(bk, "_time_config", lambda inputs, c, cuda: ms[str(c)])
+    monkeypatch.setattr(bk.cache, "get", lambda *a, **k: None)      # no cached pick
+    table = dict(bk.table())
+    monkeypatch.setattr(bk, "table", lambda: table)
+    for slack, want in ((1.1, lean), (1.0, fast), (1.05, fast)):
+        table["memory_slack"] = slack
+        bk.chosen.clear(), bk.picked.clear()
+        assert bk._config(call, 90) == want, slack
+        assert bool(bk.picked) == (want is lean)
+    bk.chosen.clear()
+    table["memory_slack"] = 1.1
+    bk._config(call, 90)
+    why = next(iter(bk.picked.values()))
+    assert "1.080 ms" in why and "1.000 ms" in why and "memory_slack 1.1" in why, why
+
+
 def test_seq_backward_declines():
     """What the seq backward cannot lay out: no register axis, per-step outputs indexing it."""
     from test_triton import mamba1_states_out, region_of

@@ -680,6 +680,7 @@ class TritonKernel:
         self.timings: dict = {}            # bucket -> {config json: ms} of the last search
         self.failed_configs: dict = {}     # bucket -> ["config: error"] of configs that failed
         self.pruned: dict = {}             # bucket -> ["family: why"] of families the search skipped
+        self.picked: dict = {}             # bucket -> why the pick is not the fastest config
         self._ref = None
         self._lock = threading.Lock()
         self._replays: dict = {}           # call_signature -> prepared launch (forward)
@@ -1045,6 +1046,10 @@ class TritonKernel:
                              f"the torch reference ran instead: " + "; ".join(errors))
             log.warning("ssmc: %s", self.fallback)
             return None
+        return self._pick(times, bucket, inputs)
+
+    def _pick(self, times: dict, bucket, inputs) -> dict:
+        """The config to keep from the timed ones (json key -> ms): the fastest."""
         return json.loads(min(times, key=times.get))
 
     def _time_config(self, inputs, c, cuda: bool) -> float:
@@ -1076,7 +1081,8 @@ class TritonKernel:
         if not hasattr(self, "bwd_fallback"):
             return None
         if self.bwd_fallback is None:
-            return f"backward: generated Triton kernel {self.bwd.path}"
+            why = "".join(f"; picked {w}" for w in self.bwd.picked.values())
+            return f"backward: generated Triton kernel {self.bwd.path}{why}"
         return f"backward: torch reference ({self.bwd_fallback})"
 
 
@@ -1174,6 +1180,8 @@ class TritonTarget:
             head.extend(f"# config failed for {arch}: {e}" for e in errors)
         for (arch, bucket), why in kernel.pruned.items():
             head.extend(f"# autotune for {arch} skipped {w}" for w in why)
+        for (arch, bucket), why in kernel.picked.items():
+            head.append(f"# autotune for {arch} picked {why}")
         launch = kernel.launch_text()
         if launch:
             head.append(f"# launch: {launch}")

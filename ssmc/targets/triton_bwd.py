@@ -636,6 +636,34 @@ class BackwardKernel(T.TritonKernel):
         return all((shape[d] == 1) if isinstance(ix, int) else shape[d] == full[ix]
                    for d, ix in enumerate(index))
 
+    def scratch_bytes(self, call, config) -> int:
+        """Bytes of the checkpoints and the segment scratch a launch of config allocates (as
+        `buffers` sizes them): what sets a training step's peak memory apart between configs."""
+        sizes, L = self.sizes(call)
+        item = 8 if self._cdt(call) == "tl.float64" else 4
+        bn = T._pow2(sizes[self.plan.reg]) if self.plan.reg else 1
+        tile = self.grid(call, config)[0] * config["BLOCK_D"] * bn
+        seg = _seg(config)
+        return item * (triton_cdiv(triton_cdiv(L, config["CHUNK"]), seg) * tile + (seg * tile if seg > 1 else 1))
+
+    def _pick(self, times: dict, bucket, call) -> dict:
+        """The fastest config, unless another within the table's ``memory_slack`` of its time
+        keeps less in checkpoints and scratch: then the one that keeps least (a training step's
+        peak memory is mostly the backward's checkpoints). `picked` says so for explain."""
+        best = min(times, key=times.get)
+        slack = float(self.table().get("memory_slack", 1.0))
+        if slack <= 1.0 or times[best] is None:
+            return json.loads(best)
+        mem = {k: self.scratch_bytes(call, json.loads(k)) for k in times if times[k] <= slack * times[best]}
+        pick = min(mem, key=lambda k: (mem[k], times[k]))
+        if pick != best:
+            self.picked[bucket] = (f"{pick}: {times[pick]:.3f} ms and {mem[pick] / 2**20:.1f} MB of checkpoints, "
+                                   f"against the fastest {best}: {times[best]:.3f} ms and "
+                                   f"{self.scratch_bytes(call, json.loads(best)) / 2**20:.1f} MB "
+                                   f"(memory_slack {slack:g})")
+            log.info("ssmc triton: %s backward: picked %s", self.region.name, self.picked[bucket])
+        return json.loads(pick)
+
     def buffers(self, call, config) -> _Buffers:
         r, bp = self.region, self.plan
         sizes, L = self.sizes(call)
