@@ -118,11 +118,15 @@ def _run(entry: Compiled, method: str, *args):
         return getattr(entry.kernel, method)(*args)
 
 
-@torch.library.custom_op("ssmc::region", mutates_args=())
-def region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _forward(key: str, inputs) -> list[torch.Tensor]:
     entry = lookup(key)
     check_inputs(entry, inputs)
     return list(_run(entry, "forward", list(inputs)))
+
+
+@torch.library.custom_op("ssmc::region", mutates_args=())
+def region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _forward(key, inputs)
 
 
 def call_region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -132,9 +136,7 @@ def call_region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     custom op otherwise. The op's dispatch (autograd wrapper, redispatch, aliasing checks) costs
     tens of microseconds a call, most of a decode step's time."""
     if _plain(inputs):
-        entry = lookup(key)
-        check_inputs(entry, inputs)
-        return list(_run(entry, "forward", list(inputs)))
+        return _forward(key, inputs)
     return torch.ops.ssmc.region.default(key, inputs)
 
 

@@ -636,15 +636,22 @@ class BackwardKernel(T.TritonKernel):
         return all((shape[d] == 1) if isinstance(ix, int) else shape[d] == full[ix]
                    for d, ix in enumerate(index))
 
-    def scratch_bytes(self, call, config) -> int:
-        """Bytes of the checkpoints and the segment scratch a launch of config allocates (as
-        `buffers` sizes them): what sets a training step's peak memory apart between configs."""
+    def _scratch(self, call, config) -> tuple[int, int, torch.dtype]:
+        """Elements of the checkpoints (a state tile every SEG chunks a program) and of the
+        segment scratch (SEG tiles a program, when SEG > 1) a launch of config takes, and their
+        dtype."""
         sizes, L = self.sizes(call)
-        item = 8 if self._cdt(call) == "tl.float64" else 4
+        cdt = torch.float64 if self._cdt(call) == "tl.float64" else torch.float32
         bn = T._pow2(sizes[self.plan.reg]) if self.plan.reg else 1
         tile = self.grid(call, config)[0] * config["BLOCK_D"] * bn
         seg = _seg(config)
-        return item * (triton_cdiv(triton_cdiv(L, config["CHUNK"]), seg) * tile + (seg * tile if seg > 1 else 1))
+        return triton_cdiv(triton_cdiv(L, config["CHUNK"]), seg) * tile, seg * tile if seg > 1 else 1, cdt
+
+    def scratch_bytes(self, call, config) -> int:
+        """Bytes of the checkpoints and the segment scratch: what sets a training step's peak
+        memory apart between configs."""
+        ck, sk, cdt = self._scratch(call, config)
+        return (ck + sk) * cdt.itemsize
 
     def _pick(self, times: dict, bucket, call) -> dict:
         """The fastest config, unless another within the table's ``memory_slack`` of its time
@@ -652,14 +659,14 @@ class BackwardKernel(T.TritonKernel):
         peak memory is mostly the backward's checkpoints). `picked` says so for explain."""
         best = min(times, key=times.get)
         slack = float(self.table().get("memory_slack", 1.0))
-        if slack <= 1.0 or times[best] is None:
+        if slack <= 1.0:
             return json.loads(best)
         mem = {k: self.scratch_bytes(call, json.loads(k)) for k in times if times[k] <= slack * times[best]}
         pick = min(mem, key=lambda k: (mem[k], times[k]))
         if pick != best:
             self.picked[bucket] = (f"{pick}: {times[pick]:.3f} ms and {mem[pick] / 2**20:.1f} MB of checkpoints, "
                                    f"against the fastest {best}: {times[best]:.3f} ms and "
-                                   f"{self.scratch_bytes(call, json.loads(best)) / 2**20:.1f} MB "
+                                   f"{mem[best] / 2**20:.1f} MB "
                                    f"(memory_slack {slack:g})")
             log.info("ssmc triton: %s backward: picked %s", self.region.name, self.picked[bucket])
         return json.loads(pick)
@@ -668,13 +675,9 @@ class BackwardKernel(T.TritonKernel):
         r, bp = self.region, self.plan
         sizes, L = self.sizes(call)
         dev = call[0].device
-        cdt = torch.float64 if self._cdt(call) == "tl.float64" else torch.float32
-        bn = T._pow2(sizes[bp.reg]) if bp.reg else 1
-        nprog = self.grid(call, config)[0]
-        seg = _seg(config)
-        tile = nprog * config["BLOCK_D"] * bn
-        ck = torch.empty(triton_cdiv(triton_cdiv(L, config["CHUNK"]), seg) * tile, dtype=cdt, device=dev)
-        sk = torch.empty(seg * tile if seg > 1 else 1, dtype=cdt, device=dev)
+        n_ck, n_sk, cdt = self._scratch(call, config)
+        ck = torch.empty(n_ck, dtype=cdt, device=dev)
+        sk = torch.empty(n_sk, dtype=cdt, device=dev)
         nblk = triton_cdiv(sizes[bp.block], config["BLOCK_D"]) if bp.block else 1
         out = []
         items = [(g.input, g.index, g) for g in bp.grads]
