@@ -105,11 +105,11 @@ def mamba2_sum_two_axes(x, dt, A, B, C, D):
 
 def poison_outputs(monkeypatch):
     """Every output the kernel allocates starts as NaN: an element it does not write shows."""
-    orig = T.TritonKernel.outputs
+    orig = T.TritonKernel.allocate
 
-    def poisoned(self, inputs):
-        return [o.fill_(float("nan")) if o.is_floating_point() else o for o in orig(self, inputs)]
-    monkeypatch.setattr(T.TritonKernel, "outputs", poisoned)
+    def poisoned(specs, dev):
+        return [o.fill_(float("nan")) if o.is_floating_point() else o for o in orig(specs, dev)]
+    monkeypatch.setattr(T.TritonKernel, "allocate", staticmethod(poisoned))
 
 
 @pytest.fixture
@@ -885,6 +885,7 @@ def test_gpu_replay_launches_directly(monkeypatch, tmp_path):
     specialized on goes back through the JIT (and is right too)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    poison_outputs(monkeypatch)
     fn = P.mamba1("final")
     make = lambda seed: tuple(x.cuda() for x in P.mamba1_inputs(b=2, L=33, d=64, n=16, seed=seed))
     region = region_of(fn, tuple(x.cpu() for x in make(50)))

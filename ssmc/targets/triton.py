@@ -786,9 +786,13 @@ class TritonKernel:
     # -- launching -----------------------------------------------------------------------------------
     def outputs(self, inputs) -> list[torch.Tensor]:
         sizes, L = self.sizes(inputs)
-        dev = inputs[0].device
-        return [torch.empty([L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index],
-                            dtype=ir.to_dtype(o.dtype), device=dev) for o in self.region.outputs]
+        return self.allocate([(tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index),
+                               ir.to_dtype(o.dtype)) for o in self.region.outputs], inputs[0].device)
+
+    @staticmethod
+    def allocate(specs, dev) -> list[torch.Tensor]:
+        """Fresh output tensors, one per (shape, dtype): every launch's outputs, replays' too."""
+        return [torch.empty(s, dtype=d, device=dev) for s, d in specs]
 
     def launch_args(self, inputs, outs) -> list:
         p = self.plan
@@ -949,7 +953,7 @@ class TritonKernel:
         direct = Direct(fn, grid, len(args), kw, [i for k, (out, i) in slots.items() if not out])
 
         def replay(xs):
-            os_ = [torch.empty(s, dtype=d, device=dev) for s, d in shapes]
+            os_ = self.allocate(shapes, dev)
             call = list(template)
             for k, (out, i) in slots.items():
                 call[k] = os_[i] if out else xs[i]
