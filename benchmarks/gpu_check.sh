@@ -78,7 +78,8 @@ if [[ $STEPS == *moe* ]]; then
   timeout 200 python -m benchmarks.bench_moe --out "$OUT/h200_moe.json" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *bsp* ]]; then
-  timeout 150 python -m benchmarks.bench_block_sparse --out "$OUT/h200_block_sparse.json" >> "$LOG" 2>&1
+  timeout ${SSMC_BSP_TIMEOUT:-300} python -m benchmarks.bench_block_sparse --out "$OUT/h200_block_sparse.json" \
+    --targets "${SSMC_BSP_TARGETS:-cuda,triton}" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *fuzz* ]]; then      # workers share the GPU: compiling (Dynamo, Triton, NVRTC) is CPU-bound
   echo "== fuzz" >> "$LOG"

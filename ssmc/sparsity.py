@@ -110,3 +110,44 @@ def block_csr(bp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nb = bp.shape[0]
     cols = torch.argsort((~bp).to(torch.int8), dim=1, stable=True).to(torch.int32)
     return cols.contiguous(), bp.sum(1).to(torch.int32)
+
+
+class PatternCache:
+    """The block pattern of a region's transition on the actual inputs (`transition_pattern`,
+    then `block_pattern`), and what a kernel derives from it, kept while the tensors the pattern
+    reads are the same ones, unmodified: the cache holds them (their memory cannot be reused by
+    another tensor) and compares storage, shape, strides and the version counter (an in-place
+    update of a mask, through any view, bumps it). Inference tensors have no version counter and
+    are never cached."""
+
+    def __init__(self, region: Region):
+        self.region = region
+        rowcol = {region.axes[-1], ir.MIX_COL}
+        self.used = sorted({ld.input for ld in ir.loads(region.mix.expr) if rowcol & set(ld.index)})
+        self._held = None
+
+    def get(self, inputs, n: int, bs: int, derive):
+        xs = [inputs[i] for i in self.used]
+        key = None
+        if not any(x.is_inference() for x in xs):
+            key = (n, bs) + tuple((x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.device) for x in xs)
+            if self._held is not None and self._held[0] == key:
+                return self._held[2]
+        got = derive(block_pattern(transition_pattern(self.region, inputs, n, diag=False), bs))
+        self._held = (key, xs, got) if key is not None else None
+        return got
+
+
+def uncovered(bp: torch.Tensor, mix, bs: int, memo: dict) -> torch.Tensor:
+    """int32 (1,) on the pattern's device: 0 when the compiled mask (``mix.blocks``) covers the
+    block pattern `bp` of the inputs, 1 otherwise; no synchronisation. `memo` keeps the compiled
+    mask per device."""
+    n = bp.shape[0] * bs
+    if mix.nblocks * mix.block != n or mix.block != bs:
+        return torch.ones(1, dtype=torch.int32, device=bp.device)
+    if bp.device not in memo:
+        c = torch.zeros(mix.nblocks, mix.nblocks, dtype=torch.bool)
+        for i, j in mix.blocks:
+            c[i, j] = True
+        memo[bp.device] = c.to(bp.device)
+    return (bp & ~memo[bp.device]).any().to(torch.int32).reshape(1)

@@ -14,6 +14,7 @@ from conftest import TOL, as_tuple, reference, rel_err, ssmc_run
 from ssmc import ir
 from ssmc.runtime.op import lookup
 from ssmc.sparsity import BLOCK_OVERHEAD, block_pattern, choose_block, transition_pattern
+from test_cuda_codegen import emu_dir  # noqa: F401  (the CPU emulator's work dir)
 
 
 def check(fn, inputs, tol=None, **options):
@@ -259,6 +260,150 @@ def test_gpu_block_sparse_bf16():
     assert rel_err(gA, rA) < 2e-2
 
 
+# -- the CUDA kernel: numerics on the CPU emulator, NVRTC builds for sm_80/sm_90, the GPU ---------
+
+def _region_and_inputs(fn, inputs, monkeypatch):
+    """The captured region and the tensors its op receives (the torch target on the CPU)."""
+    from ssmc.targets.reference import ReferenceKernel
+    seen, orig = [], ReferenceKernel.forward
+
+    def spy(self, xs):
+        seen.append(list(xs))
+        return orig(self, xs)
+    with monkeypatch.context() as m:
+        m.setattr(ReferenceKernel, "forward", spy)
+        _, report = ssmc_run(fn, inputs)
+    assert len(report.regions) == 1 and seen, str(report)
+    return report.regions[0].ir, seen[0]
+
+
+def _emulate_bsp(kernel, xs, workdir):
+    import ctypes
+    from test_cuda_codegen import _emulator
+    types = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32}
+
+    def launch(g, grid, block, args):
+        rend = kernel.rendered(g)
+        lib = _emulator(rend.source, workdir)
+        for name in rend.knames:         # each kernel returns at once unless the flag is its own
+            f = getattr(lib, name + "_emulate")
+            f.argtypes = [ctypes.c_uint] * 3 + [types[k] for k, _ in args]
+            f(grid, block, 0, *[v for _, v in args])
+    return kernel.run(xs, launch)
+
+
+def _bsp_case(form, bs, dtype, g):
+    n = 4 * bs
+    mask = P.block_mask(4, bs, 0.3, g)
+    if form == "euler_einsum":       # state (b, n); returns (y, h_L)
+        ins = (torch.randn(3, 5, generator=g), torch.rand(3, 5, generator=g) * 0.2,
+               torch.randn(n, n, generator=g) / 3, mask, torch.randn(3, 5, n, generator=g),
+               torch.randn(3, 5, n, generator=g))
+        return P.euler_einsum, ins
+    x, dt, A, _, B, C = P.euler_inputs(2, 5, 37, n, mask, g)     # 74 rows: a partial last block
+    if form == "lti_matmul":
+        return P.lti_matmul, (x, A, mask, B, C)
+    ins = (x, dt, A, mask, B, C)
+    return P.euler_matmul, tuple(t.to(dtype) if t.dim() == 3 else t for t in ins)
+
+
+@pytest.mark.parametrize("form,bs,dtype", [("euler_matmul", 4, torch.float32), ("euler_matmul", 4, torch.bfloat16),
+                                           ("euler_einsum", 4, torch.float32), ("lti_matmul", 8, torch.float32)])
+def test_cuda_kernel_emulated(form, bs, dtype, emu_dir, monkeypatch, tmp_path):
+    """Every warp count against float64 on the compiled mask, and with a denser transition at
+    run time (the pattern is not covered: the second kernel, every block, runs); NaN-poisoned
+    outputs, 74 rows (a partial block of 32)."""
+    from ssmc.runtime.cache import get_cache
+    from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
+    from ssmc.targets.reference import ReferenceKernel
+    g = torch.Generator().manual_seed(21)
+    fn, ins = _bsp_case(form, bs, dtype, g)
+    r, xs = _region_and_inputs(fn, ins, monkeypatch)
+    k = CudaBlockSparseKernel(r, bsp_plan(r), get_cache(str(tmp_path / "cache")))
+    k.poison = True
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    from ssmc.sparsity import PatternCache
+    w = PatternCache(r).used[-1]      # an input the pattern reads (W, or the mask)
+    dense = list(xs)
+    dense[w] = xs[w] + 0.05           # nonzero everywhere: outside the compiled mask
+    assert len(k.choices()) >= 2 or r.mix.nblocks == 1
+    for case in (xs, dense):
+        ref = ReferenceKernel(r).forward([x.double() for x in case])
+        for groups in k.choices():
+            k.force_groups = groups
+            outs = _emulate_bsp(k, case, emu_dir)
+            for o, e in zip(outs, ref):
+                assert rel_err(o, e) < tol, (form, groups, case is dense, rel_err(o, e))
+            assert k.last_launch["groups"] == groups
+
+
+def test_cuda_kernel_groups_balance_and_declines(monkeypatch):
+    from ssmc.targets.cuda_block_sparse import bsp_plan, groups
+    from ssmc.targets.cuda_printer import Unsupported
+    g = torch.Generator().manual_seed(22)
+    mask = P.block_mask(8, 8, 0.25, g)
+    r, _ = _region_and_inputs(P.euler_matmul, P.euler_inputs(1, 3, 2, 64, mask, g), monkeypatch)
+    p = bsp_plan(r)
+    for G in (2, 4, 8):
+        rows = groups(p, p.blocks, G)
+        assert sorted(i for grp in rows for i in grp) == list(range(8)) and len(rows) == G
+        cost = [sum(1 + sum(1 for (a, _) in p.blocks if a == i) for i in grp) for grp in rows]
+        worst = max(1 + sum(1 for (a, _) in p.blocks if a == i) for i in range(8))
+        assert max(cost) - min(cost) <= worst            # largest-first onto the least loaded
+    # a transition that changes every step and along the batch: the Triton kernel's (fma3)
+    mask = P.block_mask(4, 4, 0.25, g)
+    Abar = torch.randn(2, 4, 16, 16, generator=g) * mask
+    r2, _ = _region_and_inputs(P.given_abar, (torch.randn(2, 4, generator=g), Abar, torch.randn(2, 4, 16, generator=g),
+                                              torch.randn(2, 4, 16, generator=g)), monkeypatch)
+    with pytest.raises(Unsupported, match="varies along time or a parallel axis"):
+        bsp_plan(r2)
+    from ssmc.targets.cuda import CudaTarget
+    assert "varies along time" in str(CudaTarget().supports(r2, "block_sparse", 90, "cuda")) or \
+        CudaTarget().supports(r2, "block_sparse", 90, "cuda") is not True
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_cuda_kernel_nvrtc_builds(cc, monkeypatch, tmp_path):
+    from ssmc.runtime.cache import get_cache
+    from ssmc.targets import cuda
+    from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
+    why = cuda.toolchain_problem()
+    if why:
+        pytest.skip(why)
+    g = torch.Generator().manual_seed(23)
+    mask = P.block_mask(8, 8, 0.25, g)
+    ins = P.euler_inputs(1, 3, 2, 64, mask, g)
+    ins = tuple(t.bfloat16() if t.dim() == 3 else t for t in ins)
+    r, _ = _region_and_inputs(P.euler_matmul, ins, monkeypatch)
+    k = CudaBlockSparseKernel(r, bsp_plan(r), get_cache(str(tmp_path)))
+    binary = k.built(4, cc)
+    assert len(binary) > 1000
+    assert "__nv_bfloat16* __restrict__ in" in k.rendered(4).source
+    assert len(k.rendered(4).knames) == 2      # the compiled mask, and every block
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_cuda_block_sparse(dtype):
+    g = torch.Generator().manual_seed(24)
+    mask = P.block_mask(8, 8, 0.25, g)
+    ins = [t.cuda() for t in P.euler_inputs(4, 64, 96, 64, mask, g)]
+    ins = tuple(t.to(dtype) if t.dim() == 3 else t for t in ins)
+    torch._dynamo.reset()
+    report = ssmc.Report()
+    fast = torch.compile(P.euler_matmul, backend=lambda gm, ex: ssmc.ssmc_backend(
+        gm, ex, options={"target": "cuda"}, _report=report))
+    out = fast(*ins)
+    info = report.regions[0]
+    assert info.target == "cuda" and info.strategy == "block_sparse", str(report)
+    kern = lookup(info.key).kernel
+    assert kern.last_launch is not None and kern.last_launch["groups"] in kern.choices()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(out, reference(P.euler_matmul, ins)[0]) < tol
+    ins2 = (*ins[:3], torch.ones_like(ins[3]), *ins[4:])     # dense at run time: the second kernel
+    assert rel_err(fast(*ins2), reference(P.euler_matmul, ins2)[0]) < tol
+
+
 def test_grad_of_transposed_input_under_inductor(monkeypatch):
     """The region reads W = (A * mask).T, a transposed view. The backward op's real outputs must
     have the strides its fake kernel gave Inductor (the H200 run of the GPU test above failed
@@ -291,11 +436,11 @@ def test_benchmark_tiny_cpu(tmp_path):
     bench_block_sparse.main(["--tiny", "--out", str(out)])
     data = json.loads(out.read_text())
     rows = {r["variant"]: r for r in data["rows"]}
-    for v in ("ssmc block-sparse", "ssmc dense A"):
+    for v in ("ssmc block-sparse [torch]", "ssmc dense A [torch]"):
         assert "error" not in rows[v], rows[v]
         assert rows[v]["ms"] > 0 and rows[v]["rel_err_vs_float64"] < 1e-5
         assert rows[v]["strategy"] == "block_sparse"
-    assert rows["ssmc block-sparse"]["density"] == 0.25 and rows["ssmc dense A"]["density"] == 1.0
+    assert rows["ssmc block-sparse [torch]"]["density"] == 0.25 and rows["ssmc dense A [torch]"]["density"] == 1.0
     assert any(v.startswith("eager loop") and "ms" in r for v, r in rows.items())
     assert "time_per_nonzero_block_sparse_over_dense" in data["summary"]
 

@@ -715,11 +715,18 @@ class CudaTarget:
             return f"runs on CUDA devices only (the graph is on {device_type})"
         if arch is None or arch < MIN_ARCH:
             return f"needs sm_{MIN_ARCH} or newer (device is sm_{arch})"
-        if strategy not in STRATEGIES:
+        if strategy not in STRATEGIES and strategy != "block_sparse":
             return f"has no kernel for strategy {strategy!r}"
         why = toolchain_problem()
         if why:
             return why
+        if strategy == "block_sparse":
+            from .cuda_block_sparse import bsp_plan
+            try:
+                bsp_plan(region)
+            except Unsupported as e:
+                return f"the block-sparse kernel does not cover this region: {e}"
+            return True
         try:
             plan(region)
         except Unsupported as e:
@@ -730,6 +737,15 @@ class CudaTarget:
         """Plan and render now; on a machine with a GPU also NVRTC-compile for the current
         device, so that a failure surfaces here and the backend falls back."""
         from ssmc.runtime.cache import get_cache
+        if strategy == "block_sparse":
+            from .cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
+            kernel = CudaBlockSparseKernel(region, bsp_plan(region), get_cache(options.cache_dir),
+                                           extra_flags or EXTRA_FLAGS)
+            if torch.cuda.is_available():
+                kernel._prebuild(_capability(torch.cuda.current_device()), kernel.choices())
+            else:
+                kernel.rendered(kernel.choices()[0])
+            return kernel
         p = plan(region)
         kernel = CudaKernel(region, p, get_cache(options.cache_dir), variants, extra_flags or EXTRA_FLAGS)
         if torch.cuda.is_available():

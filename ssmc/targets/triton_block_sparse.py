@@ -25,7 +25,7 @@ import torch
 
 from ssmc import ir
 from ssmc.ir import Const, Load, Reduce, Region, State
-from ssmc.sparsity import BLOCK_SIZES, block_csr, block_pattern, transition_pattern
+from ssmc.sparsity import BLOCK_SIZES, PatternCache, block_csr, uncovered
 
 from . import triton as T
 from .triton_printer import Frame, TritonPrinter, unsupported
@@ -309,12 +309,12 @@ class BlockSparseKernel(T.TritonKernel):
 
     def __init__(self, region, strategy, plan, *args, **kwargs):
         self._compiled_bp: dict = {}
-        self._struct = None
         self.coarsened_from = None
         got = coarsened(region, plan) if isinstance(plan, BSPlan) else None
         if got is not None:
             region, plan, self.coarsened_from = got
         super().__init__(region, strategy, plan, *args, **kwargs)
+        self._struct = PatternCache(self.region)
 
     def table(self) -> dict:
         return _table(CONFIGS)
@@ -366,36 +366,11 @@ class BlockSparseKernel(T.TritonKernel):
         return outs
 
     def _structure(self, inputs, n: int, bs: int):
-        """(block CSR columns, counts, flag) of the inputs' block pattern. Reused while the
-        tensors the pattern reads are the same ones, unmodified: the cache holds them (their
-        memory cannot be reused by another tensor) and compares storage, shape, strides and the
-        version counter (an in-place update of a mask, through any view, bumps it)."""
-        rowcol = {self.plan.reg, ir.MIX_COL}
-        used = sorted({ld.input for ld in ir.loads(self.region.mix.expr) if rowcol & set(ld.index)})
-        xs = [inputs[i] for i in used]
-        key = None
-        if not any(x.is_inference() for x in xs):
-            key = (n, bs) + tuple((x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.device) for x in xs)
-            if self._struct is not None and self._struct[0] == key:
-                return self._struct[2]
-        bp = block_pattern(transition_pattern(self.region, inputs, n, diag=False), bs)
-        got = (*block_csr(bp), self._flag(bp, n))
-        self._struct = (key, xs, got) if key is not None else None
-        return got
-
-    def _flag(self, bp: torch.Tensor, n: int) -> torch.Tensor:
-        """0 when the compiled mask covers the inputs' block pattern (the unrolled path runs),
-        1 otherwise (the block-CSR path); computed on the device, no synchronisation."""
-        m = self.region.mix
-        if m.nblocks * m.block != n or m.block != self.plan.bs:
-            return torch.ones(1, dtype=torch.int32, device=bp.device)
-        key = bp.device
-        if key not in self._compiled_bp:
-            c = torch.zeros(m.nblocks, m.nblocks, dtype=torch.bool)
-            for i, j in m.blocks:
-                c[i, j] = True
-            self._compiled_bp[key] = c.to(bp.device)
-        return (bp & ~self._compiled_bp[key]).any().to(torch.int32).reshape(1)
+        """(block CSR columns, counts, flag) of the inputs' block pattern (`PatternCache`:
+        reused while the tensors it reads are unchanged); the flag is 0 when the compiled mask
+        covers the pattern (the unrolled path runs), 1 otherwise (the block-CSR path)."""
+        return self._struct.get(inputs, n, bs, lambda bp: (*block_csr(bp), uncovered(bp, self.region.mix, bs,
+                                                                                     self._compiled_bp)))
 
     def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None):
         fn, sig, _ = super().signature({**config, "CHUNK": 1}, block_n, dtypes)

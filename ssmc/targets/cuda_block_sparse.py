@@ -1,0 +1,617 @@
+"""The ``cuda`` target's kernel for strategy "block_sparse": a recurrence whose transition is a
+matrix along the last state axis (h_t = a h + s_t * (W h) + b, W shared by every row), of which
+only the compiled nonzero blocks are multiplied (templates/cuda/block_sparse_fwd.cu.j2).
+
+Why a kernel of its own: with blocks below 16 the Triton kernel either multiplies and sums
+small tiles across lanes (shuffles and layout conversions every step) or pads them to 16x16
+tiles for tl.dot (the dense work again when the blocks are scattered). Here a row (one index of
+the parallel state axes, e.g. (batch, channel)) is one lane, and its state is split over the G
+warps of a block by block rows of the mask (`groups`: balanced by nonzero blocks), so every
+warp runs straight-line code: the multiply-adds of exactly its nonzero blocks, W read from
+shared memory with the same address across the warp (a broadcast), the state exchanged through
+shared memory (double-buffered, one barrier a step), the readout summed over the warps through
+shared memory and finished by the warps in turn. The inputs of the next step are loaded before
+the current step's arithmetic. 32 rows a block.
+
+The compiled mask only steers the code: the pattern of the actual inputs is recomputed at every
+call (`ssmc.sparsity.PatternCache`) and a device-side flag selects a second, dense copy of the
+loop when the compiled mask does not cover it, so the kernel is right for any mask.
+
+What it covers (else `Unsupported`, and the Triton kernel runs): W free of time and of the
+parallel axes (a learned A times a mask; a step size as the row scale), the state at most
+MAX_N along the mixed axis, outputs that are the state itself or sums of it over the mixed axis.
+Backward: the torch reference's adjoint (as the Triton block-sparse kernel).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import torch
+
+from ssmc import ir
+from ssmc.ir import Const, Load, Op, Reduce, Region, State
+from ssmc.sparsity import PatternCache, uncovered
+
+from .cuda_printer import CTYPES, Unsupported, _check_expr, const, op_expr
+from .triton_ssd import factors, product
+
+log = logging.getLogger("ssmc")
+
+TEMPLATE = "cuda/block_sparse_fwd.cu.j2"
+KERNEL_VERSION = "1"
+MAX_N = 64              # the state along the mixed axis: W (N*N) and the exchange (2*N*32) in shared memory
+SMEM_BUDGET = 44 * 1024   # static shared memory for the matrices and the exchange (48 KB less the sums)
+GROUPS = (2, 4, 8)      # warps per block, each owning some block rows of the mask; timed on first use
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaBSPlan:
+    reg: str                     # the mixed axis (last state axis)
+    rows: tuple[str, ...]        # parallel axes, flattened into rows (the last one fastest)
+    n: int
+    bs: int
+    blocks: tuple                # compiled nonzero (row block, column block)
+    terms: tuple                 # (s, W) pairs: m = sum of s_t (a row factor: no mixed axis, no
+                                 # column) times W[i, j] (mixed axis and column only), s distinct
+    compute: str                 # "float" | "double"
+
+
+def bsp_plan(r: Region) -> CudaBSPlan:
+    m = r.mix
+    if m is None:
+        raise Unsupported("no non-diagonal transition")
+    if not m.block or not m.nblocks:
+        raise Unsupported("the block_sparse pass did not run (no block mask)")
+    reg, n = r.axes[-1], m.block * m.nblocks
+    if n > MAX_N:
+        raise Unsupported(f"the mixed axis has {n} elements, more than {MAX_N} (W and the state exchange "
+                          "live in shared memory)")
+    rows = tuple(r.axes[:-1])
+    rowcol = {reg, ir.MIX_COL}
+    if any(isinstance(x, (State, Reduce)) for x in ir.walk(m.expr)):
+        raise Unsupported("a reduction or the state inside the transition")
+    by_scale: dict = {}
+    for sign, term in _summands(m.expr):
+        fs = factors(term) + ([Const(-1.0)] if sign < 0 else [])
+        scale = product([f for f in fs if not ir.axes_of(f, r.axes) & rowcol])
+        mat = product([f for f in fs if ir.axes_of(f, r.axes) & rowcol])
+        if ir.axes_of(mat, r.axes) & (set(rows) | {"t"}):
+            raise Unsupported("the transition's matrix varies along time or a parallel axis (not one W for every row)")
+        by_scale[scale] = Op("add", (by_scale[scale], mat)) if scale in by_scale else mat
+    if len(by_scale) * n * n * 4 + 2 * n * 32 * 4 > SMEM_BUDGET:
+        raise Unsupported(f"{len(by_scale)} matrices of {n}x{n} do not fit the shared memory")
+    for scale, mat in by_scale.items():
+        _check_expr(mat, "the transition's matrix", False, False)
+        _check_expr(scale, "the transition's row scale", False, False)
+    _check_expr(r.decay, "the decay", False, False)
+    _check_expr(r.drive, "the drive", False, False)
+    for k, o in enumerate(r.outputs):
+        _check_expr(o.expr, f"output {k}", True, True)
+        if reg in o.index:
+            if any(isinstance(x, Reduce) for x in ir.walk(o.expr)):
+                raise Unsupported(f"output {k} is per state element and holds a sum")
+        else:
+            if _state_outside(o.expr):
+                raise Unsupported(f"output {k} reads the state outside a sum over {reg}")
+            for x in ir.walk(o.expr):
+                if isinstance(x, Reduce) and tuple(x.axes) != (reg,):
+                    raise Unsupported(f"output {k} sums over {list(x.axes)}, not the mixed axis alone")
+            if ir.axes_of(_outside(o.expr), r.axes) & {reg}:
+                raise Unsupported(f"output {k} varies along {reg} outside its sum")
+        if o.kind == "final" and "t" in ir.axes_of(_outside(o.expr), r.axes):
+            raise Unsupported(f"final output {k} reads a per-step input")
+    compute = "double" if any(s.dtype == "float64" for s in r.inputs) or r.state_dtype == "float64" else "float"
+    for s in r.inputs:
+        if s.dtype not in CTYPES:
+            raise Unsupported(f"input {s.name} has dtype {s.dtype}")
+    return CudaBSPlan(reg, rows, n, m.block, tuple(m.blocks), tuple(by_scale.items()), compute)
+
+
+def _summands(e, sign: int = 1) -> list:
+    """(sign, term) of a sum tree (add and sub flattened)."""
+    if isinstance(e, Op) and not e.attrs and e.name in ("add", "sub"):
+        return _summands(e.args[0], sign) + _summands(e.args[1], sign if e.name == "add" else -sign)
+    return [(sign, e)]
+
+
+def _state_outside(e) -> bool:
+    if isinstance(e, State):
+        return True
+    if isinstance(e, Reduce):
+        return False
+    return any(_state_outside(c) for c in ir.children(e))
+
+
+def _outside(e):
+    """`e` with each sum replaced by a constant (what varies outside the sums)."""
+    if isinstance(e, Reduce):
+        return Const(0.0)
+    if isinstance(e, Op):
+        return Op(e.name, tuple(_outside(a) for a in e.args), e.attrs)
+    return e
+
+
+def groups(plan: CudaBSPlan, blocks, g: int) -> list[list[int]]:
+    """Block rows per warp: largest first onto the least loaded warp (cost: nonzero blocks of
+    the row, plus one for its own elements), each warp's rows in order."""
+    nb = plan.n // plan.bs
+    cost = {i: 1 + sum(1 for (r, _) in blocks if r == i) for i in range(nb)}
+    bins: list[list[int]] = [[] for _ in range(min(g, nb))]
+    load = [0] * len(bins)
+    for i in sorted(range(nb), key=lambda i: (-cost[i], i)):
+        w = min(range(len(bins)), key=lambda w: (load[w], w))
+        bins[w].append(i)
+        load[w] += cost[i]
+    return [sorted(b) for b in bins]
+
+
+# -- printing --------------------------------------------------------------------------------------
+
+class _Printer:
+    """Expressions as CUDA C statements. `env` maps each axis (and MIX_COL, "t") to C code; a
+    subexpression is printed once per distinct value of what it depends on: those free of the
+    state and of time go to `pre` (before the time loop), the rest to the section in use.
+    Loads at time "t" in the step are loaded one step ahead (`fetch` / `swap`)."""
+
+    def __init__(self, r: Region, prefix: str):
+        self.r, self.prefix = r, prefix
+        self.pre: list[str] = []
+        self.lines: list[str] = []
+        self.memo: dict = {}
+        self.count = 0
+        self.fetch: list[tuple[str, str]] = []     # (name, load code with the time as {t})
+        self.global_names: set = set()             # declared before the time loop: visible everywhere
+
+    def section(self, lines: list) -> list:
+        """Print into `lines` from now on; values printed in another section are out of scope."""
+        self.lines = lines
+        self.memo = {k: v for k, v in self.memo.items() if v in self.global_names}
+        return lines
+
+    def name(self) -> str:
+        self.count += 1
+        return f"{self.prefix}{self.count}"
+
+    def _key(self, e, env):
+        ax = ir.axes_of(e, self.r.axes) | ({"t"} if "t" in _idx(e) else set())
+        return (e, tuple(sorted((a, env[a]) for a in ax if a in env)), env.get("@state") if ir.uses_state(e) else None,
+                tuple(sorted((id(k), v) for k, v in env.get("@bind", {}).items())) if _has_reduce(e) else None)
+
+    def expr(self, e, env: dict) -> str:
+        if isinstance(e, Const):
+            return const(float(e.value))
+        if isinstance(e, State):
+            return env["@state"]
+        if isinstance(e, Reduce):
+            return env["@bind"][e]
+        key = self._key(e, env)
+        if key in self.memo:
+            return self.memo[key]
+        timed = "t" in _idx(e) or ir.uses_state(e) or _has_reduce(e)
+        if isinstance(e, Load):
+            code = self._load(e, env)
+            if "t" in e.index and env.get("t") == "t" and env.get("@fetch"):
+                v = self.name()
+                self.pre.append(f"ssmc_t {v} = {code.replace('{t}', 't0')};")
+                self.fetch.append((v, code))
+                self.global_names.add(v)
+                self.memo[key] = v
+                return v
+            code = code.replace("{t}", env.get("t", "0"))
+        else:
+            code = op_expr(e, [self.expr(a, env) for a in e.args], False)
+        v = self.name()
+        (self.lines if timed else self.pre).append(f"const ssmc_t {v} = {code};")
+        if not timed:
+            self.global_names.add(v)
+        self.memo[key] = v
+        return v
+
+    def _load(self, e: Load, env) -> str:
+        terms = []
+        for d, ix in enumerate(e.index):
+            if ix == 0:
+                continue
+            at = "{t}" if ix == "t" else env[ix] if isinstance(ix, str) else str(ix)
+            terms.append(f"(long long)({at}) * is{e.input}_{d}")
+        return f"ssmc_cvt(in{e.input}[{' + '.join(terms) or '0'}])"
+
+
+def _idx(e) -> set:
+    return {ix for ld in ir.loads(e) for ix in ld.index if isinstance(ix, str)}
+
+
+def _has_reduce(e) -> bool:
+    return any(isinstance(x, Reduce) for x in ir.walk(e))
+
+
+def _reduces(e) -> list:
+    out = []
+    for x in ir.walk(e):
+        if isinstance(x, Reduce) and x not in out:
+            out.append(x)
+    return out
+
+
+def _store(r: Region, k: int, o: ir.OutputSpec, env: dict, value: str) -> str:
+    terms = []
+    for d, ix in enumerate(o.index):
+        if ix == 1:
+            continue
+        at = env["t"] if ix == "t" else env[ix]
+        terms.append(f"(long long)({at}) * os{k}_{d}")
+    return f"if (live) out{k}[{' + '.join(terms) or '0'}] = ssmc_from<{CTYPES[o.dtype]}>({value});"
+
+
+def render_group(r: Region, p: CudaBSPlan, blocks, rows_of: list[int], g: int, ngroups: int, tag: str) -> list[str]:
+    """The code of warp `g`: its block rows `rows_of` of `blocks` (nonzero (row, col) blocks)."""
+    bs, reg = p.bs, p.reg
+    own = [i * bs + a for i in rows_of for a in range(bs)]
+    pr = _Printer(r, f"{tag}v")
+    base = {a: f"ax_{a}" for a in p.rows}
+    cols = sorted({j * bs + c for (i, j) in blocks if i in rows_of for c in range(bs)} - set(own))
+    out: list[str] = []
+    # initial state
+    for e in own:
+        init = pr.expr(Load(r.init, tuple(r.axes)), {**base, reg: str(e)}) if r.init is not None else "ssmc_t(0)"
+        out.append(f"ssmc_t h{e} = {init};")
+    head = out
+    # the step
+    step_env = {**base, "t": "t", "@fetch": True}
+    step = pr.section([])
+    scales = [pr.expr(sc, step_env) for sc, _ in p.terms]
+    news = []
+    for e in own:
+        env = {**step_env, reg: str(e)}
+        terms = []
+        if not (isinstance(r.decay, Const) and r.decay.value == 0):
+            terms.append(f"{pr.expr(r.decay, env)} * h{e}")
+        if not (isinstance(r.drive, Const) and r.drive.value == 0):
+            terms.append(pr.expr(r.drive, env))
+        for k, scale in enumerate(scales):
+            prods = [f"Ws[{k * p.n * p.n + e * p.n + c}] * {('h' if c in own else 'c') + str(c)}"
+                     for (i, j) in blocks if i == e // bs for c in range(j * bs, (j + 1) * bs)]
+            if prods:
+                terms.append(f"{scale} * ({' + '.join(prods)})" if scale != const(1.0) else " + ".join(prods))
+        news.append(f"const ssmc_t n{e} = {' + '.join(terms) or 'ssmc_t(0)'};")
+    reads = [f"const ssmc_t c{c} = hs[cur][{c}][lane];" for c in cols]
+    # readout partials over this warp's elements, per step output and sum (same scope as the step)
+    pr.lines = tail = []
+    parts, per_elem = [], []
+    nred = 0
+    for k, o in enumerate(r.outputs):
+        if o.kind != "steps":
+            continue
+        if reg in o.index:
+            for e in own:
+                env = {**step_env, reg: str(e), "@state": f"n{e}"}
+                per_elem.append(_store(r, k, o, env, pr.expr(o.expr, env)))
+            continue
+        for red in _reduces(o.expr):
+            terms = [pr.expr(red.arg, {**step_env, reg: str(e), "@state": f"n{e}"}) for e in own]
+            parts.append(f"red[{nred}][cur][{g}][lane] = {' + '.join(terms)};")
+            nred += 1
+    finish = pr.section([])
+    finish_out = _finish_steps(r, p, pr, base, ngroups, "to")
+    pr.section([])
+    fetch = [f"const ssmc_t x{v} = {code.replace('{t}', 'tn')};" for v, code in pr.fetch]
+    swap = [f"{v} = x{v};" for v, _ in pr.fetch]
+    body = (fetch
+            + [f"if (s > 0 && (s - 1) % {ngroups} == {g}) {{", "  const int to = REV ? L - s : s - 1;",
+               "  const int pb = cur ^ 1;"] + ["  " + x for x in finish + finish_out] + ["}"]
+            + reads + step + news + tail + parts + per_elem
+            + [f"h{e} = n{e}; hs[cur ^ 1][{e}][lane] = h{e};" for e in own] + swap)
+    out = [f"hs[0][{e}][lane] = h{e};" for e in own]
+    out.append("__syncthreads();")
+    out.append("for (int s = 0; s < L; ++s) {")
+    out.append("  const int t = REV ? L - 1 - s : s, tn = s + 1 < L ? (REV ? L - 2 - s : s + 1) : t;")
+    out.append("  const int cur = s & 1;")
+    out += ["  " + x for x in body]
+    out.append("  __syncthreads();")
+    out.append("}")
+    # the last step's outputs, then the final ones
+    last = pr.section([])
+    last_out = _finish_steps(r, p, pr, base, ngroups, "to")
+    out.append(f"if (L > 0 && (L - 1) % {ngroups} == {g}) {{")
+    out += ["  const int to = REV ? 0 : L - 1;", "  const int pb = (L - 1) & 1;"]
+    out += ["  " + x for x in last + last_out]
+    out.append("}")
+    fin_env = {**base, "t": "0"}
+    nf = 0
+    fparts, fouts = [], []
+    for k, o in enumerate(r.outputs):
+        if o.kind != "final":
+            continue
+        if reg in o.index:
+            for e in own:
+                env = {**fin_env, reg: str(e), "@state": f"h{e}"}
+                pr.section(fouts)
+                fouts.append(_store(r, k, o, env, pr.expr(o.expr, env)))
+            continue
+        for red in _reduces(o.expr):
+            pr.section(fparts)
+            terms = [pr.expr(red.arg, {**fin_env, reg: str(e), "@state": f"h{e}"}) for e in own]
+            fparts.append(f"fred[{nf}][{g}][lane] = {' + '.join(terms)};")
+            nf += 1
+    out += fouts + fparts
+    if nf:
+        out.append("__syncthreads();")
+        fin = pr.section([])
+        bind, q = {}, 0
+        for k, o in enumerate(r.outputs):
+            if o.kind != "final" or reg in o.index:
+                continue
+            for red in _reduces(o.expr):
+                bind[red] = "(" + " + ".join(f"fred[{q}][{w}][lane]" for w in range(ngroups)) + ")"
+                q += 1
+            env = {**fin_env, "@bind": bind}
+            fin.append(_store(r, k, o, env, pr.expr(o.expr, env)))
+        if g == 0:
+            out += fin
+    return pr.pre + head + out
+
+
+def _finish_steps(r: Region, p: CudaBSPlan, pr: _Printer, base: dict, ngroups: int, tvar: str) -> list[str]:
+    """Statements that finish the per-step outputs summed over the mixed axis, for the step
+    at time `tvar`, from the warps' partial sums in red[.][pb]."""
+    out, q = [], 0
+    env = {**base, "t": tvar}
+    for k, o in enumerate(r.outputs):
+        if o.kind != "steps" or p.reg in o.index:
+            continue
+        bind = {}
+        for red in _reduces(o.expr):
+            bind[red] = "(" + " + ".join(f"red[{q}][pb][{w}][lane]" for w in range(ngroups)) + ")"
+            q += 1
+        e = {**env, "@bind": bind}
+        out.append(_store(r, k, o, e, pr.expr(o.expr, e)))
+    return out
+
+
+def counts(r: Region) -> tuple[int, int]:
+    """(sums per step, sums at the end) over the mixed axis, for the shared-memory buffers."""
+    reg = r.axes[-1]
+    steps = sum(len(_reduces(o.expr)) for o in r.outputs if o.kind == "steps" and reg not in o.index)
+    final = sum(len(_reduces(o.expr)) for o in r.outputs if o.kind == "final" and reg not in o.index)
+    return steps, final
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    groups: int
+    knames: tuple        # one kernel per path: the compiled mask, then (unless it is dense) every block
+    source: str
+    params: tuple        # (kind, source) per kernel parameter, in order
+
+
+def render(r: Region, p: CudaBSPlan, ngroups: int) -> Rendered:
+    from .cuda import jinja_env
+    nb = p.n // p.bs
+    dense = tuple((i, j) for i in range(nb) for j in range(nb))
+    kname = "ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name) + f"_g{ngroups}"
+    paths = []
+    for tag, blocks, what in (("s", p.blocks, "the compiled mask"), ("d", dense, "every block (the inputs' pattern is not covered)")):
+        rows = groups(p, blocks, ngroups)
+        paths.append({"kname": f"{kname}_{tag}", "what": what,
+                      "groups": [render_group(r, p, blocks, rows[g], g, len(rows), f"{tag}{g}_") for g in range(len(rows))]})
+        if set(p.blocks) == set(dense):
+            break
+    fill = _Printer(r, "w")
+    wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
+    nred, nfred = counts(r)
+    params, decls = [], []
+    for k, s in enumerate(r.inputs):
+        decls.append(f"const {CTYPES[s.dtype]}* __restrict__ in{k}")
+        params.append(("ptr", ("in", k)))
+        for d in range(s.ndim):
+            decls.append(f"long long is{k}_{d}")
+            params.append(("i64", ("in_stride", k, d)))
+    for k, o in enumerate(r.outputs):
+        decls.append(f"{CTYPES[o.dtype]}* __restrict__ out{k}")
+        params.append(("ptr", ("out", k)))
+        for d in range(len(o.index)):
+            decls.append(f"long long os{k}_{d}")
+            params.append(("i64", ("out_stride", k, d)))
+    for a in p.rows:
+        decls.append(f"long long sz_{a}")
+        params.append(("i64", ("size", a)))
+    decls += ["int L", "long long rows", "const int* __restrict__ flag"]
+    params += [("i32", ("L",)), ("i64", ("rows",)), ("ptr", ("flag",))]
+    decomp = []
+    for a in reversed(p.rows):
+        decomp.append(f"const long long ax_{a} = rr % sz_{a}; rr /= sz_{a};")
+    src = jinja_env().get_template(TEMPLATE).render(
+        region_name=r.name, region_text=str(r), compute=p.compute, n=p.n, groups=ngroups,
+        reverse=int(r.reverse), params=decls, args=[d.split()[-1] for d in decls], decomp=decomp,
+        fill_pre=fill.pre + fill.lines, fill_value=wv, paths=paths, nred=nred, nfred=nfred,
+        nblocks=len(p.blocks), bs=p.bs)
+    return Rendered(ngroups, tuple(x["kname"] for x in paths), src, tuple(params))
+
+
+# -- the kernel ------------------------------------------------------------------------------------
+
+class CudaBlockSparseKernel:
+    """The CUDA block-sparse forward of one region; the first call per shape times each warp
+    count in GROUPS (`force_groups` fixes one) and keeps the fastest. ``last_launch`` says
+    which ran, and whether the compiled mask covered the inputs is decided on the device."""
+    kind = "block-sparse recurrence (CUDA)"
+
+    def __init__(self, region: Region, p: CudaBSPlan, cache, extra_flags=()):
+        from ssmc.targets.reference import ReferenceKernel
+        self.region, self.plan, self.cache, self.extra_flags = region, p, cache, tuple(extra_flags)
+        self.poison = False
+        self.force_groups: int | None = None
+        self.last_launch: dict | None = None
+        self.timings: dict = {}
+        self._reference = ReferenceKernel(region)
+        self._rendered: dict = {}
+        self._functions: dict = {}
+        self._streams: dict = {}
+        self._picked: dict = {}
+        self._pattern = PatternCache(region)
+        self._compiled_bp: dict = {}
+
+    def choices(self) -> list[int]:
+        nb = self.plan.n // self.plan.bs
+        return sorted({min(g, nb) for g in GROUPS})
+
+    def rendered(self, g: int) -> Rendered:
+        if g not in self._rendered:
+            self._rendered[g] = render(self.region, self.plan, g)
+        return self._rendered[g]
+
+    @property
+    def source(self) -> str:
+        g = self.last_launch["groups"] if self.last_launch else self.choices()[0]
+        return self.rendered(g).source
+
+    def describe(self) -> str:
+        p = self.plan
+        text = (f"mixed axis {p.reg} in {p.bs}x{p.bs} blocks, {len(p.blocks)}/{(p.n // p.bs) ** 2} compiled "
+                f"nonzero, rows over {list(p.rows)} (a lane each, 32 a block), the state split over warps by block rows")
+        if self.timings:
+            text += "; warps per block timed: " + ", ".join(f"{g}: {ms:.3f} ms" for g, ms in sorted(self.timings.items()))
+        return text
+
+    def built(self, g: int, arch: int) -> bytes:
+        from ssmc import __version__
+        from ssmc.runtime.cache import cache_key
+        from .cuda import CudaCompileError, _CompileFailed, _write_text, include_dirs, nvrtc_compile, nvrtc_version
+        rend = self.rendered(g)
+        key = cache_key("ssmc-cuda-bsp", KERNEL_VERSION, rend.source, arch, nvrtc_version(), __version__,
+                        " ".join(self.extra_flags), " ".join(include_dirs()))
+        for fmt in ("cubin", "ptx"):
+            data = self.cache.get(key, f"kernel.{fmt}")
+            if data is not None:
+                return data
+        path = _write_text(self.cache.path_of(key, "kernel.cu"), rend.source)
+        t0 = time.perf_counter()
+        try:
+            binary, fmt, _, _ = nvrtc_compile(rend.source, arch, f"{rend.knames[0]}.cu", self.extra_flags)
+        except _CompileFailed as e:
+            raise CudaCompileError(f"NVRTC {nvrtc_version()} ({e.status}) failed to compile {rend.knames[0]} for "
+                                   f"sm_{arch}\n  source: {path}\n  options: {' '.join(e.opts)}\n"
+                                   f"  log:\n{e.log[:6000]}") from None
+        self.cache.put(key, f"kernel.{fmt}", binary)
+        log.info("ssmc: NVRTC compiled %s for sm_%d in %.2f s (%s)", rend.knames[0], arch, time.perf_counter() - t0, path)
+        return binary
+
+    # -- running ----------------------------------------------------------------------------------
+    def forward(self, inputs):
+        from .cuda import _capability
+        dev = inputs[0].device
+        if dev.type != "cuda":
+            raise RuntimeError(f"the cuda kernel got inputs on {dev}")
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        arch = _capability(idx)
+        return self.run(inputs, functools.partial(self._launch, idx, arch), timer=_cuda_timer,
+                        prebuild=functools.partial(self._prebuild, arch))
+
+    def _prebuild(self, arch: int, choices):
+        """NVRTC builds of every warp count at once (seconds each; NVRTC runs in parallel)."""
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(len(choices)) as pool:
+            list(pool.map(lambda g: self.built(g, arch), choices))
+
+    def backward(self, inputs, grads, needs):
+        return self._reference.backward(inputs, grads, needs)
+
+    def backward_note(self) -> str:
+        return "backward: torch reference (the block-sparse kernels have no generated adjoint)"
+
+    def run(self, inputs, launch, timer=None, prebuild=None):
+        """Outputs, the coverage flag and the arguments; ``launch(groups, grid, block, args)``
+        with args as (kind, value), kind "ptr" | "i64" | "i32". `timer(fn) -> ms` times each warp
+        count on the first call of a shape (without one: the first choice)."""
+        r, p = self.region, self.plan
+        for i, (x, s) in enumerate(zip(inputs, r.inputs)):
+            if ir.dtype_name(x.dtype) != s.dtype:
+                raise TypeError(f"input {i} ({s.name}) is {x.dtype}; the kernel was generated for {s.dtype}")
+        sizes = {a: int(inputs[i].shape[d]) for a, (i, d) in zip(r.axes, r.axis_size)}
+        if sizes[p.reg] != p.n:
+            raise ValueError(f"the mixed axis {p.reg} has {sizes[p.reg]} elements; the kernel was compiled for {p.n}")
+        L = int(inputs[r.length[0]].shape[r.length[1]])
+        if L == 0:
+            return self._reference.forward(inputs)
+        if L >= 2**31 - 1:
+            raise ValueError(f"sequence length {L} beyond the kernel's int32 time index")
+        dev = inputs[0].device
+        outs = []
+        for o in r.outputs:
+            shape = tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index)
+            dt = ir.to_dtype(o.dtype)
+            outs.append(torch.full(shape, float("nan"), dtype=dt, device=dev) if self.poison
+                        else torch.empty(shape, dtype=dt, device=dev))
+        rows = 1
+        for a in p.rows:
+            rows *= sizes[a]
+        if rows == 0:
+            return outs
+        flag = self._pattern.get(inputs, p.n, p.bs, lambda bp: uncovered(bp, r.mix, p.bs, self._compiled_bp))
+        args = []
+        for kind, src in self.rendered(self.choices()[0]).params:
+            if src[0] == "in":
+                v = inputs[src[1]].data_ptr()
+            elif src[0] == "in_stride":
+                v = inputs[src[1]].stride(src[2])
+            elif src[0] == "out":
+                v = outs[src[1]].data_ptr()
+            elif src[0] == "out_stride":
+                v = outs[src[1]].stride(src[2])
+            elif src[0] == "size":
+                v = sizes[src[1]]
+            elif src[0] == "flag":
+                v = flag.data_ptr()
+            else:
+                v = {"L": L, "rows": rows}[src[0]]
+            args.append((kind, int(v)))
+        grid = -(-rows // 32)
+        bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs))
+        g = self.force_groups or self._picked.get(bucket)
+        if g is None:
+            g = self.choices()[0]
+            if timer is not None and len(self.choices()) > 1:
+                if prebuild is not None:
+                    prebuild(self.choices())
+                for c in self.choices():
+                    self.timings[c] = timer(lambda c=c: launch(c, grid, 32 * c, args))
+                g = min(self.timings, key=self.timings.get)
+            self._picked[bucket] = g
+        launch(g, grid, 32 * g, args)
+        self.last_launch = {"groups": g, "grid": grid, "block": 32 * g, "rows": rows}
+        return outs
+
+    def _launch(self, idx: int, arch: int, g: int, grid: int, block: int, args):
+        import cupy
+        from .cuda import _ARG_TYPES
+        conv = _ARG_TYPES()
+        values = tuple(conv[k](v) for k, v in args)
+        stream_ptr = torch.cuda.current_stream(idx).cuda_stream
+        with cupy.cuda.Device(idx):
+            fns = self._functions.get((idx, g))
+            if fns is None:
+                mod = cupy.cuda.function.Module()
+                mod.load(self.built(g, arch))
+                fns = self._functions[(idx, g)] = [mod.get_function(k) for k in self.rendered(g).knames]
+            s = self._streams.get((idx, stream_ptr))
+            if s is None:
+                import warnings
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    s = self._streams[(idx, stream_ptr)] = cupy.cuda.ExternalStream(stream_ptr, idx)
+            for fn in fns:          # each returns at once unless the flag is its own
+                fn((grid, 1, 1), (block, 1, 1), values, stream=s)
+
+
+def _cuda_timer(fn, reps: int = 3) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
