@@ -2,7 +2,7 @@
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
 # SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune",
-# "ncu", "decode" and "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
+# "ncu", "decode", "bspprobe" and "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
 #   $OUT/fuzz_gpu.json (SSMC_FUZZ_* as in tests/fuzz_harness.py; defaults below fit one call)
@@ -77,9 +77,15 @@ fi
 if [[ $STEPS == *moe* ]]; then
   timeout 200 python -m benchmarks.bench_moe --out "$OUT/h200_moe.json" >> "$LOG" 2>&1
 fi
-if [[ $STEPS == *bsp* ]]; then
+if [[ $STEPS == *bsp,* || $STEPS == *bsp ]]; then
   timeout ${SSMC_BSP_TIMEOUT:-300} python -m benchmarks.bench_block_sparse --out "$OUT/h200_block_sparse.json" \
     --targets "${SSMC_BSP_TARGETS:-cuda,triton}" >> "$LOG" 2>&1
+fi
+if [[ $STEPS == *bspprobe* ]]; then  # the CUDA block-sparse kernel: SASS counts, then ncu of one call
+  timeout ${SSMC_BSP_TIMEOUT:-300} python -m benchmarks.probe_bsp --out "$OUT/h200_bsp_probe.json" >> "$LOG" 2>&1
+  timeout ${SSMC_NCU_TIMEOUT:-200} ncu --clock-control none --profile-from-start off --set full -k regex:ssmc_bsp.*_s -c 1 \
+    --import-source no -f -o /tmp/ncu_bsp python -m benchmarks.probe_bsp --out /dev/null ${SSMC_BSP_GROUPS:+--groups $SSMC_BSP_GROUPS} >> "$LOG" 2>&1
+  ncu -i /tmp/ncu_bsp.ncu-rep --page details > "$OUT/ncu_bsp.txt" 2>&1
 fi
 if [[ $STEPS == *fuzz* ]]; then      # workers share the GPU: compiling (Dynamo, Triton, NVRTC) is CPU-bound
   echo "== fuzz" >> "$LOG"

@@ -263,7 +263,7 @@ def render_group(r: Region, p: CudaBSPlan, blocks, rows_of: list[int], g: int, n
     step_env = {**base, "t": "t", "@fetch": True}
     step = pr.section([])
     scales = [pr.expr(sc, step_env) for sc, _ in p.terms]
-    news = []
+    news, wseen = [], set()
     for e in own:
         env = {**step_env, reg: str(e)}
         terms = []
@@ -272,7 +272,7 @@ def render_group(r: Region, p: CudaBSPlan, blocks, rows_of: list[int], g: int, n
         if not (isinstance(r.drive, Const) and r.drive.value == 0):
             terms.append(pr.expr(r.drive, env))
         for k, scale in enumerate(scales):
-            prods = [f"Ws[{k * p.n * p.n + e * p.n + c}] * {('h' if c in own else 'c') + str(c)}"
+            prods = [f"{_w(p, k, e, c, step, wseen)} * {('h' if c in own else 'c') + str(c)}"
                      for (i, j) in blocks if i == e // bs for c in range(j * bs, (j + 1) * bs)]
             if prods:
                 terms.append(f"{scale} * ({' + '.join(prods)})" if scale != const(1.0) else " + ".join(prods))
@@ -352,6 +352,20 @@ def render_group(r: Region, p: CudaBSPlan, blocks, rows_of: list[int], g: int, n
         if g == 0:
             out += fin
     return pr.pre + head + out
+
+
+def _w(p: CudaBSPlan, k: int, e: int, c: int, lines: list, seen: set) -> str:
+    """W_k[e, c] from shared memory: 16-byte loads of 4 consecutive columns where they are
+    aligned (one load for every 4 multiply-adds; the address is the same across the warp)."""
+    off = k * p.n * p.n + e * p.n + c
+    if p.compute != "float" or p.n % 4:
+        return f"Ws[{off}]"
+    q = off // 4
+    name = f"wq{q}"
+    if name not in seen:
+        seen.add(name)
+        lines.append(f"const float4 {name} = reinterpret_cast<const float4*>(Ws)[{q}];")
+    return f"{name}.{'xyzw'[off % 4]}"
 
 
 def _finish_steps(r: Region, p: CudaBSPlan, pr: _Printer, base: dict, ngroups: int, tvar: str) -> list[str]:

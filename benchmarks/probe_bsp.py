@@ -1,0 +1,83 @@
+"""Where the CUDA block-sparse kernel's time goes (H200): the benchmark's shape (bench_block_sparse
+FULL) through the cuda target, one call between cudaProfilerStart/Stop for ncu, and the SASS
+opcode counts of each warp count's build (cuobjdump, when the toolkit has it).
+
+    python -m benchmarks.probe_bsp --out bsp_probe.json
+    ncu --profile-from-start off --set full -k regex:ssmc_bsp.*_s -c 1 -o /tmp/bsp \\
+        python -m benchmarks.probe_bsp --out /dev/null --groups 4
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from benchmarks.bench_block_sparse import FULL, make_inputs, make_mask  # noqa: E402
+from benchmarks.bench_gpu import lowered_graph  # noqa: E402
+from block_sparse_programs import euler_matmul  # noqa: E402
+
+
+def sass_counts(binary: bytes) -> dict:
+    """Opcode counts per kernel of a cubin (empty without cuobjdump)."""
+    tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    if not Path(tool).exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(binary)
+        f.flush()
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    out, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            cur = out.setdefault(m.group(1), collections.Counter())
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and cur is not None:
+            cur[m.group(1).split(".")[0]] += 1
+    return {k: dict(v.most_common(25)) for k, v in out.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--groups", type=int, default=None, help="force this warp count")
+    args = ap.parse_args(argv)
+    cfg = FULL
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    b, L, d, n, bs = cfg["b"], cfg["L"], cfg["d"], cfg["n"], cfg["bs"]
+    mask = make_mask(n, bs, cfg["density"], gen)
+    fn, report = lowered_graph(euler_matmul, make_inputs(b=b, L=16, d=d, n=n, mask=mask, dev=dev, gen=gen,
+                                                         seq_dtype=torch.bfloat16), target="cuda")
+    from ssmc.runtime.op import lookup
+    kern = lookup(report.regions[0].key).kernel
+    kern.force_groups = args.groups
+    ins = make_inputs(b=b, L=L, d=d, n=n, mask=mask, dev=dev, gen=gen, seq_dtype=torch.bfloat16)
+    fn(*ins)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn(*ins)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    arch = torch.cuda.get_device_capability()
+    arch = arch[0] * 10 + arch[1]
+    res = {"launch": kern.last_launch, "describe": kern.describe(),
+           "sass": {g: sass_counts(kern.built(g, arch)) for g in kern.choices()}}
+    print(json.dumps(res, indent=1))
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
