@@ -24,6 +24,7 @@
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 #define __shared__ static
+#define __constant__ static const
 
 struct ssmc_dim3 { unsigned x = 0, y = 0, z = 0; };
 inline thread_local ssmc_dim3 threadIdx, blockIdx;

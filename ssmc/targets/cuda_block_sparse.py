@@ -164,6 +164,7 @@ class _Printer:
         self.count = 0
         self.fetch: list[tuple[str, str]] = []     # (name, load code with the time as {t})
         self.global_names: set = set()             # declared before the time loop: visible everywhere
+        self.outer: list | None = None             # the step's own section, while printing per element
 
     def section(self, lines: list) -> list:
         """Print into `lines` from now on; values printed in another section are out of scope."""
@@ -204,7 +205,11 @@ class _Printer:
         else:
             code = op_expr(e, [self.expr(a, env) for a in e.args], False)
         v = self.name()
-        (self.lines if timed else self.pre).append(f"const ssmc_t {v} = {code};")
+        where = self.lines if timed else self.pre
+        if timed and self.outer is not None and not ir.uses_state(e) \
+                and self.r.axes[-1] not in ir.axes_of(e, self.r.axes) and not _has_reduce(e):
+            where = self.outer          # free of the mixed axis: once per step, not per element
+        where.append(f"const ssmc_t {v} = {code};")
         if not timed:
             self.global_names.add(v)
         self.memo[key] = v
@@ -246,126 +251,141 @@ def _store(r: Region, k: int, o: ir.OutputSpec, env: dict, value: str) -> str:
     return f"if (live) out{k}[{' + '.join(terms) or '0'}] = ssmc_from<{CTYPES[o.dtype]}>({value});"
 
 
-def render_group(r: Region, p: CudaBSPlan, blocks, rows_of: list[int], g: int, ngroups: int, tag: str) -> list[str]:
-    """The code of warp `g`: its block rows `rows_of` of `blocks` (nonzero (row, col) blocks)."""
+def tables(p: CudaBSPlan, ngroups: int) -> dict:
+    """The work lists the kernel reads from constant memory, per path (0: the compiled mask; 1,
+    unless that is dense: every block): each warp's block rows (``rows[path][warp][slot]``, -1
+    for none), and per block row its nonzero column blocks (``cols[path][start[path][i]:
+    start[path][i + 1]]``)."""
+    nb = p.n // p.bs
+    dense = tuple((i, j) for i in range(nb) for j in range(nb))
+    paths = [tuple(p.blocks)] + ([dense] if set(p.blocks) != set(dense) else [])
+    per = [groups(p, blocks, ngroups) for blocks in paths]
+    slots = max(len(g) for rows in per for g in rows)
+    rows_t, start_t, cols_t = [], [], []
+    for blocks, rows in zip(paths, per):
+        rows_t.append([g + [-1] * (slots - len(g)) for g in rows] + [[-1] * slots] * (ngroups - len(rows)))
+        starts, cols = [0], []
+        for i in range(nb):
+            cols += sorted(j for (r, j) in blocks if r == i)
+            starts.append(len(cols))
+        start_t.append(starts)
+        cols_t.append(cols)
+    width = max(len(c) for c in cols_t)
+    cols_t = [c + [0] * (width - len(c)) for c in cols_t]
+    return {"rows": rows_t, "start": start_t, "cols": cols_t, "slots": slots, "paths": len(paths)}
+
+
+def render_body(r: Region, p: CudaBSPlan, ngroups: int, slots: int) -> tuple[list, list, list]:
+    """(before the time loop, the step, after it): the same code for every warp; a warp's block
+    rows come from the tables (`slots` of them at most), its column blocks are a loop."""
     bs, reg = p.bs, p.reg
-    own = [i * bs + a for i in rows_of for a in range(bs)]
-    pr = _Printer(r, f"{tag}v")
+    pr = _Printer(r, "v")
     base = {a: f"ax_{a}" for a in p.rows}
-    cols = sorted({j * bs + c for (i, j) in blocks if i in rows_of for c in range(bs)} - set(own))
-    out: list[str] = []
-    # initial state
-    for e in own:
-        init = pr.expr(Load(r.init, tuple(r.axes)), {**base, reg: str(e)}) if r.init is not None else "ssmc_t(0)"
-        out.append(f"ssmc_t h{e} = {init};")
-    head = out
+    head = []
+    for q in range(slots):
+        head.append(f"const int bi{q} = bsp_rows[P][warp][{q}], bq{q} = bi{q} < 0 ? 0 : bi{q};")
+        head += [f"const int e{q}_{a} = bq{q} * {bs} + {a};" for a in range(bs)]
+    init = []
+    for q in range(slots):
+        init.append(f"if (bi{q} >= 0) {{")
+        for a in range(bs):
+            e = f"e{q}_{a}"
+            v = pr.expr(Load(r.init, tuple(r.axes)), {**base, reg: e}) if r.init is not None else "ssmc_t(0)"
+            init.append(f"  hs[0][{e}][lane] = {v};")
+        init.append("}")
+    init.append("__syncthreads();")
     # the step
-    step_env = {**base, "t": "t", "@fetch": True}
-    step = pr.section([])
-    scales = [pr.expr(sc, step_env) for sc, _ in p.terms]
-    news, wseen = [], set()
-    for e in own:
-        env = {**step_env, reg: str(e)}
-        terms = []
-        if not (isinstance(r.decay, Const) and r.decay.value == 0):
-            terms.append(f"{pr.expr(r.decay, env)} * h{e}")
-        if not (isinstance(r.drive, Const) and r.drive.value == 0):
-            terms.append(pr.expr(r.drive, env))
-        for k, scale in enumerate(scales):
-            prods = [f"{_w(p, k, e, c, step, wseen)} * {('h' if c in own else 'c') + str(c)}"
-                     for (i, j) in blocks if i == e // bs for c in range(j * bs, (j + 1) * bs)]
-            if prods:
-                terms.append(f"{scale} * ({' + '.join(prods)})" if scale != const(1.0) else " + ".join(prods))
-        news.append(f"const ssmc_t n{e} = {' + '.join(terms) or 'ssmc_t(0)'};")
-    reads = [f"const ssmc_t c{c} = hs[cur][{c}][lane];" for c in cols]
-    # readout partials over this warp's elements, per step output and sum (same scope as the step)
-    pr.lines = tail = []
-    parts, per_elem = [], []
-    nred = 0
-    for k, o in enumerate(r.outputs):
-        if o.kind != "steps":
-            continue
-        if reg in o.index:
-            for e in own:
-                env = {**step_env, reg: str(e), "@state": f"n{e}"}
-                per_elem.append(_store(r, k, o, env, pr.expr(o.expr, env)))
-            continue
-        for red in _reduces(o.expr):
-            terms = [pr.expr(red.arg, {**step_env, reg: str(e), "@state": f"n{e}"}) for e in own]
-            parts.append(f"red[{nred}][cur][{g}][lane] = {' + '.join(terms)};")
-            nred += 1
-    finish = pr.section([])
-    finish_out = _finish_steps(r, p, pr, base, ngroups, "to")
-    pr.section([])
+    env0 = {**base, "t": "t", "@fetch": True}
+    body = pr.section([])
+    scales = [pr.expr(sc, env0) for sc, _ in p.terms]
+    nsum, _ = counts(r)
+    body += [f"ssmc_t ps{k} = ssmc_t(0);" for k in range(nsum)]
+    vec = p.compute == "float" and p.n % 4 == 0 and bs % 4 == 0
+    slot_code = []
+    for q in range(slots):
+        lines = [f"if (bi{q} >= 0) {{"]
+        lines += [f"  ssmc_t a{k}_{a} = ssmc_t(0);" for k in range(len(p.terms)) for a in range(bs)]
+        lines.append(f"  for (int z = bsp_start[P][bi{q}]; z < bsp_start[P][bi{q} + 1]; ++z) {{")
+        lines.append("    const int bj = bsp_cols[P][z];")
+        lines += [f"    const ssmc_t g{c} = hs[cur][bj * {bs} + {c}][lane];" for c in range(bs)]
+        for k in range(len(p.terms)):
+            for a in range(bs):
+                at = f"{k * p.n * p.n} + (bi{q} * {bs} + {a}) * {p.n} + bj * {bs}"
+                if vec:
+                    lines.append(f"    {{ const float4* w = reinterpret_cast<const float4*>(Ws + {at});")
+                    terms = []
+                    for c4 in range(bs // 4):
+                        lines.append(f"      const float4 w{c4} = w[{c4}];")
+                        terms += [f"w{c4}.{'xyzw'[c]} * g{4 * c4 + c}" for c in range(4)]
+                    lines.append(f"      a{k}_{a} += {' + '.join(terms)}; }}")
+                else:
+                    terms = [f"Ws[{at} + {c}] * g{c}" for c in range(bs)]
+                    lines.append(f"    a{k}_{a} += {' + '.join(terms)};")
+        lines.append("  }")
+        inner = []
+        pr.lines, pr.outer = inner, body
+        for a in range(bs):
+            e = f"e{q}_{a}"
+            env = {**env0, reg: e}
+            inner.append(f"const ssmc_t o{a} = hs[cur][{e}][lane];")
+            terms = []
+            if not (isinstance(r.decay, Const) and r.decay.value == 0):
+                terms.append(f"{pr.expr(r.decay, env)} * o{a}")
+            if not (isinstance(r.drive, Const) and r.drive.value == 0):
+                terms.append(pr.expr(r.drive, env))
+            for k, sc in enumerate(scales):
+                terms.append(f"a{k}_{a}" if sc == const(1.0) else f"{sc} * a{k}_{a}")
+            inner.append(f"const ssmc_t n{a} = {' + '.join(terms) or 'ssmc_t(0)'};")
+            inner.append(f"hs[cur ^ 1][{e}][lane] = n{a};")
+            senv = {**env, "@state": f"n{a}"}
+            k_sum = 0
+            for k, o in enumerate(r.outputs):
+                if o.kind != "steps":
+                    continue
+                if reg in o.index:
+                    inner.append(_store(r, k, o, senv, pr.expr(o.expr, senv)))
+                    continue
+                for red in _reduces(o.expr):
+                    inner.append(f"ps{k_sum} += {pr.expr(red.arg, senv)};")
+                    k_sum += 1
+        pr.outer = None             # (each element's values have keys of their own: no false reuse)
+        lines += ["  " + x for x in inner] + ["}"]
+        pr.lines = body
+        slot_code += lines
+    fin = pr.section([])
+    finish = _finish_steps(r, p, pr, base, ngroups, "to")
+    pr.section(body)
     fetch = [f"const ssmc_t x{v} = {code.replace('{t}', 'tn')};" for v, code in pr.fetch]
     swap = [f"{v} = x{v};" for v, _ in pr.fetch]
-    body = (fetch
-            + [f"if (s > 0 && (s - 1) % {ngroups} == {g}) {{", "  const int to = REV ? L - s : s - 1;",
-               "  const int pb = cur ^ 1;"] + ["  " + x for x in finish + finish_out] + ["}"]
-            + reads + step + news + tail + parts + per_elem
-            + [f"h{e} = n{e}; hs[cur ^ 1][{e}][lane] = h{e};" for e in own] + swap)
-    out = [f"hs[0][{e}][lane] = h{e};" for e in own]
-    out.append("__syncthreads();")
-    out.append("for (int s = 0; s < L; ++s) {")
-    out.append("  const int t = REV ? L - 1 - s : s, tn = s + 1 < L ? (REV ? L - 2 - s : s + 1) : t;")
-    out.append("  const int cur = s & 1;")
-    out += ["  " + x for x in body]
-    out.append("  __syncthreads();")
-    out.append("}")
-    # the last step's outputs, then the final ones
+    step = (fetch + [f"if (s > 0 && (s - 1) % {ngroups} == warp) {{", "  const int to = REV ? L - s : s - 1;",
+                     "  const int pb = cur ^ 1;"] + ["  " + x for x in fin + finish] + ["}"]
+            + body + slot_code + [f"red[{k}][cur][warp][lane] = ps{k};" for k in range(nsum)] + swap)
+    # after the loop: the last step's outputs, then the final ones (warp 0, the whole state)
+    post = [f"if (L > 0 && (L - 1) % {ngroups} == warp) {{", "  const int to = REV ? 0 : L - 1;",
+            "  const int pb = (L - 1) & 1;"]
     last = pr.section([])
-    last_out = _finish_steps(r, p, pr, base, ngroups, "to")
-    out.append(f"if (L > 0 && (L - 1) % {ngroups} == {g}) {{")
-    out += ["  const int to = REV ? 0 : L - 1;", "  const int pb = (L - 1) & 1;"]
-    out += ["  " + x for x in last + last_out]
-    out.append("}")
-    fin_env = {**base, "t": "0"}
-    nf = 0
-    fparts, fouts = [], []
-    for k, o in enumerate(r.outputs):
-        if o.kind != "final":
-            continue
-        if reg in o.index:
-            for e in own:
-                env = {**fin_env, reg: str(e), "@state": f"h{e}"}
-                pr.section(fouts)
-                fouts.append(_store(r, k, o, env, pr.expr(o.expr, env)))
-            continue
-        for red in _reduces(o.expr):
-            pr.section(fparts)
-            terms = [pr.expr(red.arg, {**fin_env, reg: str(e), "@state": f"h{e}"}) for e in own]
-            fparts.append(f"fred[{nf}][{g}][lane] = {' + '.join(terms)};")
-            nf += 1
-    out += fouts + fparts
-    if nf:
-        out.append("__syncthreads();")
-        fin = pr.section([])
-        bind, q = {}, 0
+    post += ["  " + x for x in last + _finish_steps(r, p, pr, base, ngroups, "to")] + ["}"]
+    finals = [o for o in r.outputs if o.kind == "final"]
+    if finals:
+        fl = pr.section([])
+        fl += [f"const ssmc_t hf{e} = hs[L & 1][{e}][lane];" for e in range(p.n)]
+        fenv = {**base, "t": "0"}
         for k, o in enumerate(r.outputs):
-            if o.kind != "final" or reg in o.index:
+            if o.kind != "final":
                 continue
+            if reg in o.index:
+                for e in range(p.n):
+                    env = {**fenv, reg: str(e), "@state": f"hf{e}"}
+                    fl.append(_store(r, k, o, env, pr.expr(o.expr, env)))
+                continue
+            bind = {}
             for red in _reduces(o.expr):
-                bind[red] = "(" + " + ".join(f"fred[{q}][{w}][lane]" for w in range(ngroups)) + ")"
-                q += 1
-            env = {**fin_env, "@bind": bind}
-            fin.append(_store(r, k, o, env, pr.expr(o.expr, env)))
-        if g == 0:
-            out += fin
-    return pr.pre + head + out
-
-
-def _w(p: CudaBSPlan, k: int, e: int, c: int, lines: list, seen: set) -> str:
-    """W_k[e, c] from shared memory: 16-byte loads of 4 consecutive columns where they are
-    aligned (one load for every 4 multiply-adds; the address is the same across the warp)."""
-    off = k * p.n * p.n + e * p.n + c
-    if p.compute != "float" or p.n % 4:
-        return f"Ws[{off}]"
-    q = off // 4
-    name = f"wq{q}"
-    if name not in seen:
-        seen.add(name)
-        lines.append(f"const float4 {name} = reinterpret_cast<const float4*>(Ws)[{q}];")
-    return f"{name}.{'xyzw'[off % 4]}"
+                parts = [pr.expr(red.arg, {**fenv, reg: str(e), "@state": f"hf{e}"}) for e in range(p.n)]
+                bind[red] = "(" + " + ".join(parts) + ")"
+            env = {**fenv, "@bind": bind}
+            fl.append(_store(r, k, o, env, pr.expr(o.expr, env)))
+        post += ["if (warp == 0) {"] + ["  " + x for x in fl] + ["}"]
+    return head + pr.pre + init, step, post
 
 
 def _finish_steps(r: Region, p: CudaBSPlan, pr: _Printer, base: dict, ngroups: int, tvar: str) -> list[str]:
@@ -386,7 +406,7 @@ def _finish_steps(r: Region, p: CudaBSPlan, pr: _Printer, base: dict, ngroups: i
 
 
 def counts(r: Region) -> tuple[int, int]:
-    """(sums per step, sums at the end) over the mixed axis, for the shared-memory buffers."""
+    """(sums per step, sums at the end) over the mixed axis."""
     reg = r.axes[-1]
     steps = sum(len(_reduces(o.expr)) for o in r.outputs if o.kind == "steps" and reg not in o.index)
     final = sum(len(_reduces(o.expr)) for o in r.outputs if o.kind == "final" and reg not in o.index)
@@ -403,19 +423,12 @@ class Rendered:
 
 def render(r: Region, p: CudaBSPlan, ngroups: int) -> Rendered:
     from .cuda import jinja_env
-    nb = p.n // p.bs
-    dense = tuple((i, j) for i in range(nb) for j in range(nb))
     kname = "ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name) + f"_g{ngroups}"
-    paths = []
-    for tag, blocks, what in (("s", p.blocks, "the compiled mask"), ("d", dense, "every block (the inputs' pattern is not covered)")):
-        rows = groups(p, blocks, ngroups)
-        paths.append({"kname": f"{kname}_{tag}", "what": what,
-                      "groups": [render_group(r, p, blocks, rows[g], g, len(rows), f"{tag}{g}_") for g in range(len(rows))]})
-        if set(p.blocks) == set(dense):
-            break
+    tab = tables(p, ngroups)
+    pre, step, post = render_body(r, p, ngroups, tab["slots"])
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
-    nred, nfred = counts(r)
+    nred, _ = counts(r)
     params, decls = [], []
     for k, s in enumerate(r.inputs):
         decls.append(f"const {CTYPES[s.dtype]}* __restrict__ in{k}")
@@ -440,9 +453,9 @@ def render(r: Region, p: CudaBSPlan, ngroups: int) -> Rendered:
     src = jinja_env().get_template(TEMPLATE).render(
         region_name=r.name, region_text=str(r), compute=p.compute, n=p.n, groups=ngroups,
         reverse=int(r.reverse), params=decls, args=[d.split()[-1] for d in decls], decomp=decomp,
-        fill_pre=fill.pre + fill.lines, fill_value=wv, paths=paths, nred=nred, nfred=nfred,
-        nblocks=len(p.blocks), bs=p.bs)
-    return Rendered(ngroups, tuple(x["kname"] for x in paths), src, tuple(params))
+        fill_pre=fill.pre + fill.lines, fill_value=wv, nred=nred, nblocks=len(p.blocks), bs=p.bs,
+        kname=kname, tab=tab, pre=pre, step=step, post=post)
+    return Rendered(ngroups, (kname,), src, tuple(params))
 
 
 # -- the kernel ------------------------------------------------------------------------------------
