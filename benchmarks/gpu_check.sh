@@ -83,9 +83,10 @@ if [[ $STEPS == *bsp,* || $STEPS == *bsp ]]; then
 fi
 if [[ $STEPS == *bspprobe* ]]; then  # the CUDA block-sparse kernel: SASS counts, then ncu of one call
   timeout ${SSMC_BSP_TIMEOUT:-300} python -m benchmarks.probe_bsp --out "$OUT/h200_bsp_probe.json" >> "$LOG" 2>&1
-  timeout ${SSMC_NCU_TIMEOUT:-200} ncu --clock-control none --profile-from-start off --set full -k regex:ssmc_bsp.*_s -c 1 \
+  timeout ${SSMC_NCU_TIMEOUT:-200} ncu --clock-control none --profile-from-start off --set full -k regex:ssmc_bsp -c 1 \
     --import-source no -f -o /tmp/ncu_bsp python -m benchmarks.probe_bsp --out /dev/null ${SSMC_BSP_GROUPS:+--groups $SSMC_BSP_GROUPS} >> "$LOG" 2>&1
   ncu -i /tmp/ncu_bsp.ncu-rep --page details > "$OUT/ncu_bsp.txt" 2>&1
+  ncu -i /tmp/ncu_bsp.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_bsp_sass.csv" 2>&1
 fi
 if [[ $STEPS == *fuzz* ]]; then      # workers share the GPU: compiling (Dynamo, Triton, NVRTC) is CPU-bound
   echo "== fuzz" >> "$LOG"

@@ -3,7 +3,7 @@ FULL) through the cuda target, one call between cudaProfilerStart/Stop for ncu, 
 opcode counts of each warp count's build (cuobjdump, when the toolkit has it).
 
     python -m benchmarks.probe_bsp --out bsp_probe.json
-    ncu --profile-from-start off --set full -k regex:ssmc_bsp.*_s -c 1 -o /tmp/bsp \\
+    ncu --profile-from-start off --set full -k regex:ssmc_bsp -c 1 -o /tmp/bsp \\
         python -m benchmarks.probe_bsp --out /dev/null --groups 4
 """
 from __future__ import annotations
@@ -30,8 +30,10 @@ from block_sparse_programs import euler_matmul  # noqa: E402
 
 def sass_counts(binary: bytes) -> dict:
     """Opcode counts per kernel of a cubin (empty without cuobjdump)."""
-    tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
-    if not Path(tool).exists():
+    import glob
+    found = [shutil.which("cuobjdump")] + sorted(glob.glob("/usr/local/cuda*/bin/cuobjdump"))
+    tool = next((t for t in found if t and Path(t).exists()), None)
+    if tool is None:
         return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(binary)
