@@ -162,7 +162,7 @@ class _Printer:
         self.lines: list[str] = []
         self.memo: dict = {}
         self.count = 0
-        self.fetch: list[tuple[str, str]] = []     # (name, load code with the time as {t})
+        self.fetch: list[str] = []                 # values loaded one step ahead (r<v>, p<v>, d<v>)
         self.global_names: set = set()             # declared before the time loop: visible everywhere
         self.outer: list | None = None             # the step's own section, while printing per element
 
@@ -195,13 +195,19 @@ class _Printer:
         if isinstance(e, Load):
             code = self._load(e, env)
             if "t" in e.index and env.get("t") == "t" and env.get("@fetch"):
-                v = self.name()
-                self.pre.append(f"ssmc_t {v} = {code.replace('{t}', 't0')};")
-                self.fetch.append((v, code))
-                self.global_names.add(v)
-                self.memo[key] = v
-                return v
-            code = code.replace("{t}", env.get("t", "0"))
+                # loaded one step ahead, raw (converted where used, so the wait for the load
+                # falls in the next step); the pointer walks time by the time stride
+                v, ty = self.name(), CTYPES[self.r.inputs[e.input].dtype]
+                st = f"is{e.input}_{e.index.index('t')}"
+                self.pre += [f"{ty} r{v} = {code.replace('{t}', 't0')};",
+                             f"const {ty}* p{v} = &{code.replace('{t}', 't1')};",
+                             f"const long long d{v} = REV ? -{st} : {st};"]
+                self.fetch.append(v)
+                use = f"ssmc_cvt(r{v})"
+                self.global_names.add(use)
+                self.memo[key] = use
+                return use
+            code = f"ssmc_cvt({code.replace('{t}', env.get('t', '0'))})"
         else:
             code = op_expr(e, [self.expr(a, env) for a in e.args], False)
         v = self.name()
@@ -222,7 +228,7 @@ class _Printer:
                 continue
             at = "{t}" if ix == "t" else env[ix] if isinstance(ix, str) else str(ix)
             terms.append(f"(long long)({at}) * is{e.input}_{d}")
-        return f"ssmc_cvt(in{e.input}[{' + '.join(terms) or '0'}])"
+        return f"in{e.input}[{' + '.join(terms) or '0'}]"
 
 
 def _idx(e) -> set:
@@ -355,8 +361,9 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, slots: int) -> tuple[lis
     fin = pr.section([])
     finish = _finish_steps(r, p, pr, base, ngroups, "to")
     pr.section(body)
-    fetch = [f"const ssmc_t x{v} = {code.replace('{t}', 'tn')};" for v, code in pr.fetch]
-    swap = [f"{v} = x{v};" for v, _ in pr.fetch]
+    fetch = [f"const auto x{v} = *p{v};" for v in pr.fetch]
+    fetch += [f"if (s + 2 < L) {{ {' '.join(f'p{v} += d{v};' for v in pr.fetch)} }}"] if pr.fetch else []
+    swap = [f"r{v} = x{v};" for v in pr.fetch]
     step = (fetch + [f"if (s > 0 && (s - 1) % {ngroups} == warp) {{", "  const int to = REV ? L - s : s - 1;",
                      "  const int pb = cur ^ 1;"] + ["  " + x for x in fin + finish] + ["}"]
             + body + slot_code + [f"red[{k}][cur][warp][lane] = ps{k};" for k in range(nsum)] + swap)
