@@ -297,8 +297,9 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, slots: int) -> tuple[lis
         for a in range(bs):
             e = f"e{q}_{a}"
             v = pr.expr(Load(r.init, tuple(r.axes)), {**base, reg: e}) if r.init is not None else "ssmc_t(0)"
-            init.append(f"  hs[0][{e}][lane] = {v};")
+            init.append(f"  hq{q}_{a} = {v}; hs[0][{e}][lane] = hq{q}_{a};")
         init.append("}")
+    init[:0] = [f"ssmc_t {', '.join(f'hq{q}_{a} = ssmc_t(0)' for a in range(bs))};" for q in range(slots)]
     init.append("__syncthreads();")
     # the step
     env0 = {**base, "t": "t", "@fetch": True}
@@ -333,7 +334,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, slots: int) -> tuple[lis
         for a in range(bs):
             e = f"e{q}_{a}"
             env = {**env0, reg: e}
-            inner.append(f"const ssmc_t o{a} = hs[cur][{e}][lane];")
+            inner.append(f"const ssmc_t o{a} = hq{q}_{a};       // the warp's own state stays in registers")
             terms = []
             if not (isinstance(r.decay, Const) and r.decay.value == 0):
                 terms.append(f"{pr.expr(r.decay, env)} * o{a}")
@@ -342,7 +343,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, slots: int) -> tuple[lis
             for k, sc in enumerate(scales):
                 terms.append(f"a{k}_{a}" if sc == const(1.0) else f"{sc} * a{k}_{a}")
             inner.append(f"const ssmc_t n{a} = {' + '.join(terms) or 'ssmc_t(0)'};")
-            inner.append(f"hs[cur ^ 1][{e}][lane] = n{a};")
+            inner.append(f"hs[cur ^ 1][{e}][lane] = n{a}; hq{q}_{a} = n{a};")
             senv = {**env, "@state": f"n{a}"}
             k_sum = 0
             for k, o in enumerate(r.outputs):
