@@ -110,8 +110,9 @@ def main(argv=None):
            "rows": []}
     try:
         import subprocess
-        res["env"]["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                              capture_output=True, text=True).stdout.strip()
+        import os
+        res["env"]["commit"] = os.environ.get("SSMC_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         import triton
         res["env"]["triton"] = triton.__version__
     except Exception:

@@ -26,7 +26,7 @@ def lti_matmul(x, A, mask, B, C):
 def euler_einsum(x, dt, A, mask, B, C):
     """x, dt: (b, L); state (b, n); Abar = I + dt_t * (A * mask) per step; einsum("bij,bj->bi", Abar, h)."""
     n = A.shape[0]
-    I = torch.eye(n, dtype=x.dtype)
+    I = torch.eye(n, dtype=x.dtype, device=x.device)
     h = x.new_zeros(x.shape[0], n)
     ys = []
     for t in range(x.shape[1]):
@@ -84,7 +84,7 @@ def lru(x, nu_log, theta_log, gamma, B_re, B_im, C):
     lam = exp(-exp(nu_log) + i exp(theta_log)) per channel; x: (b, L, n); B_re, B_im: (d, n);
     C: (d,) complex. Returns the per-channel readout Re(h * C) and the final complex state."""
     lam = torch.exp(-torch.exp(nu_log) + 1j * torch.exp(theta_log))
-    h = torch.zeros(x.shape[0], nu_log.shape[0], dtype=lam.dtype)
+    h = torch.zeros(x.shape[0], nu_log.shape[0], dtype=lam.dtype, device=x.device)
     ys = []
     for t in range(x.shape[1]):
         h = lam * h + gamma * (x[:, t] @ B_re.T + 1j * (x[:, t] @ B_im.T))
@@ -95,7 +95,7 @@ def lru(x, nu_log, theta_log, gamma, B_re, B_im, C):
 def lru_input_dependent(x, dt, nu_log, theta, B, C):
     """A per-step, input-dependent complex decay lam_t = exp(dt_t * (-exp(nu_log) + i theta)),
     normalised drive; x, dt: (b, L); B, C: (d,) complex; readout summed over channels."""
-    h = torch.zeros(x.shape[0], nu_log.shape[0], dtype=B.dtype)
+    h = torch.zeros(x.shape[0], nu_log.shape[0], dtype=B.dtype, device=x.device)
     ys = []
     for t in range(x.shape[1]):
         lam = torch.exp(dt[:, t, None] * (-torch.exp(nu_log) + 1j * theta))
@@ -118,7 +118,7 @@ def lru_given_lambda(x, lam, B, h0):
 def lru_readouts(x, lam, B, C, Cm):
     """Readouts of a complex state: matrix products (h @ Cm.T).real and torch.real(h @ C),
     .abs(), .imag and angle, torch.view_as_real; lam (d,), B, C (d,) complex, Cm (k, d) complex."""
-    h = torch.zeros(x.shape[0], lam.shape[0], dtype=lam.dtype)
+    h = torch.zeros(x.shape[0], lam.shape[0], dtype=lam.dtype, device=x.device)
     y1, y2, y3, y4, y5 = [], [], [], [], []
     for t in range(x.shape[1]):
         h = lam * h + torch.complex(x[:, t, None] * B.real, x[:, t, None] * B.imag)
@@ -134,7 +134,7 @@ def lru_conj(x, r, theta, B):
     """The state conjugated in the update and a division by the decay: still linear over the
     reals. lam = polar(r, theta)."""
     lam = torch.polar(r, theta)
-    h = torch.zeros(x.shape[0], r.shape[0], dtype=torch.complex64)
+    h = torch.zeros(x.shape[0], r.shape[0], dtype=torch.complex64, device=x.device)
     ys = []
     for t in range(x.shape[1]):
         h = lam * h.conj() - B * x[:, t, None] / lam
@@ -145,7 +145,7 @@ def lru_conj(x, r, theta, B):
 def complex_nonlinear(kind):
     """Complex recurrences that are not linear in the state: ssmc must decline them."""
     def fn(x, lam, B):
-        h = torch.zeros(x.shape[0], lam.shape[0], dtype=lam.dtype)
+        h = torch.zeros(x.shape[0], lam.shape[0], dtype=lam.dtype, device=x.device)
         ys = []
         for t in range(x.shape[1]):
             u = B * x[:, t, None]
