@@ -422,11 +422,7 @@ class CudaKernel:
 
     # -- running --------------------------------------------------------------------------------
     def forward(self, inputs):
-        dev = inputs[0].device
-        if dev.type != "cuda":
-            raise RuntimeError(f"the cuda kernel got inputs on {dev}")
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        arch = _capability(idx)
+        idx, arch = device_arch(inputs)
         return self.run(inputs, arch, functools.partial(self._launch_cuda, idx, arch))
 
     def backward(self, inputs, grads, needs):
@@ -693,6 +689,15 @@ def _prod(xs) -> int:
     for x in xs:
         n *= int(x)
     return n
+
+
+def device_arch(inputs) -> tuple[int, int]:
+    """(device index, sm_XX) of the inputs' CUDA device; RuntimeError for another device."""
+    dev = inputs[0].device
+    if dev.type != "cuda":
+        raise RuntimeError(f"the cuda kernel got inputs on {dev}")
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    return idx, _capability(idx)
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,6 +36,7 @@ from ssmc.ir import Const, Load, Op, Reduce, Region, State
 from ssmc.sparsity import PatternCache, uncovered
 
 from .cuda_printer import CTYPES, Unsupported, _check_expr, const, op_expr
+from .triton_block_sparse import _state_outside
 from .triton_ssd import factors, product
 
 log = logging.getLogger("ssmc")
@@ -115,14 +116,6 @@ def _summands(e, sign: int = 1) -> list:
     if isinstance(e, Op) and not e.attrs and e.name in ("add", "sub"):
         return _summands(e.args[0], sign) + _summands(e.args[1], sign if e.name == "add" else -sign)
     return [(sign, e)]
-
-
-def _state_outside(e) -> bool:
-    if isinstance(e, State):
-        return True
-    if isinstance(e, Reduce):
-        return False
-    return any(_state_outside(c) for c in ir.children(e))
 
 
 def _outside(e):
@@ -536,12 +529,8 @@ class CudaBlockSparseKernel:
 
     # -- running ----------------------------------------------------------------------------------
     def forward(self, inputs):
-        from .cuda import _capability
-        dev = inputs[0].device
-        if dev.type != "cuda":
-            raise RuntimeError(f"the cuda kernel got inputs on {dev}")
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        arch = _capability(idx)
+        from .cuda import device_arch
+        idx, arch = device_arch(inputs)
         return self.run(inputs, functools.partial(self._launch, idx, arch), timer=_cuda_timer,
                         prebuild=functools.partial(self._prebuild, arch))
 
