@@ -357,6 +357,8 @@ def test_cuda_kernel_groups_balance_and_declines(monkeypatch):
                                               torch.randn(2, 4, 16, generator=g)), monkeypatch)
     with pytest.raises(Unsupported, match="varies along time or a parallel axis"):
         bsp_plan(r2)
+    with pytest.raises(Unsupported, match="reverse-time"):
+        bsp_plan(dataclasses.replace(r, reverse=True))
     from ssmc.targets.cuda import CudaTarget
     assert "varies along time" in str(CudaTarget().supports(r2, "block_sparse", 90, "cuda")) or \
         CudaTarget().supports(r2, "block_sparse", 90, "cuda") is not True

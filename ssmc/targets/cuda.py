@@ -14,6 +14,9 @@ length and the number of rows; ``kernel.last_launch`` says which ran. A third al
 (no scan: a row's state elements in registers across a few adjacent lanes, each walking all of
 time), is the sm_90 pick when there are many rows and N is fixed at compile time.
 
+Strategy "block_sparse" has its own kernel, ``ssmc/targets/cuda_block_sparse.py``
+(``templates/cuda/block_sparse_fwd.cu.j2``); `CudaTarget` hands such regions to it.
+
 Toolchain, found at run time:
 - NVRTC: CuPy's low-level ``cupy_backends.cuda.libs.nvrtc`` (needs no GPU, so CPU CI compiles
   for sm_80 and sm_90 with the arch given). CuPy loads libnvrtc itself, through

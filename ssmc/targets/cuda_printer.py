@@ -134,7 +134,7 @@ def plan(region: Region) -> ScanPlan:
     if r.reverse:
         raise Unsupported("reverse-time regions are not covered by the cuda kernel yet")
     if r.mix is not None:
-        raise Unsupported("a non-diagonal transition (block-sparse A) has no CUDA kernel yet")
+        raise Unsupported("a non-diagonal transition (block-sparse A): the block-sparse kernel's (cuda_block_sparse.py)")
     if r.state_dtype not in ("float32", "float64"):
         raise Unsupported(f"state dtype {r.state_dtype} (fp32 or fp64 state only)")
     for i, s in enumerate(r.inputs):
