@@ -1,26 +1,28 @@
 """The ``cuda`` target's kernel for strategy "block_sparse": a recurrence whose transition is a
-matrix along the last state axis (h_t = a h + s_t * (W h) + b, W shared by every row), of which
-only the compiled nonzero blocks are multiplied (templates/cuda/block_sparse_fwd.cu.j2).
+matrix along the last state axis (h_t = a h + sum_k s_k,t * (W_k h) + b, each W_k shared by
+every row), of which only the nonzero blocks are multiplied (templates/cuda/block_sparse_fwd.cu.j2).
 
 Why a kernel of its own: with blocks below 16 the Triton kernel either multiplies and sums
 small tiles across lanes (shuffles and layout conversions every step) or pads them to 16x16
 tiles for tl.dot (the dense work again when the blocks are scattered). Here a row (one index of
-the parallel state axes, e.g. (batch, channel)) is one lane, and its state is split over the G
-warps of a block by block rows of the mask (`groups`: balanced by nonzero blocks), so every
-warp runs straight-line code: the multiply-adds of exactly its nonzero blocks, W read from
-shared memory with the same address across the warp (a broadcast), the state exchanged through
-shared memory (double-buffered, one barrier a step), the readout summed over the warps through
-shared memory and finished by the warps in turn. The inputs of the next step are loaded before
-the current step's arithmetic. 32 rows a block.
+the parallel state axes, e.g. (batch, channel)) is one lane, 32 rows a block, and the state is
+split over the block's G warps by block rows of the mask (`groups`: largest first onto the least
+loaded warp). Every warp runs the same compact code: for each of its block rows (work lists in
+constant memory, `tables`) a loop over that row's nonzero column blocks, multiply-adds with W
+read from shared memory as float4 (the same address across the warp: a broadcast), then the
+per-element update. The state is exchanged through shared memory (double-buffered, one barrier
+a step; a warp's own part also stays in registers); readout sums go through shared memory and
+are finished by the warps in turn, one step late; the next step's inputs are loaded ahead.
 
 The compiled mask only steers the code: the pattern of the actual inputs is recomputed at every
-call (`ssmc.sparsity.PatternCache`) and a device-side flag selects a second, dense copy of the
-loop when the compiled mask does not cover it, so the kernel is right for any mask.
+call (`ssmc.sparsity.PatternCache`) and a device-side flag selects the second work list (every
+block) when the compiled mask does not cover it, so the kernel is right for any mask.
 
-What it covers (else `Unsupported`, and the Triton kernel runs): W free of time and of the
-parallel axes (a learned A times a mask; a step size as the row scale), the state at most
-MAX_N along the mixed axis, outputs that are the state itself or sums of it over the mixed axis.
-Backward: the torch reference's adjoint (as the Triton block-sparse kernel).
+What it covers (else `Unsupported`, and the Triton kernel runs): each W_k free of time and of
+the parallel axes (a learned A times a mask, I + dt A), the state at most MAX_N along the mixed
+axis, outputs that are the state itself or sums of it over the mixed axis, forward time.
+Measured on the H200 in benchmarks/NOTES.md. Backward: the torch reference's adjoint (as the
+Triton block-sparse kernel).
 """
 from __future__ import annotations
 
