@@ -607,6 +607,8 @@ class CudaBlockSparseKernel:
                 for c in self.choices():
                     self.timings[c] = timer(lambda c=c: launch(c, grid, 32 * c, args))
                 g = min(self.timings, key=self.timings.get)
+                log.info("ssmc: region %s: block-sparse kernel, warps per block timed %s; %d kept", r.name,
+                         ", ".join(f"{c}: {ms:.3f} ms" for c, ms in sorted(self.timings.items())), g)
             self._picked[bucket] = g
         launch(g, grid, 32 * g, args)
         self.last_launch = {"groups": g, "grid": grid, "block": 32 * g, "rows": rows}
