@@ -366,6 +366,32 @@ def test_cuda_kernel_groups_balance_and_declines(monkeypatch):
     assert cuda.CudaTarget().supports(r, "block_sparse", 90, "cuda") is True
 
 
+def test_cuda_kernel_times_each_warp_count_once(monkeypatch, tmp_path):
+    """The first call of a shape times every warp count and keeps the fastest; later calls of
+    the shape launch it without timing (launches recorded, nothing run)."""
+    from ssmc.runtime.cache import get_cache
+    from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
+    g = torch.Generator().manual_seed(25)
+    fn, ins = _bsp_case("euler_matmul", 4, torch.float32, g)
+    r, xs = _region_and_inputs(fn, ins, monkeypatch)
+    k = CudaBlockSparseKernel(r, bsp_plan(r), get_cache(str(tmp_path)))
+    launched, timed, built = [], [], []
+    fake_ms = {2: 3.0, 4: 1.0}
+
+    def timer(f):
+        n = len(launched)
+        f()
+        timed.append(launched[n])
+        return fake_ms[launched[n]]
+    launch = lambda groups, grid, block, args: launched.append(groups)
+    k.run(xs, launch, timer=timer, prebuild=built.append)
+    assert sorted(timed) == k.choices() == [2, 4] and built == [[2, 4]]
+    assert launched[-1] == 4 and k.last_launch["groups"] == 4
+    n = len(launched)
+    k.run(xs, launch, timer=timer)
+    assert launched[n:] == [4] and len(timed) == 2          # the same bucket: no timing again
+
+
 @pytest.mark.parametrize("cc", [80, 90])
 def test_cuda_kernel_nvrtc_builds(cc, monkeypatch, tmp_path):
     from ssmc.runtime.cache import get_cache
