@@ -334,7 +334,7 @@ def test_cuda_kernel_emulated(form, bs, dtype, emu_dir, monkeypatch, tmp_path):
             outs = _emulate_bsp(k, case, emu_dir)
             for o, e in zip(outs, ref):
                 assert rel_err(o, e) < tol, (form, groups, case is dense, rel_err(o, e))
-            assert k.last_launch["groups"] == groups
+            assert (k.last_launch["groups"], k.last_launch["split"]) == groups
 
 
 def test_cuda_kernel_groups_balance_and_declines(monkeypatch):
@@ -350,6 +350,21 @@ def test_cuda_kernel_groups_balance_and_declines(monkeypatch):
         cost = [sum(1 + sum(1 for (a, _) in p.blocks if a == i) for i in grp) for grp in rows]
         worst = max(1 + sum(1 for (a, _) in p.blocks if a == i) for i in range(8))
         assert max(cost) - min(cost) <= worst            # largest-first onto the least loaded
+    # moving blocks off the heaviest rows: every block still multiplied once, loads within one
+    from ssmc.targets.cuda_block_sparse import tables
+    tab = tables(p, 8, split=True)
+    assert tab["moved"][0] > 0 and tab["hslots"] >= 1
+    kept = {(i, tab["cols"][0][z]) for i in range(8) for z in range(tab["start"][0][i], tab["start"][0][i + 1])}
+    moved = {(i, j) for w in tab["help"][0] for (i, j, slot) in w if i >= 0}
+    assert kept | moved == set(p.blocks) and not kept & moved and len(moved) == tab["moved"][0]
+    loads = []
+    for w in range(8):
+        own = [i for i in tab["rows"][0][w] if i >= 0]
+        loads.append(sum(tab["start"][0][i + 1] - tab["start"][0][i] for i in own)
+                     + sum(1 for (i, _, _) in tab["help"][0][w] if i >= 0))
+    assert max(loads) - min(loads) <= 1 or tab["moved"][0] == 8
+    for i, slots in enumerate(tab["parts"][0]):                 # the owner adds each moved block once
+        assert sorted(x for x in slots if x >= 0) == sorted(sl for w in tab["help"][0] for (r, _, sl) in w if r == i)
     # a transition that changes every step and along the batch: the Triton kernel's (fma3)
     mask = P.block_mask(4, 4, 0.25, g)
     Abar = torch.randn(2, 4, 16, 16, generator=g) * mask
@@ -376,7 +391,8 @@ def test_cuda_kernel_times_each_warp_count_once(monkeypatch, tmp_path):
     r, xs = _region_and_inputs(fn, ins, monkeypatch)
     k = CudaBlockSparseKernel(r, bsp_plan(r), get_cache(str(tmp_path)))
     launched, timed, built = [], [], []
-    fake_ms = {2: 3.0, 4: 1.0}
+    choices = k.choices()
+    fake_ms = {c: 10.0 - i for i, c in enumerate(choices)}       # the last one is the fastest
 
     def timer(f):
         n = len(launched)
@@ -385,11 +401,11 @@ def test_cuda_kernel_times_each_warp_count_once(monkeypatch, tmp_path):
         return fake_ms[launched[n]]
     launch = lambda groups, grid, block, args: launched.append(groups)
     k.run(xs, launch, timer=timer, prebuild=built.append)
-    assert sorted(timed) == k.choices() == [2, 4] and built == [[2, 4]]
-    assert launched[-1] == 4 and k.last_launch["groups"] == 4
+    assert timed == choices and built == [choices] and (2, False) in choices and (4, False) in choices
+    assert launched[-1] == choices[-1] and k.last_launch["groups"] == choices[-1][0]
     n = len(launched)
     k.run(xs, launch, timer=timer)
-    assert launched[n:] == [4] and len(timed) == 2          # the same bucket: no timing again
+    assert launched[n:] == [choices[-1]] and len(timed) == len(choices)     # the same bucket: no timing
 
 
 @pytest.mark.parametrize("cc", [80, 90])
@@ -427,7 +443,8 @@ def test_gpu_cuda_block_sparse(dtype):
     info = report.regions[0]
     assert info.target == "cuda" and info.strategy == "block_sparse", str(report)
     kern = lookup(info.key).kernel
-    assert kern.last_launch is not None and kern.last_launch["groups"] in kern.choices()
+    assert kern.last_launch is not None
+    assert (kern.last_launch["groups"], kern.last_launch["split"]) in kern.choices()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel_err(out, reference(P.euler_matmul, ins)[0]) < tol
     ins2 = (*ins[:3], torch.ones_like(ins[3]), *ins[4:])     # dense at run time: the second kernel

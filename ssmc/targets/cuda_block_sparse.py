@@ -48,6 +48,8 @@ KERNEL_VERSION = "1"
 MAX_N = 64              # the state along the mixed axis: W (N*N) and the exchange (2*N*32) in shared memory
 SMEM_BUDGET = 44 * 1024   # static shared memory for the matrices and the exchange (48 KB less the sums)
 GROUPS = (2, 4, 8)      # warps per block, each owning some block rows of the mask; timed on first use
+SPLIT_GROUPS = (8,)     # ... and with blocks of the heaviest rows moved to the least loaded warps
+MAX_PARTS = 8           # blocks moved at most (their partial sums: MAX_PARTS * BS * 32 in shared memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,34 +256,68 @@ def _store(r: Region, k: int, o: ir.OutputSpec, env: dict, value: str) -> str:
     return f"if (live) out{k}[{' + '.join(terms) or '0'}] = ssmc_from<{CTYPES[o.dtype]}>({value});"
 
 
-def tables(p: CudaBSPlan, ngroups: int) -> dict:
+def tables(p: CudaBSPlan, ngroups: int, split: bool = False) -> dict:
     """The work lists the kernel reads from constant memory, per path (0: the compiled mask; 1,
     unless that is dense: every block): each warp's block rows (``rows[path][warp][slot]``, -1
-    for none), and per block row its nonzero column blocks (``cols[path][start[path][i]:
-    start[path][i + 1]]``)."""
+    for none), and per block row its column blocks (``cols[path][start[path][i]:start[path][i
+    + 1]]``). With `split`, column blocks move from the most to the least loaded warp while the
+    loads differ by two or more: the receiving warp multiplies that block (``help[path][warp]
+    [h]`` = (row, column, partial slot)) into shared memory before a second barrier, and the
+    row's owner adds it (``parts[path][row]``); ``moved`` counts them."""
     nb = p.n // p.bs
     dense = tuple((i, j) for i in range(nb) for j in range(nb))
     paths = [tuple(p.blocks)] + ([dense] if set(p.blocks) != set(dense) else [])
     per = [groups(p, blocks, ngroups) for blocks in paths]
     slots = max(len(g) for rows in per for g in rows)
-    rows_t, start_t, cols_t = [], [], []
+    rows_t, start_t, cols_t, help_t, parts_t, moved = [], [], [], [], [], []
     for blocks, rows in zip(paths, per):
         rows_t.append([g + [-1] * (slots - len(g)) for g in rows] + [[-1] * slots] * (ngroups - len(rows)))
+        row_cols = {i: sorted(j for (r, j) in blocks if r == i) for i in range(nb)}
+        helps: list = [[] for _ in range(ngroups)]
+        parts: dict = {i: [] for i in range(nb)}
+        n_moved = 0
+        if split:
+            owner_rows = [rows[w] if w < len(rows) else [] for w in range(ngroups)]
+            load = [sum(len(row_cols[i]) for i in owner_rows[w]) for w in range(ngroups)]
+            while n_moved < MAX_PARTS:
+                hi = max(range(ngroups), key=lambda w: (load[w], -w))
+                lo = min(range(ngroups), key=lambda w: (load[w], w))
+                if load[hi] - load[lo] < 2:
+                    break
+                i = max(owner_rows[hi], key=lambda i: (len(row_cols[i]), -i))
+                j = row_cols[i].pop()
+                helps[lo].append((i, j, n_moved))
+                parts[i].append(n_moved)
+                load[hi] -= 1
+                load[lo] += 1
+                n_moved += 1
         starts, cols = [0], []
         for i in range(nb):
-            cols += sorted(j for (r, j) in blocks if r == i)
+            cols += row_cols[i]
             starts.append(len(cols))
         start_t.append(starts)
-        cols_t.append(cols)
+        cols_t.append(cols or [0])
+        help_t.append(helps)
+        parts_t.append(parts)
+        moved.append(n_moved)
     width = max(len(c) for c in cols_t)
     cols_t = [c + [0] * (width - len(c)) for c in cols_t]
-    return {"rows": rows_t, "start": start_t, "cols": cols_t, "slots": slots, "paths": len(paths)}
+    hslots = max([len(h) for helps in help_t for h in helps] + [0])
+    pslots = max([len(v) for parts in parts_t for v in parts.values()] + [0])
+    help_t = [[h + [(-1, 0, 0)] * (hslots - len(h)) for h in helps] for helps in help_t]
+    parts_t = [[parts[i] + [-1] * (pslots - len(parts[i])) for i in range(nb)] for parts in parts_t]
+    return {"rows": rows_t, "start": start_t, "cols": cols_t, "slots": slots, "paths": len(paths),
+            "help": help_t, "parts": parts_t, "hslots": hslots, "pslots": pslots, "moved": moved,
+            "npart": max(moved)}
 
 
-def render_body(r: Region, p: CudaBSPlan, ngroups: int, slots: int) -> tuple[list, list, list]:
+def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list, list, list]:
     """(before the time loop, the step, after it): the same code for every warp; a warp's block
-    rows come from the tables (`slots` of them at most), its column blocks are a loop."""
-    bs, reg = p.bs, p.reg
+    rows come from the tables (`tab`), its column blocks are a loop. A step: each warp's products
+    (and, with moved blocks, the partial products it does for other warps, then a barrier),
+    then its elements' updates."""
+    bs, reg, slots = p.bs, p.reg, tab["slots"]
+    nt = len(p.terms)
     pr = _Printer(r, "v")
     base = {a: f"ax_{a}" for a in p.rows}
     head = []
@@ -305,27 +341,47 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, slots: int) -> tuple[lis
     nsum, _ = counts(r)
     body += [f"ssmc_t ps{k} = ssmc_t(0);" for k in range(nsum)]
     vec = p.compute == "float" and p.n % 4 == 0 and bs % 4 == 0
-    slot_code = []
-    for q in range(slots):
-        lines = [f"if (bi{q} >= 0) {{"]
-        lines += [f"  ssmc_t a{k}_{a} = ssmc_t(0);" for k in range(len(p.terms)) for a in range(bs)]
-        lines.append(f"  for (int z = bsp_start[P][bi{q}]; z < bsp_start[P][bi{q} + 1]; ++z) {{")
-        lines.append("    const int bj = bsp_cols[P][z];")
-        lines += [f"    const ssmc_t g{c} = hs[cur][bj * {bs} + {c}][lane];" for c in range(bs)]
-        for k in range(len(p.terms)):
+
+    def block_products(row: str, col: str, acc, indent: str) -> list[str]:
+        """acc(k, a) += W_k[row * BS + a, col * BS + c] * h[col * BS + c], c < BS."""
+        out = [f"{indent}const ssmc_t g{c} = hs[cur][{col} * {bs} + {c}][lane];" for c in range(bs)]
+        for k in range(nt):
             for a in range(bs):
-                at = f"{k * p.n * p.n} + (bi{q} * {bs} + {a}) * {p.n} + bj * {bs}"
+                at = f"{k * p.n * p.n} + ({row} * {bs} + {a}) * {p.n} + {col} * {bs}"
                 if vec:
-                    lines.append(f"    {{ const float4* w = reinterpret_cast<const float4*>(Ws + {at});")
+                    out.append(f"{indent}{{ const float4* w = reinterpret_cast<const float4*>(Ws + {at});")
                     terms = []
                     for c4 in range(bs // 4):
-                        lines.append(f"      const float4 w{c4} = w[{c4}];")
+                        out.append(f"{indent}  const float4 w{c4} = w[{c4}];")
                         terms += [f"w{c4}.{'xyzw'[c]} * g{4 * c4 + c}" for c in range(4)]
-                    lines.append(f"      a{k}_{a} += {' + '.join(terms)}; }}")
+                    out.append(f"{indent}  {acc(k, a)} += {' + '.join(terms)}; }}")
                 else:
-                    terms = [f"Ws[{at} + {c}] * g{c}" for c in range(bs)]
-                    lines.append(f"    a{k}_{a} += {' + '.join(terms)};")
-        lines.append("  }")
+                    out.append(f"{indent}{acc(k, a)} += {' + '.join(f'Ws[{at} + {c}] * g{c}' for c in range(bs))};")
+        return out
+    products, helpers, slot_code = [], [], []
+    for q in range(slots):
+        products.append(f"ssmc_t {', '.join(f'a{q}_{k}_{a} = ssmc_t(0)' for k in range(nt) for a in range(bs))};")
+        products.append(f"if (bi{q} >= 0) {{")
+        products.append(f"  for (int z = bsp_start[P][bi{q}]; z < bsp_start[P][bi{q} + 1]; ++z) {{")
+        products.append("    const int bj = bsp_cols[P][z];")
+        products += block_products(f"bi{q}", "bj", lambda k, a, q=q: f"a{q}_{k}_{a}", "    ")
+        products += ["  }", "}"]
+    for h in range(tab["hslots"]):          # blocks moved here from a more loaded warp
+        helpers.append(f"{{ const int hb = bsp_help[P][warp][{h}][0], hj = bsp_help[P][warp][{h}][1], "
+                       f"hp = bsp_help[P][warp][{h}][2];")
+        helpers.append("  if (hb >= 0) {")
+        helpers += [f"    ssmc_t {', '.join(f'm{k}_{a} = ssmc_t(0)' for k in range(nt) for a in range(bs))};"]
+        helpers += block_products("hb", "hj", lambda k, a: f"m{k}_{a}", "    ")
+        helpers += [f"    pacc[hp][{k}][{a}][lane] = m{k}_{a};" for k in range(nt) for a in range(bs)]
+        helpers += ["  }", "}"]
+    if tab["npart"]:
+        helpers.append("__syncthreads();    // the moved blocks' partial products are in pacc")
+    for q in range(slots):
+        lines = [f"if (bi{q} >= 0) {{"]
+        for pk in range(tab["pslots"]):
+            lines.append(f"  {{ const int pp = bsp_parts[P][bi{q}][{pk}];")
+            lines.append("    if (pp >= 0) { " + " ".join(f"a{q}_{k}_{a} += pacc[pp][{k}][{a}][lane];"
+                                                      for k in range(nt) for a in range(bs)) + " } }")
         inner = []
         pr.lines, pr.outer = inner, body
         for a in range(bs):
@@ -338,7 +394,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, slots: int) -> tuple[lis
             if not (isinstance(r.drive, Const) and r.drive.value == 0):
                 terms.append(pr.expr(r.drive, env))
             for k, sc in enumerate(scales):
-                terms.append(f"a{k}_{a}" if sc == const(1.0) else f"{sc} * a{k}_{a}")
+                terms.append(f"a{q}_{k}_{a}" if sc == const(1.0) else f"{sc} * a{q}_{k}_{a}")
             inner.append(f"const ssmc_t n{a} = {' + '.join(terms) or 'ssmc_t(0)'};")
             inner.append(f"hs[cur ^ 1][{e}][lane] = n{a}; hq{q}_{a} = n{a};")
             senv = {**env, "@state": f"n{a}"}
@@ -364,7 +420,8 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, slots: int) -> tuple[lis
     swap = [f"r{v} = x{v};" for v in pr.fetch]
     step = (fetch + [f"if (s > 0 && (s - 1) % {ngroups} == warp) {{", "  const int to = s - 1;",
                      "  const int pb = cur ^ 1;"] + ["  " + x for x in fin + finish] + ["}"]
-            + body + slot_code + [f"red[{k}][cur][warp][lane] = ps{k};" for k in range(nsum)] + swap)
+            + body + products + helpers + slot_code + [f"red[{k}][cur][warp][lane] = ps{k};" for k in range(nsum)]
+            + swap)
     # after the loop: the last step's outputs, then the final ones (warp 0, the whole state)
     post = [f"if (L > 0 && (L - 1) % {ngroups} == warp) {{", "  const int to = L - 1;",
             "  const int pb = (L - 1) & 1;"]
@@ -426,11 +483,11 @@ class Rendered:
     params: tuple        # (kind, source) per kernel parameter, in order
 
 
-def render(r: Region, p: CudaBSPlan, ngroups: int) -> Rendered:
+def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False) -> Rendered:
     from .cuda import jinja_env
-    kname = "ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name) + f"_g{ngroups}"
-    tab = tables(p, ngroups)
-    pre, step, post = render_body(r, p, ngroups, tab["slots"])
+    kname = "ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name) + f"_g{ngroups}{'s' if split else ''}"
+    tab = tables(p, ngroups, split)
+    pre, step, post = render_body(r, p, ngroups, tab)
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
     nred, _ = counts(r)
@@ -459,23 +516,26 @@ def render(r: Region, p: CudaBSPlan, ngroups: int) -> Rendered:
         region_name=r.name, region_text=str(r), compute=p.compute, n=p.n, groups=ngroups,
         params=decls, args=[d.split()[-1] for d in decls], decomp=decomp,
         fill_pre=fill.pre + fill.lines, fill_value=wv, nred=nred, nblocks=len(p.blocks), bs=p.bs,
-        kname=kname, tab=tab, pre=pre, step=step, post=post)
+        kname=kname, tab=tab, pre=pre, step=step, post=post, nterms=len(p.terms),
+        min_blocks=2 if ngroups >= 8 else 1)    # 8 warps: 128 registers, so two blocks fit an SM
     return Rendered(ngroups, (kname,), src, tuple(params))
 
 
 # -- the kernel ------------------------------------------------------------------------------------
 
 class CudaBlockSparseKernel:
-    """The CUDA block-sparse forward of one region; the first call per shape times each warp
-    count in GROUPS (`force_groups` fixes one) and keeps the fastest. ``last_launch`` says
-    which ran, and whether the compiled mask covered the inputs is decided on the device."""
+    """The CUDA block-sparse forward of one region; the first call per shape times each choice
+    (warps per block, GROUPS, and SPLIT_GROUPS with blocks moved off the heaviest rows: keys
+    (warps, split)) and keeps the fastest; `force_groups` fixes one (an int: no split).
+    ``last_launch`` says which ran; whether the compiled mask covered the inputs is decided on
+    the device."""
     kind = "block-sparse recurrence (CUDA)"
 
     def __init__(self, region: Region, p: CudaBSPlan, cache, extra_flags=()):
         from ssmc.targets.reference import ReferenceKernel
         self.region, self.plan, self.cache, self.extra_flags = region, p, cache, tuple(extra_flags)
         self.poison = False
-        self.force_groups: int | None = None
+        self.force_groups: int | tuple | None = None
         self.last_launch: dict | None = None
         self.timings: dict = {}
         self._reference = ReferenceKernel(region)
@@ -486,18 +546,22 @@ class CudaBlockSparseKernel:
         self._pattern = PatternCache(region)
         self._compiled_bp: dict = {}
 
-    def choices(self) -> list[int]:
+    def choices(self) -> list[tuple[int, bool]]:
         nb = self.plan.n // self.plan.bs
-        return sorted({min(g, nb) for g in GROUPS})
+        out = [(g, False) for g in sorted({min(g, nb) for g in GROUPS})]
+        out += [(g, True) for g in sorted({min(g, nb) for g in SPLIT_GROUPS})
+                if tables(self.plan, g, True)["moved"][0]]      # only where a block moves
+        return out
 
-    def rendered(self, g: int) -> Rendered:
-        if g not in self._rendered:
-            self._rendered[g] = render(self.region, self.plan, g)
-        return self._rendered[g]
+    def rendered(self, key) -> Rendered:
+        key = _choice(key)
+        if key not in self._rendered:
+            self._rendered[key] = render(self.region, self.plan, *key)
+        return self._rendered[key]
 
     @property
     def source(self) -> str:
-        g = self.last_launch["groups"] if self.last_launch else self.choices()[0]
+        g = (self.last_launch["groups"], self.last_launch["split"]) if self.last_launch else self.choices()[0]
         return self.rendered(g).source
 
     def describe(self) -> str:
@@ -505,10 +569,11 @@ class CudaBlockSparseKernel:
         text = (f"mixed axis {p.reg} in {p.bs}x{p.bs} blocks, {len(p.blocks)}/{(p.n // p.bs) ** 2} compiled "
                 f"nonzero, rows over {list(p.rows)} (a lane each, 32 a block), the state split over warps by block rows")
         if self.timings:
-            text += "; warps per block timed: " + ", ".join(f"{g}: {ms:.3f} ms" for g, ms in sorted(self.timings.items()))
+            text += "; warps per block timed (s: blocks moved between warps): " + ", ".join(
+                f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items()))
         return text
 
-    def built(self, g: int, arch: int) -> bytes:
+    def built(self, g, arch: int) -> bytes:
         from ssmc import __version__
         from ssmc.runtime.cache import cache_key
         from .cuda import CudaCompileError, _CompileFailed, _write_text, include_dirs, nvrtc_compile, nvrtc_version
@@ -598,23 +663,23 @@ class CudaBlockSparseKernel:
             args.append((kind, int(v)))
         grid = -(-rows // 32)
         bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs))
-        g = self.force_groups or self._picked.get(bucket)
+        g = _choice(self.force_groups) if self.force_groups else self._picked.get(bucket)
         if g is None:
             g = self.choices()[0]
             if timer is not None and len(self.choices()) > 1:
                 if prebuild is not None:
                     prebuild(self.choices())
                 for c in self.choices():
-                    self.timings[c] = timer(lambda c=c: launch(c, grid, 32 * c, args))
+                    self.timings[c] = timer(lambda c=c: launch(c, grid, 32 * c[0], args))
                 g = min(self.timings, key=self.timings.get)
-                log.info("ssmc: region %s: block-sparse kernel, warps per block timed %s; %d kept", r.name,
-                         ", ".join(f"{c}: {ms:.3f} ms" for c, ms in sorted(self.timings.items())), g)
+                log.info("ssmc: region %s: block-sparse kernel, warps per block timed %s; %s kept", r.name,
+                         ", ".join(f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items())), _label(g))
             self._picked[bucket] = g
-        launch(g, grid, 32 * g, args)
-        self.last_launch = {"groups": g, "grid": grid, "block": 32 * g, "rows": rows}
+        launch(g, grid, 32 * g[0], args)
+        self.last_launch = {"groups": g[0], "split": g[1], "grid": grid, "block": 32 * g[0], "rows": rows}
         return outs
 
-    def _launch(self, idx: int, arch: int, g: int, grid: int, block: int, args):
+    def _launch(self, idx: int, arch: int, g, grid: int, block: int, args):
         import cupy
         from .cuda import _ARG_TYPES
         conv = _ARG_TYPES()
@@ -634,6 +699,15 @@ class CudaBlockSparseKernel:
                     s = self._streams[(idx, stream_ptr)] = cupy.cuda.ExternalStream(stream_ptr, idx)
             for fn in fns:          # each returns at once unless the flag is its own
                 fn((grid, 1, 1), (block, 1, 1), values, stream=s)
+
+
+def _choice(key) -> tuple[int, bool]:
+    return (key, False) if isinstance(key, int) else tuple(key)
+
+
+def _label(key) -> str:
+    g, split = _choice(key)
+    return f"{g}{'s' if split else ''}"
 
 
 def _cuda_timer(fn, reps: int = 3) -> float:
