@@ -338,7 +338,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list
     env0 = {**base, "t": "t", "@fetch": True}
     body = pr.section([])
     scales = [pr.expr(sc, env0) for sc, _ in p.terms]
-    nsum, _ = counts(r)
+    nsum = step_sums(r)
     body += [f"ssmc_t ps{k} = ssmc_t(0);" for k in range(nsum)]
     vec = p.compute == "float" and p.n % 4 == 0 and bs % 4 == 0
 
@@ -467,12 +467,10 @@ def _finish_steps(r: Region, p: CudaBSPlan, pr: _Printer, base: dict, ngroups: i
     return out
 
 
-def counts(r: Region) -> tuple[int, int]:
-    """(sums per step, sums at the end) over the mixed axis."""
+def step_sums(r: Region) -> int:
+    """How many sums over the mixed axis the per-step outputs hold (the red buffers)."""
     reg = r.axes[-1]
-    steps = sum(len(_reduces(o.expr)) for o in r.outputs if o.kind == "steps" and reg not in o.index)
-    final = sum(len(_reduces(o.expr)) for o in r.outputs if o.kind == "final" and reg not in o.index)
-    return steps, final
+    return sum(len(_reduces(o.expr)) for o in r.outputs if o.kind == "steps" and reg not in o.index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,7 +488,7 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False) -> Rende
     pre, step, post = render_body(r, p, ngroups, tab)
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
-    nred, _ = counts(r)
+    nred = step_sums(r)
     params, decls = [], []
     for k, s in enumerate(r.inputs):
         decls.append(f"const {CTYPES[s.dtype]}* __restrict__ in{k}")
