@@ -81,7 +81,7 @@ if [[ $STEPS == *bsp,* || $STEPS == *bsp ]]; then
   timeout ${SSMC_BSP_TIMEOUT:-300} python -m benchmarks.bench_block_sparse --out "$OUT/h200_block_sparse.json" \
     --targets "${SSMC_BSP_TARGETS:-cuda,triton}" >> "$LOG" 2>&1
 fi
-if [[ $STEPS == *bspprobe* ]]; then  # the CUDA block-sparse kernel: SASS counts, then ncu of one call
+if [[ $STEPS == *bspprobe* ]]; then  # the CUDA block-sparse kernel: its pick, then ncu of one call (details, SASS page)
   timeout ${SSMC_BSP_TIMEOUT:-300} python -m benchmarks.probe_bsp --out "$OUT/h200_bsp_probe.json" >> "$LOG" 2>&1
   timeout ${SSMC_NCU_TIMEOUT:-200} ncu --clock-control none --profile-from-start off --set full -k regex:ssmc_bsp -c 1 \
     --import-source no -f -o /tmp/ncu_bsp python -m benchmarks.probe_bsp --out /dev/null ${SSMC_BSP_GROUPS:+--groups $SSMC_BSP_GROUPS} >> "$LOG" 2>&1

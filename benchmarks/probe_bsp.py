@@ -1,6 +1,6 @@
 """Where the CUDA block-sparse kernel's time goes (H200): the benchmark's shape (bench_block_sparse
-FULL) through the cuda target, one call between cudaProfilerStart/Stop for ncu, and the SASS
-opcode counts of each warp count's build (cuobjdump, when the toolkit has it).
+FULL) through the cuda target, one call between cudaProfilerStart/Stop for ncu (its source page
+has the instructions executed and the stall samples per SASS line: `gpu_check.sh` step bspprobe).
 
     python -m benchmarks.probe_bsp --out bsp_probe.json
     ncu --profile-from-start off --set full -k regex:ssmc_bsp -c 1 -o /tmp/bsp \\
@@ -9,13 +9,8 @@ opcode counts of each warp count's build (cuobjdump, when the toolkit has it).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,29 +21,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 from benchmarks.bench_block_sparse import FULL, make_inputs, make_mask  # noqa: E402
 from benchmarks.bench_gpu import lowered_graph  # noqa: E402
 from block_sparse_programs import euler_matmul  # noqa: E402
-
-
-def sass_counts(binary: bytes) -> dict:
-    """Opcode counts per kernel of a cubin (empty without cuobjdump)."""
-    import glob
-    found = [shutil.which("cuobjdump")] + sorted(glob.glob("/usr/local/cuda*/bin/cuobjdump"))
-    tool = next((t for t in found if t and Path(t).exists()), None)
-    if tool is None:
-        return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(binary)
-        f.flush()
-        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    out, cur = {}, None
-    for line in text.splitlines():
-        m = re.match(r"\s*Function : (\S+)", line)
-        if m:
-            cur = out.setdefault(m.group(1), collections.Counter())
-            continue
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m and cur is not None:
-            cur[m.group(1).split(".")[0]] += 1
-    return {k: dict(v.most_common(25)) for k, v in out.items()}
 
 
 def main(argv=None):
@@ -75,8 +47,7 @@ def main(argv=None):
     torch.cuda.profiler.stop()
     arch = torch.cuda.get_device_capability()
     arch = arch[0] * 10 + arch[1]
-    res = {"launch": kern.last_launch, "describe": kern.describe(),
-           "sass": {g: sass_counts(kern.built(g, arch)) for g in kern.choices()}}
+    res = {"launch": kern.last_launch, "describe": kern.describe(), "arch": arch}
     print(json.dumps(res, indent=1))
     Path(args.out).write_text(json.dumps(res, indent=1))
 

@@ -285,10 +285,9 @@ def _emulate_bsp(kernel, xs, workdir):
     def launch(g, grid, block, args):
         rend = kernel.rendered(g)
         lib = _emulator(rend.source, workdir)
-        for name in rend.knames:         # each kernel returns at once unless the flag is its own
-            f = getattr(lib, name + "_emulate")
-            f.argtypes = [ctypes.c_uint] * 3 + [types[k] for k, _ in args]
-            f(grid, block, 0, *[v for _, v in args])
+        f = getattr(lib, rend.kname + "_emulate")
+        f.argtypes = [ctypes.c_uint] * 3 + [types[k] for k, _ in args]
+        f(grid, block, 0, *[v for _, v in args])
     return kernel.run(xs, launch)
 
 

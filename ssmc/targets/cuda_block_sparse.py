@@ -47,6 +47,7 @@ TEMPLATE = "cuda/block_sparse_fwd.cu.j2"
 KERNEL_VERSION = "1"
 MAX_N = 64              # the state along the mixed axis: W (N*N) and the exchange (2*N*32) in shared memory
 SMEM_BUDGET = 44 * 1024   # static shared memory for the matrices and the exchange (48 KB less the sums)
+SMEM_STATIC = 48 * 1024   # all the kernel's static shared memory
 GROUPS = (2, 4, 8)      # warps per block, each owning some block rows of the mask; timed on first use
 SPLIT_GROUPS = (8,)     # ... and with blocks of the heaviest rows moved to the least loaded warps
 MAX_PARTS = 8           # blocks moved at most (their partial sums: MAX_PARTS * BS * 32 in shared memory)
@@ -88,7 +89,9 @@ def bsp_plan(r: Region) -> CudaBSPlan:
         if ir.axes_of(mat, r.axes) & (set(rows) | {"t"}):
             raise Unsupported("the transition's matrix varies along time or a parallel axis (not one W for every row)")
         by_scale[scale] = Op("add", (by_scale[scale], mat)) if scale in by_scale else mat
-    if len(by_scale) * n * n * 4 + 2 * n * 32 * 4 > SMEM_BUDGET:
+    compute = "double" if any(s.dtype == "float64" for s in r.inputs) or r.state_dtype == "float64" else "float"
+    esize = 8 if compute == "double" else 4
+    if (len(by_scale) * n * n + 2 * n * 32) * esize > SMEM_BUDGET:
         raise Unsupported(f"{len(by_scale)} matrices of {n}x{n} do not fit the shared memory")
     for scale, mat in by_scale.items():
         _check_expr(mat, "the transition's matrix", False, False)
@@ -110,7 +113,6 @@ def bsp_plan(r: Region) -> CudaBSPlan:
                 raise Unsupported(f"output {k} varies along {reg} outside its sum")
         if o.kind == "final" and "t" in ir.axes_of(_outside(o.expr), r.axes):
             raise Unsupported(f"final output {k} reads a per-step input")
-    compute = "double" if any(s.dtype == "float64" for s in r.inputs) or r.state_dtype == "float64" else "float"
     for s in r.inputs:
         if s.dtype not in CTYPES:
             raise Unsupported(f"input {s.name} has dtype {s.dtype}")
@@ -476,7 +478,7 @@ def step_sums(r: Region) -> int:
 @dataclasses.dataclass(frozen=True)
 class Rendered:
     groups: int
-    knames: tuple        # one kernel per path: the compiled mask, then (unless it is dense) every block
+    kname: str
     source: str
     params: tuple        # (kind, source) per kernel parameter, in order
 
@@ -516,7 +518,7 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False) -> Rende
         fill_pre=fill.pre + fill.lines, fill_value=wv, nred=nred, nblocks=len(p.blocks), bs=p.bs,
         kname=kname, tab=tab, pre=pre, step=step, post=post, nterms=len(p.terms),
         min_blocks=2 if ngroups >= 8 else 1)    # 8 warps: 128 registers, so two blocks fit an SM
-    return Rendered(ngroups, (kname,), src, tuple(params))
+    return Rendered(ngroups, kname, src, tuple(params))
 
 
 # -- the kernel ------------------------------------------------------------------------------------
@@ -543,13 +545,23 @@ class CudaBlockSparseKernel:
         self._picked: dict = {}
         self._pattern = PatternCache(region)
         self._compiled_bp: dict = {}
+        self._choices: list | None = None
 
     def choices(self) -> list[tuple[int, bool]]:
-        nb = self.plan.n // self.plan.bs
-        out = [(g, False) for g in sorted({min(g, nb) for g in GROUPS})]
-        out += [(g, True) for g in sorted({min(g, nb) for g in SPLIT_GROUPS})
-                if tables(self.plan, g, True)["moved"][0]]      # only where a block moves
-        return out
+        """(warps, split) keys, computed once: split only where a block moves and its partial
+        sums fit the shared memory."""
+        if self._choices is None:
+            p, nb = self.plan, self.plan.n // self.plan.bs
+            out = [(g, False) for g in sorted({min(g, nb) for g in GROUPS})]
+            for g in sorted({min(g, nb) for g in SPLIT_GROUPS}):
+                tab = tables(p, g, True)
+                esize = 8 if p.compute == "double" else 4
+                smem = (len(p.terms) * p.n * p.n + 2 * p.n * 32 + step_sums(self.region) * 2 * g * 32
+                        + tab["npart"] * len(p.terms) * p.bs * 32) * esize
+                if tab["moved"][0] and smem <= SMEM_STATIC:
+                    out.append((g, True))
+            self._choices = out
+        return self._choices
 
     def rendered(self, key) -> Rendered:
         key = _choice(key)
@@ -585,13 +597,13 @@ class CudaBlockSparseKernel:
         path = _write_text(self.cache.path_of(key, "kernel.cu"), rend.source)
         t0 = time.perf_counter()
         try:
-            binary, fmt, _, _ = nvrtc_compile(rend.source, arch, f"{rend.knames[0]}.cu", self.extra_flags)
+            binary, fmt, _, _ = nvrtc_compile(rend.source, arch, f"{rend.kname}.cu", self.extra_flags)
         except _CompileFailed as e:
-            raise CudaCompileError(f"NVRTC {nvrtc_version()} ({e.status}) failed to compile {rend.knames[0]} for "
+            raise CudaCompileError(f"NVRTC {nvrtc_version()} ({e.status}) failed to compile {rend.kname} for "
                                    f"sm_{arch}\n  source: {path}\n  options: {' '.join(e.opts)}\n"
                                    f"  log:\n{e.log[:6000]}") from None
         self.cache.put(key, f"kernel.{fmt}", binary)
-        log.info("ssmc: NVRTC compiled %s for sm_%d in %.2f s (%s)", rend.knames[0], arch, time.perf_counter() - t0, path)
+        log.info("ssmc: NVRTC compiled %s for sm_%d in %.2f s (%s)", rend.kname, arch, time.perf_counter() - t0, path)
         return binary
 
     # -- running ----------------------------------------------------------------------------------
@@ -684,19 +696,18 @@ class CudaBlockSparseKernel:
         values = tuple(conv[k](v) for k, v in args)
         stream_ptr = torch.cuda.current_stream(idx).cuda_stream
         with cupy.cuda.Device(idx):
-            fns = self._functions.get((idx, g))
-            if fns is None:
+            fn = self._functions.get((idx, g))
+            if fn is None:
                 mod = cupy.cuda.function.Module()
                 mod.load(self.built(g, arch))
-                fns = self._functions[(idx, g)] = [mod.get_function(k) for k in self.rendered(g).knames]
+                fn = self._functions[(idx, g)] = mod.get_function(self.rendered(g).kname)   # keeps mod alive
             s = self._streams.get((idx, stream_ptr))
             if s is None:
                 import warnings
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", DeprecationWarning)
                     s = self._streams[(idx, stream_ptr)] = cupy.cuda.ExternalStream(stream_ptr, idx)
-            for fn in fns:          # each returns at once unless the flag is its own
-                fn((grid, 1, 1), (block, 1, 1), values, stream=s)
+            fn((grid, 1, 1), (block, 1, 1), values, stream=s)
 
 
 def _choice(key) -> tuple[int, bool]:
