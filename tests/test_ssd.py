@@ -402,6 +402,103 @@ def test_ssd_matmul_backward_equals_the_adjoint(case, chunk):
     assert ssd_backward(region, plan, xs, grads, needs, chunk)[0] is None
 
 
+@pytest.mark.parametrize("case", sorted(BWD_CASES))
+def test_ssd_core_kernels_equal_the_adjoint(case, interp):
+    """ssd_core.py's Triton kernels (interpreted) for the core map: outputs and every input's
+    gradient of fp32 inputs equal the float64 adjoint, at chunks 16 and 32 (L 19-21: a partial
+    last chunk), with B and C shared by the heads (atomics) where the case has them."""
+    from ssmc.targets.reference import adjoint_run, run
+    from ssmc.targets.ssd_autograd import ssd_backward, ssd_outputs
+    fn, make = BWD_CASES[case]
+    torch.manual_seed(7)
+    args = make()
+    region = region_of(fn, args)
+    plan = S.make_ssd_plan(region, float64=True)
+    xs = zeros_region_inputs(region, fn, args)
+    want_out = run(region, xs, 5)
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in want_out]
+    needs = [x.is_floating_point() for x in xs]
+    want = adjoint_run(region, xs, grads, needs, 5)
+    x32 = [x.float() if x.is_floating_point() else x for x in xs]
+    for chunk in (16, 32):
+        for o, w in zip(ssd_outputs(region, plan, x32, chunk, core="triton"), want_out):
+            assert rel_err(o, w) <= 2e-6
+        got = ssd_backward(region, plan, x32, [v.float() for v in grads], needs, chunk, core="triton")
+        for i, (a, w) in enumerate(zip(got, want)):
+            assert a.shape == xs[i].shape and rel_err(a, w) <= 3e-6, (chunk, region.inputs[i].name, rel_err(a, w))
+
+
+def test_ssd_core_kernels_bf16_and_deterministic(interp):
+    """bf16 inputs: the kernels' dots take bf16 operands (rounded to nearest) and the gradients
+    stay within bf16 rounding of the float64 adjoint of the same bf16 values; deterministic mode
+    (B's and C's gradients stored per head and summed by torch, no atomics) gives the same
+    gradients as the atomic adds."""
+    from ssmc.targets import ssd_core
+    from ssmc.targets.reference import adjoint_run, run
+    from ssmc.targets.ssd_autograd import ssd_backward
+    fn, make = BWD_CASES["mamba2_z_final"]
+    torch.manual_seed(7)
+    args = make()
+    region = region_of(fn, args)
+    plan = S.make_ssd_plan(region, float64=True)
+    xs = [x.bfloat16() if x.is_floating_point() else x for x in zeros_region_inputs(region, fn, args)]
+    x64 = [x.double() if x.is_floating_point() else x for x in xs]
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in run(region, x64, 5)]
+    needs = [x.is_floating_point() for x in xs]
+    want = adjoint_run(region, x64, grads, needs, 5)
+    got = ssd_backward(region, plan, xs, [v.float() for v in grads], needs, 16, core="triton")
+    for i, (a, w) in enumerate(zip(got, want)):
+        assert a.dtype == torch.bfloat16 and rel_err(a, w) <= 1e-2, (region.inputs[i].name, rel_err(a, w))
+    x32 = [x.float() if x.is_floating_point() else x for x in xs]
+    seen = []
+    orig = ssd_core._grad_buffer
+
+    def spy(t, full, det):
+        got = orig(t, full, det)
+        seen.append((det, got[1], tuple(got[0].shape) != tuple(t.shape)))
+        return got
+    import unittest.mock
+    with unittest.mock.patch.object(ssd_core, "_grad_buffer", spy):
+        a1 = ssd_backward(region, plan, x32, [v.float() for v in grads], needs, 16, core="triton")
+        a2 = ssd_backward(region, plan, x32, [v.float() for v in grads], needs, 16, core="triton",
+                          deterministic=True)
+    assert (False, True, False) in seen and (True, False, True) in seen      # atomics, then sums
+    assert not any(det and atomic for det, atomic, _ in seen)
+    for a, b in zip(a1, a2):
+        assert rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_ssd_core_kernels_compile_for_sm80_sm90(cc, monkeypatch, tmp_path):
+    """The core's four kernels compile for sm_80 and sm_90 at the Mamba-2 shape (p 64, n 128,
+    bf16 dots), their matmuls on tensor cores."""
+    from triton.backends.compiler import GPUTarget
+    from ssmc.targets import ssd_core
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    mod = ssd_core._module("tl.bfloat16", 2, str(tmp_path))
+    st, fw, bw = (ssd_core.CONFIG[k] for k in ("states", "chunk_fwd", "chunk_bwd"))
+    flags = {f"ATOMIC_{k}": k in "GC" for k in "UWXGC"}
+    kernels = {
+        "ssd_states": ({"HAS_H0": True, "BLOCK_P": st["BLOCK_P"], "BLOCK_N": st["BLOCK_N"]}, st),
+        "ssd_chunk_fwd": ({"BLOCK_P": fw["BLOCK_P"], "BLOCK_N": 128}, fw),
+        "ssd_dstates": ({"HAS_DHL": True, "BLOCK_P": st["BLOCK_P"], "BLOCK_N": st["BLOCK_N"]}, st),
+        "ssd_chunk_bwd": ({"BLOCK_P": bw["BLOCK_P"], "BLOCK_N": 128, "NPB": 64 // bw["BLOCK_P"], **flags}, bw),
+    }
+    for name, (cx, cfg) in kernels.items():
+        fn = getattr(mod, name)
+        cx = {**cx, "CHUNK": 64, "DOT_UP": False}
+        sig = {a: "constexpr" if a in cx else "*fp32" if a.endswith("_ptr") else "i32" for a in fn.arg_names}
+        ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
+                            options={"num_warps": cfg["num_warps"]})
+        ptx = ck.asm["ptx"]
+        assert f".target sm_{cc}" in ptx and ck.asm.get("cubin"), name
+        mma = re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.\S+", ptx)
+        assert mma and all("bf16" in m for m in mma), (name, sorted(set(mma)))
+
+
 def test_ssd_training_runs_the_matmul_backward(interp):
     """Through torch.compile and autograd: the SSD kernel's backward is the matmul form, the
     report says so, and the gradients equal eager autograd's of the loop in float64."""
@@ -420,10 +517,11 @@ def test_ssd_training_runs_the_matmul_backward(interp):
     for i, (a, w) in enumerate(zip(got, want)):
         assert rel_err(a, w) <= 1e-5, (i, rel_err(a, w))
     kern = lookup(info.key).kernel
-    assert kern.backward_note().startswith("backward: the chunked SSD in torch matmuls"), kern.backward_note()
+    note = kern.backward_note()
+    assert note.startswith("backward: the chunked SSD") and "Triton kernels of ssmc/targets/ssd_core.py" in note, note
     from ssmc.explain import refresh
     refresh(report)
-    assert "chunked SSD in torch matmuls" in str(report.regions[0])
+    assert "the core map through the Triton kernels" in str(report.regions[0])
 
 
 # -- time split into segments (grids too small for the device) ---------------------------------------

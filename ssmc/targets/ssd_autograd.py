@@ -22,29 +22,35 @@ type, as the forward kernel's tl.dot does; fp32 otherwise (fp64 for fp64 inputs)
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ssmc import ir
 
+from . import triton as T
 from .reference import Evaluator, _to_output, compute_dtype, grads_by_autograd
 
 CHUNK = 64
 
 
-def _lay(v: torch.Tensor, names: list, progs: tuple, last, sizes: dict, L: int) -> torch.Tensor:
-    """An Evaluator value laid out (t, *axes) -> (P, L, size of `last` or 1)."""
+def _small(v: torch.Tensor, names: list, progs: tuple, last) -> torch.Tensor:
+    """An Evaluator value laid out (t, *axes) -> (*progs, t, `last` or 1), each axis at its own
+    size or 1 where the value does not vary along it (nothing expanded)."""
+    if v.dim() < len(names):
+        v = v.reshape([1] * len(names))
     order = [names.index(a) for a in progs] + [0] + ([names.index(last)] if last else [])
     rest = [i for i in range(len(names)) if i not in order]
     if any(v.shape[i] != 1 for i in rest):
         raise ValueError(f"a factor varies along {[names[i] for i in rest if v.shape[i] != 1]}, "
                          f"which the SSD plan said it does not")
     v = v.permute(order + rest)
-    shape = [sizes[a] for a in progs] + [L] + ([sizes[last]] if last else []) + [1] * len(rest)
-    v = v.expand(shape)
-    P = 1
-    for a in progs:
-        P *= sizes[a]
-    return v.reshape(P, L, -1)
+    return v.reshape(list(v.shape[:len(order)]) + ([] if last else [1]))
+
+
+def _flat(v: torch.Tensor, S: tuple, L: int, k: int) -> torch.Tensor:
+    """(*S or 1, L or 1, k or 1) -> (P, L, k), expanded."""
+    return v.expand(*S, L, k).reshape(math.prod(S), L, k)
 
 
 def _unlay(v: torch.Tensor, names: list, progs: tuple, last, sizes: dict) -> torch.Tensor:
@@ -60,26 +66,10 @@ def _unlay(v: torch.Tensor, names: list, progs: tuple, last, sizes: dict) -> tor
     return v
 
 
-def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK) -> list[torch.Tensor]:
-    """The region's outputs computed in the chunked SSD's matmul form (differentiable)."""
-    r = region
-    cdt = compute_dtype(r, inputs)
-    dev = inputs[0].device
-    sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
-    L = inputs[r.length[0]].shape[r.length[1]]
-    names = ["t", *r.axes]
-    progs, p, n = tuple(plan.programs), plan.p, plan.n
-    ev = Evaluator(r, inputs, 0, L, cdt)
-    lay = lambda e, last: _lay(ev.eval(e).to(cdt), names, progs, last, sizes, L)   # noqa: E731
-    u, w, x, g = lay(plan.log_decay, None), lay(plan.w, None), lay(plan.x, p), lay(plan.g, n)
-    c = lay(plan.c, n) if plan.readout is not None else None
-    used = {ld.input for e in (plan.x, plan.g, plan.c) if e is not None for ld in ir.loads(e)}
-    kinds = {inputs[i].dtype for i in used if inputs[i].is_floating_point()}
-    lo = kinds.pop() if len(kinds) == 1 and kinds <= {torch.bfloat16, torch.float16} else None
-
-    def mm(a, b):
-        return a @ b if lo is None else (a.to(lo) @ b.to(lo)).to(cdt)
-    P, Q = u.shape[0], max(1, min(chunk, L))
+def _torch_core(u, w, x, g, c, h0, Q: int, mm):
+    """(y (P, L, p) or None without c, the final state (P, p, n)) in torch matmuls; (P, L, .)
+    inputs, time padded to whole chunks inside."""
+    P, L = u.shape[0], u.shape[1]
     nc = -(-L // Q)
     pad = nc * Q - L
 
@@ -92,29 +82,81 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK) -> list[tor
     to_end = torch.exp(a[..., -1:] - a) * w
     S = mm((x * to_end[..., None]).transpose(-1, -2), g)              # (P, nc, p, n)
     total = torch.exp(a[..., -1])                                     # (P, nc)
-    if r.init is not None:
-        h0 = inputs[r.init].to(cdt)
-        h0 = h0.permute([r.axes.index(ax) for ax in (*progs, p, n)]).reshape(P, sizes[p], sizes[n])
-    else:
-        h0 = torch.zeros(P, sizes[p], sizes[n], dtype=cdt, device=dev)
     starts, h = [], h0
     # unbind once: indexing S[:, k] in the loop would make each step's backward zero-fill and
     # add a gradient of S's full size (nc times S's bytes; 25 ms of 41 at b8 L4096 h24 on the H200)
     for tot_k, S_k in zip(total.unbind(1), S.unbind(1)):
         starts.append(h)
         h = tot_k[:, None, None] * h + S_k
+    if c is None:
+        return None, h
+    c = chunks(c)
+    seg = a[..., :, None] - a[..., None, :]                           # (P, nc, Q, Q): a_t - a_s
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=u.device).tril()
+    decay = torch.exp(seg.masked_fill(~causal, float("-inf")))
+    y = mm(mm(c, g.transpose(-1, -2)) * decay * w[..., None, :], x)              # intra-chunk
+    H = torch.stack(starts, 1)                                                   # (P, nc, p, n)
+    y = y + torch.exp(a)[..., None] * mm(c, H.transpose(-1, -2))                # carried state
+    return y.reshape(P, nc * Q, -1)[:, :L], h
+
+
+def use_kernels(region: ir.Region, plan, inputs) -> str | None:
+    """Why the Triton core (ssd_core.py) does not run this call, or None when it does."""
+    if plan.readout is None:
+        return "no readout (the kernels compute y)"
+    if not inputs[0].is_cuda and not T.interpreting():
+        return "inputs not on a GPU"
+    if T.triton is None:
+        return f"triton {T._TRITON_VERSION}"
+    if compute_dtype(region, inputs) != torch.float32:
+        return f"compute dtype {compute_dtype(region, inputs)} (the kernels run fp32)"
+    return None
+
+
+def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str = "auto",
+                deterministic: bool = False, cache_dir: str | None = None) -> list[torch.Tensor]:
+    """The region's outputs computed in the chunked SSD's matmul form (differentiable).
+    ``core``: "triton" runs the map from the factors to (y, final state) as the kernels of
+    ssd_core.py (under the interpreter too), "torch" in torch matmuls, "auto" the kernels where
+    `use_kernels` says they run."""
+    r = region
+    cdt = compute_dtype(r, inputs)
+    dev = inputs[0].device
+    sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
+    L = inputs[r.length[0]].shape[r.length[1]]
+    names = ["t", *r.axes]
+    progs, p, n = tuple(plan.programs), plan.p, plan.n
+    S = tuple(sizes[a] for a in progs)
+    ev = Evaluator(r, inputs, 0, L, cdt)
+    small = lambda e, last: _small(ev.eval(e).to(cdt), names, progs, last)   # noqa: E731
+    u, w, x, g = small(plan.log_decay, None), small(plan.w, None), small(plan.x, p), small(plan.g, n)
+    c = small(plan.c, n) if plan.readout is not None else None
+    used = {ld.input for e in (plan.x, plan.g, plan.c) if e is not None for ld in ir.loads(e)}
+    kinds = {inputs[i].dtype for i in used if inputs[i].is_floating_point()}
+    if r.init is not None:
+        h0 = inputs[r.init].to(cdt).permute([r.axes.index(ax) for ax in (*progs, p, n)])
+    else:
+        h0 = None
+    P = math.prod(S)
+    if core == "triton" or (core == "auto" and use_kernels(r, plan, inputs) is None):
+        from .ssd_core import Spec, core as run_core, opd_of
+        sp = Spec(S, L, sizes[p], sizes[n], chunk, opd_of(kinds), deterministic, cache_dir)
+        y, h = run_core(sp, u, w, x, g, c, h0)
+    else:
+        lo = kinds.pop() if len(kinds) == 1 and kinds <= {torch.bfloat16, torch.float16} else None
+
+        def mm(a, b):
+            return a @ b if lo is None else (a.to(lo) @ b.to(lo)).to(cdt)
+        fl = lambda v, k: _flat(v, S, L, k)                          # noqa: E731
+        hz = (h0.reshape(P, sizes[p], sizes[n]) if h0 is not None
+              else torch.zeros(P, sizes[p], sizes[n], dtype=cdt, device=dev))
+        y, h = _torch_core(fl(u, 1), fl(w, 1), fl(x, sizes[p]), fl(g, sizes[n]),
+                           None if c is None else fl(c, sizes[n]), hz, max(1, min(chunk, L)), mm)
     outs_steps = {}
-    if c is not None:
-        c = chunks(c)
-        seg = a[..., :, None] - a[..., None, :]                       # (P, nc, Q, Q): a_t - a_s
-        causal = torch.ones(Q, Q, dtype=torch.bool, device=dev).tril()
-        decay = torch.exp(seg.masked_fill(~causal, float("-inf")))
-        y = mm(mm(c, g.transpose(-1, -2)) * decay * w[..., None, :], x)          # intra-chunk
-        H = torch.stack(starts, 1)                                               # (P, nc, p, n)
-        y = y + torch.exp(a)[..., None] * mm(c, H.transpose(-1, -2))            # carried state
-        y = y.reshape(P, nc * Q, sizes[p])[:, :L]
+    if y is not None:
+        y = y.to(cdt)
         if plan.y_scale is not None:
-            y = y * lay(plan.y_scale, p)
+            y = y * _flat(small(plan.y_scale, p), S, L, sizes[p])
         outs_steps[plan.readout] = _unlay(y, names, progs, p, sizes)
     outs = []
     for o in r.outputs:
@@ -131,6 +173,7 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK) -> list[tor
     return outs
 
 
-def ssd_backward(region: ir.Region, plan, inputs, grads, needs, chunk: int = CHUNK) -> list:
-    """Every input's gradient (None where not needed) by autograd through `ssd_outputs`."""
-    return grads_by_autograd(lambda xs: ssd_outputs(region, plan, xs, chunk), inputs, grads, needs)
+def ssd_backward(region: ir.Region, plan, inputs, grads, needs, chunk: int = CHUNK, **kw) -> list:
+    """Every input's gradient (None where not needed) by autograd through `ssd_outputs` (``kw``:
+    its core, deterministic and cache_dir)."""
+    return grads_by_autograd(lambda xs: ssd_outputs(region, plan, xs, chunk, **kw), inputs, grads, needs)

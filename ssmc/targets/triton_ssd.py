@@ -602,31 +602,39 @@ class SSDKernel(T.TritonKernel):
 
     # -- backward -------------------------------------------------------------------------------------
     _ssd_bwd: str | None = None       # "ok", or why the matmul-form backward did not run
+    _ssd_core: str | None = None      # why the core ran in torch matmuls, not ssd_core's kernels
 
     def backward(self, inputs, grads, needs):
-        """The chunked SSD's matmul form under autograd (ssd_autograd.py); the selective-scan
-        backward kernel where that fails (``backward_note()`` says which ran and why)."""
-        from .ssd_autograd import ssd_backward
+        """The chunked SSD's backward (ssd_autograd.py): the factors' expressions under autograd,
+        the core map from the factors to y and the final state as the Triton kernels of
+        ssd_core.py (in torch matmuls where they do not run); the selective-scan backward
+        kernel where that fails (``backward_note()`` says which ran and why)."""
+        from .ssd_autograd import ssd_backward, use_kernels
         if self.sizes(inputs)[1] == 0:           # nothing to chunk
             return super().backward(inputs, grads, needs)
+        self._ssd_core = use_kernels(self.region, self.plan, inputs)
         try:
-            got = ssd_backward(self.region, self.plan, inputs, grads, needs)
+            got = ssd_backward(self.region, self.plan, inputs, grads, needs,
+                               deterministic=bool(getattr(self.options, "deterministic", False)),
+                               cache_dir=getattr(self.options, "cache_dir", None))
             self._ssd_bwd = "ok"
             return got
         except Exception as e:       # e.g. out of memory: the per-element backward runs
             self._ssd_bwd = f"{type(e).__name__}: {e}"
-            log.warning("ssmc: region %s: matmul-form SSD backward failed (%s); the selective-scan "
+            log.warning("ssmc: region %s: chunked SSD backward failed (%s); the selective-scan "
                         "backward runs instead", self.region.name, self._ssd_bwd)
         return super().backward(inputs, grads, needs)
 
     def backward_note(self) -> str | None:
         from .ssd_autograd import CHUNK
         if self._ssd_bwd == "ok":
-            return (f"backward: the chunked SSD in torch matmuls under autograd, chunk {CHUNK} "
-                    f"(ssmc/targets/ssd_autograd.py)")
+            core = ("the Triton kernels of ssmc/targets/ssd_core.py" if self._ssd_core is None
+                    else f"torch matmuls ({self._ssd_core})")
+            return (f"backward: the chunked SSD, chunk {CHUNK}: factors under autograd, the core "
+                    f"map through {core} (ssmc/targets/ssd_autograd.py)")
         note = super().backward_note()
         if self._ssd_bwd is not None and note:
-            return f"{note}; the matmul-form SSD backward failed: {self._ssd_bwd}"
+            return f"{note}; the chunked SSD backward failed: {self._ssd_bwd}"
         return note
 
     # -- splitting time ---------------------------------------------------------------------------
