@@ -2,7 +2,7 @@
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
 # SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune",
-# "ncu", "decode", "bspprobe" and "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
+# "ncu", "decode", "bspprobe", "ssdcore" and "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
 #   $OUT/fuzz_gpu.json (SSMC_FUZZ_* as in tests/fuzz_harness.py; defaults below fit one call)
@@ -53,14 +53,20 @@ if [[ $STEPS == *ssdseg* ]]; then    # per table config, each count in its own p
     --baseline >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while the GPU tests run
-  python -c "from benchmarks import baselines as B; B.build_selective_scan_fwd(backward=('bf16_real', 'fp32_real'))" \
-    > "$OUT/mamba_ssm_build.log" 2>&1 & BUILD=$!
+  BUILD=
+  if [[ ${SSMC_TRAIN_WORKLOADS:-mamba1} == *mamba1* ]]; then   # Mamba-2's baseline is Triton: no build
+    python -c "from benchmarks import baselines as B; B.build_selective_scan_fwd(backward=('bf16_real', 'fp32_real'))" \
+      > "$OUT/mamba_ssm_build.log" 2>&1 & BUILD=$!
+  fi
   echo "== tests/test_triton_bwd.py" >> "$LOG"
   timeout ${SSMC_TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_bwd.py \
     -k "${SSMC_TRAIN_K:-gpu}" 2>&1 | tail -15 >> "$LOG"
-  wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"
+  if [[ -n $BUILD ]]; then wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"; fi
   timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline --configs \
-    --workloads "${SSMC_TRAIN_WORKLOADS:-mamba1,mamba2}" --targets "${SSMC_TRAIN_TARGETS:-triton,auto}" >> "$LOG" 2>&1
+    --workloads "${SSMC_TRAIN_WORKLOADS:-mamba1,mamba2}" --targets "${SSMC_TRAIN_TARGETS:-triton,auto}" ${SSMC_TRAIN_FLAGS:-} >> "$LOG" 2>&1
+fi
+if [[ $STEPS == *ssdcore* ]]; then   # the chunked SSD core's training kernels alone, per tile config
+  timeout ${SSMC_SSDCORE_TIMEOUT:-240} python -m benchmarks.probe_ssd_core --out "$OUT/h200_ssd_core.json" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *ncu* ]]; then      # hardware counters of the Mamba-1 region's default pick per target, L4096
   for t in ${SSMC_NCU_TARGETS:-cuda triton}; do

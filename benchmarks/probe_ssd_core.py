@@ -1,0 +1,103 @@
+"""The chunked SSD core's Triton kernels (ssmc/targets/ssd_core.py) alone, per tile config.
+
+Factors laid out as a Mamba-2 call at b8 L4096 h24 p64 n128 hands them over (fp32, permuted views
+of (b, L, h, .) tensors, B and C shared by the heads), checked first against the torch matmul
+form in float64 at L 512; then do_bench medians of the forward (chunk states + outputs) and the
+backward (end-state gradients + per-chunk gradients) for each config of one kernel at a time,
+the others at their defaults, atomic and deterministic.
+
+    python -m benchmarks.probe_ssd_core --out ssd_core.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_gpu import bench, env_info, rel
+from ssmc.targets import ssd_core
+from ssmc.targets.ssd_autograd import _flat, _torch_core
+
+SHAPE = dict(b=8, L=4096, h=24, p=64, n=128)
+VARIANTS = {
+    "chunk_bwd": [{"BLOCK_P": bp, "num_warps": w} for bp in (16, 32, 64) for w in (4, 8)],
+    "chunk_fwd": [{"BLOCK_P": bp, "num_warps": w} for bp in (32, 64) for w in (4, 8)],
+    "states": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn in ((32, 32), (64, 32), (32, 64), (64, 64))
+               for w in (4, 8)],
+}
+
+
+def factors(b, L, h, p, n, dev, dtype=torch.float32, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dev)            # noqa: E731
+    dt = torch.nn.functional.softplus(r(b, L, h) - 1)
+    A = -torch.rand(h, generator=g).to(dev) - 0.5
+    u = (dt * A).permute(0, 2, 1)[..., None]                       # (b, h, L, 1)
+    w = dt.permute(0, 2, 1)[..., None]
+    x = r(b, L, h, p).permute(0, 2, 1, 3)                           # (b, h, L, p)
+    B = r(b, L, n)[:, None]                                         # (b, 1, L, n)
+    C = r(b, L, n)[:, None]
+    dy = r(b * h, L, p) / 16
+    return [t.to(dtype) for t in (u, w, x, B, C)], dy.to(dtype)
+
+
+def check(dev) -> dict:
+    sh = dict(SHAPE, L=512)
+    (u, w, x, g, c), dy = factors(**sh, dev=dev, seed=1)
+    S, L, p, n = (sh["b"], sh["h"]), sh["L"], sh["p"], sh["n"]
+    sp = ssd_core.Spec(S, L, p, n, 64, "tl.float32", False)
+    ins = [t.detach().requires_grad_(True) for t in (u, w, x, g, c)]
+    y, hl = ssd_core.core(sp, *ins, None)
+    dh = torch.randn_like(hl)
+    got = torch.autograd.grad((y, hl), ins, (dy, dh))
+    i64 = [t.detach().double().requires_grad_(True) for t in (u, w, x, g, c)]
+    fl = [_flat(t, S, L, k) for t, k in zip(i64, (1, 1, p, n, n))]
+    P = S[0] * S[1]
+    y64, h64 = _torch_core(*fl, torch.zeros(P, p, n, dtype=torch.float64, device=dev), 64, lambda a, b: a @ b)
+    want = torch.autograd.grad((y64, h64), i64, (dy.double(), dh.double()))
+    out = {"y": rel(y, y64), "h_final": rel(hl, h64)}
+    out.update({f"d{k}": rel(a, b) for k, a, b in zip("uwxgc", got, want)})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = "cuda"
+    res = {"env": env_info(), "shape": SHAPE, "check_fp32_vs_fp64_L512": check(dev)}
+    print(res["check_fp32_vs_fp64_L512"], flush=True)
+    (u, w, x, g, c), dy = factors(**SHAPE, dev=dev)
+    S, L, p, n = (SHAPE["b"], SHAPE["h"]), SHAPE["L"], SHAPE["p"], SHAPE["n"]
+    default = copy.deepcopy(ssd_core.CONFIG)
+    rows = []
+    for opd in ("tl.bfloat16", "tl.float32"):
+        for det in (False, True):
+            sp = ssd_core.Spec(S, L, p, n, 64, opd, det)
+            for kern, cfgs in VARIANTS.items():
+                for cfg in cfgs:
+                    if (opd != "tl.bfloat16" or det) and cfg != {k: default[kern][k] for k in cfg}:
+                        continue                      # fp32 and deterministic: the defaults only
+                    ssd_core.CONFIG.clear()
+                    ssd_core.CONFIG.update(copy.deepcopy(default))
+                    ssd_core.CONFIG[kern].update(cfg)
+                    row = {"opd": opd, "deterministic": det, "kernel": kern, **cfg}
+                    try:
+                        y, hl, H = ssd_core._forward(sp, u, w, x, g, c, None)
+                        row["fwd_ms"] = bench(lambda: ssd_core._forward(sp, u, w, x, g, c, None))
+                        row["bwd_ms"] = bench(lambda: ssd_core._backward(sp, u, w, x, g, c, H, dy, None))
+                    except Exception as e:
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    print(row, flush=True)
+                    rows.append(row)
+    ssd_core.CONFIG.clear()
+    ssd_core.CONFIG.update(default)
+    res["rows"] = rows
+    Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
