@@ -1,8 +1,8 @@
 """The chunked SSD core's Triton kernels (ssmc/targets/ssd_core.py) alone, per tile config.
 
-Factors laid out as a Mamba-2 call at b8 L4096 h24 p64 n128 hands them over (fp32, permuted views
-of (b, L, h, .) tensors, B and C shared by the heads), checked first against the torch matmul
-form in float64 at L 512; then do_bench medians of the forward (chunk states + outputs) and the
+Factors laid out as a bf16 Mamba-2 call at b8 L4096 h24 p64 n128 hands them over (u = dt A in
+fp32; dt, x, B, C the bf16 inputs as they are: permuted views of (b, L, h, .) tensors, B and C
+shared by the heads), checked first (all fp32) against the torch matmul form in float64 at L 512; then do_bench medians of the forward (chunk states + outputs) and the
 backward (end-state gradients + per-chunk gradients) for each config of one kernel at a time,
 the others at their defaults, atomic and deterministic.
 
@@ -23,14 +23,18 @@ from ssmc.targets.ssd_autograd import _flat, _torch_core
 
 SHAPE = dict(b=8, L=4096, h=24, p=64, n=128)
 VARIANTS = {
-    "chunk_bwd": [{"BLOCK_P": bp, "num_warps": w} for bp in (16, 32, 64) for w in (4, 8)],
-    "chunk_fwd": [{"BLOCK_P": bp, "num_warps": w} for bp in (32, 64) for w in (4, 8)],
-    "states": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn in ((32, 32), (64, 32), (32, 64), (64, 64))
-               for w in (4, 8)],
+    "bwd_dbc": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn, w in
+                ((32, 64, 8), (32, 64, 4), (16, 64, 4), (16, 32, 4), (32, 32, 4), (16, 32, 8), (64, 64, 8),
+                 (32, 128, 8))],
+    "bwd_dx": [{"BLOCK_P": bp, "num_warps": w} for bp in (32, 64) for w in (4, 8)],
+    "chunk_fwd": [{"BLOCK_P": bp, "num_warps": w} for bp, w in ((64, 4), (64, 8), (32, 4))],
+    "chunk_state": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn, w in
+                    ((64, 128, 4), (64, 128, 8), (64, 64, 4), (32, 128, 4))],
+    "pass": [{"BLOCK": bl, "num_warps": w} for bl, w in ((1024, 4), (512, 4), (2048, 8), (256, 2))],
 }
 
 
-def factors(b, L, h, p, n, dev, dtype=torch.float32, seed=0):
+def factors(b, L, h, p, n, dev, dtype=torch.float32, seed=0, raw=torch.bfloat16):
     g = torch.Generator(device="cpu").manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g).to(dev)            # noqa: E731
     dt = torch.nn.functional.softplus(r(b, L, h) - 1)
@@ -41,12 +45,13 @@ def factors(b, L, h, p, n, dev, dtype=torch.float32, seed=0):
     B = r(b, L, n)[:, None]                                         # (b, 1, L, n)
     C = r(b, L, n)[:, None]
     dy = r(b * h, L, p) / 16
-    return [t.to(dtype) for t in (u, w, x, B, C)], dy.to(dtype)
+    # as a bf16 Mamba-2 call hands them over: u computed in fp32, the others the inputs as they are
+    return [u.to(dtype)] + [t.to(raw) for t in (w, x, B, C)], dy.to(dtype)
 
 
 def check(dev) -> dict:
     sh = dict(SHAPE, L=512)
-    (u, w, x, g, c), dy = factors(**sh, dev=dev, seed=1)
+    (u, w, x, g, c), dy = factors(**sh, dev=dev, seed=1, raw=torch.float32)
     S, L, p, n = (sh["b"], sh["h"]), sh["L"], sh["p"], sh["n"]
     sp = ssd_core.Spec(S, L, p, n, 64, "tl.float32", False)
     ins = [t.detach().requires_grad_(True) for t in (u, w, x, g, c)]
@@ -86,9 +91,9 @@ def main():
                     ssd_core.CONFIG[kern].update(cfg)
                     row = {"opd": opd, "deterministic": det, "kernel": kern, **cfg}
                     try:
-                        y, hl, H = ssd_core._forward(sp, u, w, x, g, c, None)
+                        y, hl, H, A = ssd_core._forward(sp, u, w, x, g, c, None)
                         row["fwd_ms"] = bench(lambda: ssd_core._forward(sp, u, w, x, g, c, None))
-                        row["bwd_ms"] = bench(lambda: ssd_core._backward(sp, u, w, x, g, c, H, dy, None))
+                        row["bwd_ms"] = bench(lambda: ssd_core._backward(sp, u, w, x, g, c, H, A, dy, None))
                     except Exception as e:
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(row, flush=True)

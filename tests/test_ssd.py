@@ -455,8 +455,8 @@ def test_ssd_core_kernels_bf16_and_deterministic(interp):
     seen = []
     orig = ssd_core._grad_buffer
 
-    def spy(t, full, det):
-        got = orig(t, full, det)
+    def spy(t, full, det, **kw):
+        got = orig(t, full, det, **kw)
         seen.append((det, got[1], tuple(got[0].shape) != tuple(t.shape)))
         return got
     import unittest.mock
@@ -470,23 +470,63 @@ def test_ssd_core_kernels_bf16_and_deterministic(interp):
         assert rel_err(a, b) <= 1e-6
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_ssd_core_blocks_of_n_and_p_add_up(deterministic, interp, monkeypatch):
+    """Tiles smaller than the state (n 40 in blocks of 16, p 24 in blocks of 16, so partial
+    blocks): du and dw summed over the blocks of n (atomically; deterministic mode takes n whole),
+    B and C shared by the heads, a time-constant x scale; against the torch matmul form in float64."""
+    from ssmc.targets import ssd_core
+    from ssmc.targets.ssd_autograd import _flat, _torch_core
+    for k in ssd_core.CONFIG:
+        monkeypatch.setitem(ssd_core.CONFIG, k, {**ssd_core.CONFIG[k], **{b: 16 for b in ("BLOCK_P", "BLOCK_N")
+                                                                          if b in ssd_core.CONFIG[k]}})
+    monkeypatch.setitem(ssd_core.CONFIG, "pass", {"BLOCK": 128, "num_warps": 4})
+    gen = torch.Generator().manual_seed(11)
+    b, h, L, p, n = 2, 3, 37, 24, 40
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)          # noqa: E731
+    dt = F.softplus(r(b, h, L, 1))
+    f64 = [dt * -torch.rand(1, h, 1, 1, generator=gen, dtype=torch.float64), dt, r(b, h, 1, p),
+           r(b, 1, L, n), r(b, 1, L, n)]
+    h0 = r(b, h, p, n)
+    sp = ssd_core.Spec((b, h), L, p, n, 16, "tl.float32", deterministic)
+    ins = [t.float().requires_grad_(True) for t in (*f64, h0)]
+    y, hl = ssd_core.core(sp, *ins)
+    dy, dh = r(b * h, L, p), r(b * h, p, n)
+    got = torch.autograd.grad((y, hl), ins, (dy.float(), dh.float()))
+    i64 = [t.detach().requires_grad_(True) for t in (*f64, h0)]
+    fl = [_flat(t, (b, h), L, k) for t, k in zip(i64[:5], (1, 1, p, n, n))]
+    y64, h64 = _torch_core(*fl, i64[5].reshape(b * h, p, n), 16, lambda a, c: a @ c)
+    assert rel_err(y, y64) <= 2e-6 and rel_err(hl, h64) <= 2e-6
+    want = torch.autograd.grad((y64, h64), i64, (dy, dh))
+    for name, a, w in zip(("u", "w", "x", "g", "c", "h0"), got, want):
+        assert a.shape == w.shape and rel_err(a, w) <= 5e-6, (name, rel_err(a, w))
+
+
 @pytest.mark.parametrize("cc", [80, 90])
 def test_ssd_core_kernels_compile_for_sm80_sm90(cc, monkeypatch, tmp_path):
-    """The core's four kernels compile for sm_80 and sm_90 at the Mamba-2 shape (p 64, n 128,
-    bf16 dots), their matmuls on tensor cores."""
+    """The core's kernels compile for sm_80 and sm_90 at the Mamba-2 shape (p 64, n 128, bf16
+    dots), their matmuls on tensor cores."""
     from triton.backends.compiler import GPUTarget
     from ssmc.targets import ssd_core
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     mod = ssd_core._module("tl.bfloat16", 2, str(tmp_path))
-    st, fw, bw = (ssd_core.CONFIG[k] for k in ("states", "chunk_fwd", "chunk_bwd"))
+    C = ssd_core.CONFIG
     flags = {f"ATOMIC_{k}": k in "GC" for k in "UWXGC"}
+    dbc = C["bwd_dbc"]
     kernels = {
-        "ssd_states": ({"HAS_H0": True, "BLOCK_P": st["BLOCK_P"], "BLOCK_N": st["BLOCK_N"]}, st),
-        "ssd_chunk_fwd": ({"BLOCK_P": fw["BLOCK_P"], "BLOCK_N": 128}, fw),
-        "ssd_dstates": ({"HAS_DHL": True, "BLOCK_P": st["BLOCK_P"], "BLOCK_N": st["BLOCK_N"]}, st),
-        "ssd_chunk_bwd": ({"BLOCK_P": bw["BLOCK_P"], "BLOCK_N": 128, "NPB": 64 // bw["BLOCK_P"], **flags}, bw),
+        "ssd_chunk_state": ({"BLOCK_P": C["chunk_state"]["BLOCK_P"], "BLOCK_N": C["chunk_state"]["BLOCK_N"]}, C["chunk_state"]),
+        "ssd_chunk_dstate": ({"BLOCK_P": C["chunk_state"]["BLOCK_P"], "BLOCK_N": C["chunk_state"]["BLOCK_N"]}, C["chunk_state"]),
+        "ssd_chunk_fwd": ({"BLOCK_P": C["chunk_fwd"]["BLOCK_P"], "BLOCK_N": 128}, C["chunk_fwd"]),
+        "ssd_bwd_dx": ({"BLOCK_P": C["bwd_dx"]["BLOCK_P"], "BLOCK_N": 128, "ATOMIC_X": False}, C["bwd_dx"]),
+        "ssd_bwd_dbc": ({"BLOCK_P": dbc["BLOCK_P"], "BLOCK_N": dbc["BLOCK_N"], "NPB": 64 // dbc["BLOCK_P"],
+                         **{k: v for k, v in flags.items() if k != "ATOMIC_X"}}, dbc),
     }
+    ck = triton.compile(ast_source(mod.ssd_pass, {a: "constexpr" if a in ("HAS_H0", "REVERSE", "BLOCK") else
+                                                  "*fp32" if a.endswith("_ptr") else "i32" for a in mod.ssd_pass.arg_names},
+                                   {"HAS_H0": True, "REVERSE": True, "BLOCK": C["pass"]["BLOCK"]}),
+                        target=GPUTarget("cuda", cc, 32), options={"num_warps": C["pass"]["num_warps"]})
+    assert f".target sm_{cc}" in ck.asm["ptx"] and ck.asm.get("cubin")
     for name, (cx, cfg) in kernels.items():
         fn = getattr(mod, name)
         cx = {**cx, "CHUNK": 64, "DOT_UP": False}

@@ -129,8 +129,15 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str =
     S = tuple(sizes[a] for a in progs)
     ev = Evaluator(r, inputs, 0, L, cdt)
     small = lambda e, last: _small(ev.eval(e).to(cdt), names, progs, last)   # noqa: E731
-    u, w, x, g = small(plan.log_decay, None), small(plan.w, None), small(plan.x, p), small(plan.g, n)
-    c = small(plan.c, n) if plan.readout is not None else None
+    kernels = core == "triton" or (core == "auto" and use_kernels(r, plan, inputs) is None)
+
+    def factor(e, last):
+        # on the kernels' path a factor that is one input read as is keeps its dtype (no fp32 copy)
+        if kernels and isinstance(e, ir.Load) and inputs[e.input].is_floating_point():
+            return _small(ev.view_of(inputs[e.input], e), names, progs, last)
+        return small(e, last)
+    u, w, x, g = small(plan.log_decay, None), factor(plan.w, None), factor(plan.x, p), factor(plan.g, n)
+    c = factor(plan.c, n) if plan.readout is not None else None
     used = {ld.input for e in (plan.x, plan.g, plan.c) if e is not None for ld in ir.loads(e)}
     kinds = {inputs[i].dtype for i in used if inputs[i].is_floating_point()}
     if r.init is not None:
@@ -138,7 +145,7 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str =
     else:
         h0 = None
     P = math.prod(S)
-    if core == "triton" or (core == "auto" and use_kernels(r, plan, inputs) is None):
+    if kernels:
         from .ssd_core import Spec, core as run_core, opd_of
         sp = Spec(S, L, sizes[p], sizes[n], chunk, opd_of(kinds), deterministic, cache_dir)
         y, h = run_core(sp, u, w, x, g, c, h0)

@@ -5,8 +5,9 @@
 for every index of the program axes. ssd_autograd.py evaluates the region's factors (u, w, x, g,
 c from its `SSDPlan`) in torch and calls `core` here; autograd then carries du ... dc back through
 the factor expressions to the region's inputs. The kernels (templates/triton/ssd_core.py.j2):
-the chunk-start states (sequential over chunks, parallel over (p, n) blocks), the outputs per
-chunk, the end-state gradients (the same walk in reverse) and every gradient per chunk. Memory:
+each chunk's own end state (all chunks at once), the chunk-start states (an elementwise walk over
+chunks), the outputs per chunk; backward, the end-state gradients the same two ways in reverse,
+then dx per chunk and block of p, and dg, dc, du, dw per chunk and block of n. Memory:
 two fp32 (P, chunks, p, n) state buffers, nothing of size (P, L, p, n).
 
 A factor is passed in its own shape, (program axes or 1, L or 1, p / n or 1), and read through
@@ -24,10 +25,11 @@ from . import triton as T
 TEMPLATE = "triton/ssd_core.py.j2"
 LOG2E = 1.4426950408889634
 # tile sizes and warps per kernel (p, n rounded up to powers of two, at least 16: tl.dot's minimum)
-CONFIG = {"states": {"BLOCK_P": 32, "BLOCK_N": 32, "num_warps": 4},
+CONFIG = {"chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
+          "pass": {"BLOCK": 1024, "num_warps": 4},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
-          "chunk_bwd": {"BLOCK_P": 32, "num_warps": 8}}
-
+          "bwd_dx": {"BLOCK_P": 64, "num_warps": 8},
+          "bwd_dbc": {"BLOCK_P": 32, "BLOCK_N": 64, "num_warps": 8}}
 
 def opd_of(dtypes) -> str:
     """The dots' operand type: the inputs' 16-bit type when x, g and c all come from one, else fp32."""
@@ -84,30 +86,46 @@ class Spec:
         return kw
 
 
+def _none_args(sp: Spec, like: torch.Tensor) -> list:
+    return [like, *([0] * (len(sp.S) + 2))]
+
+
+def _pass(sp: Spec, buf, A, init, reverse: bool, dot_up: bool):
+    """ssd_pass over buf in place; returns the last carried value (P, p, n) fp32."""
+    out = torch.empty(sp.P, sp.p, sp.n, device=buf.device, dtype=torch.float32)
+    cf = CONFIG["pass"]
+    BLOCK = min(cf["BLOCK"], _p2(sp.p * sp.n))
+    sp.mod.ssd_pass[(sp.P, -(-(sp.p * sp.n) // BLOCK))](
+        buf, A, *(_args(init) if init is not None else _none_args(sp, buf)), out, *sp.S, sp.NC, sp.p,
+        sp.n, HAS_H0=init is not None, REVERSE=reverse, BLOCK=BLOCK,
+        **({"num_warps": cf["num_warps"]} if buf.device.type == "cuda" else {}))
+    return out
+
+
 def _forward(sp: Spec, u, w, x, g, c, h0):
     dev = x.device
     dot_up = dev.type != "cuda" and sp.opd != "tl.float32"
     H = torch.empty(sp.P, sp.NC, sp.p, sp.n, device=dev, dtype=torch.float32)
-    hl = torch.empty(sp.P, sp.p, sp.n, device=dev, dtype=torch.float32)
-    cf = CONFIG["states"]
+    A = torch.empty(sp.P, sp.NC, device=dev, dtype=torch.float32)
+    cf = CONFIG["chunk_state"]
     BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
-    grid = (sp.P, -(-sp.p // BP), -(-sp.n // BN))
-    h0a = _args(h0) if h0 is not None else [H, *([0] * (len(sp.S) + 2))]
-    sp.mod.ssd_states[grid](*_args(u), *_args(w), *_args(x), *_args(g), *h0a, H, hl, *sp.S, sp.L,
-                            sp.NC, sp.p, sp.n, HAS_H0=h0 is not None, CHUNK=sp.chunk, BLOCK_P=BP,
-                            BLOCK_N=BN, **sp.launch_kw(dev, cf["num_warps"], dot_up))
+    sp.mod.ssd_chunk_state[(sp.P, sp.NC, -(-sp.p // BP) * -(-sp.n // BN))](
+        *_args(u), *_args(w), *_args(x), *_args(g), H, A, *sp.S, sp.L, sp.NC, sp.p, sp.n,
+        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **sp.launch_kw(dev, cf["num_warps"], dot_up))
+    hl = _pass(sp, H, A, h0, False, dot_up)
     y = torch.empty(sp.P, sp.L, sp.p, device=dev, dtype=torch.float32)
     cf = CONFIG["chunk_fwd"]
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
     sp.mod.ssd_chunk_fwd[(sp.P, sp.NC, -(-sp.p // BP))](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), H, y, *sp.S, sp.L, sp.NC, sp.p, sp.n,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=_p2(sp.n), **sp.launch_kw(dev, cf["num_warps"], dot_up))
-    return y, hl, H
+    return y, hl, H, A
 
 
-def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool):
-    """(buffer the kernel writes, atomic?, how to turn the buffer into t's gradient)."""
-    if not _aliased(t, full):
+def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool, partial: bool = False):
+    """(buffer the kernel writes, atomic?, how to turn the buffer into t's gradient). ``partial``:
+    several programs add shares to one element (blocks of n; never in deterministic mode)."""
+    if not _aliased(t, full) and not partial:
         return torch.empty(t.shape, device=t.device, dtype=torch.float32), False, lambda b: b
     if not deterministic:
         return torch.zeros(t.shape, device=t.device, dtype=torch.float32), True, lambda b: b
@@ -116,34 +134,39 @@ def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool):
     return buf, False, lambda b: b.sum(dims, keepdim=True)
 
 
-def _backward(sp: Spec, u, w, x, g, c, H, dy, dhl):
+def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
     dev = x.device
     dot_up = dev.type != "cuda" and sp.opd != "tl.float32"
+    kw = lambda cf: sp.launch_kw(dev, cf["num_warps"], dot_up)        # noqa: E731
     dy = dy.to(torch.float32).reshape(*sp.S, sp.L, sp.p)
-    dE = torch.empty_like(H)
-    dh0 = torch.empty(sp.P, sp.p, sp.n, device=dev, dtype=torch.float32)
-    cf = CONFIG["states"]
-    BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
-    dhla = [H, *([0] * (len(sp.S) + 2))]
     if dhl is not None:
         dhl = dhl.to(torch.float32).reshape(*sp.S, sp.p, sp.n)
-        dhla = _args(dhl)
-    sp.mod.ssd_dstates[(sp.P, -(-sp.p // BP), -(-sp.n // BN))](
-        *_args(u), *_args(dy), *_args(c), *dhla, dE, dh0, *sp.S, sp.L, sp.NC, sp.p, sp.n,
-        HAS_DHL=dhl is not None, CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN,
-        **sp.launch_kw(dev, cf["num_warps"], dot_up))
+    dE = torch.empty_like(H)
+    cf = CONFIG["chunk_state"]
+    BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
+    sp.mod.ssd_chunk_dstate[(sp.P, sp.NC, -(-sp.p // BP) * -(-sp.n // BN))](
+        *_args(u), *_args(dy), *_args(c), dE, *sp.S, sp.L, sp.NC, sp.p, sp.n,
+        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **kw(cf))
+    dh0 = _pass(sp, dE, A, dhl, True, dot_up)
     fulls = {"u": (*sp.S, sp.L, 1), "w": (*sp.S, sp.L, 1), "x": (*sp.S, sp.L, sp.p),
              "g": (*sp.S, sp.L, sp.n), "c": (*sp.S, sp.L, sp.n)}
-    bufs = {k: _grad_buffer(t, fulls[k], sp.deterministic)
+    cf = CONFIG["bwd_dbc"]
+    BN = _p2(sp.n) if sp.deterministic else _p2(sp.n, hi=cf["BLOCK_N"])
+    NB = -(-sp.n // BN)
+    bufs = {k: _grad_buffer(t, fulls[k], sp.deterministic, partial=NB > 1 and k in "uw")
             for k, t in zip(fulls, (u, w, x, g, c))}
-    cf = CONFIG["chunk_bwd"]
+    cx = CONFIG["bwd_dx"]
+    BPx = _p2(sp.p, hi=cx["BLOCK_P"])
+    sp.mod.ssd_bwd_dx[(sp.P, sp.NC, -(-sp.p // BPx))](
+        *_args(u), *_args(w), *_args(g), *_args(c), *_args(dy), dE, *_args(bufs["x"][0]),
+        *sp.S, sp.L, sp.NC, sp.p, sp.n, ATOMIC_X=bufs["x"][1], CHUNK=sp.chunk, BLOCK_P=BPx,
+        BLOCK_N=_p2(sp.n), **kw(cx))
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
-    sp.mod.ssd_chunk_bwd[(sp.P, sp.NC)](
+    sp.mod.ssd_bwd_dbc[(sp.P, sp.NC, NB)](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), *_args(dy), H, dE,
-        *(a for k in fulls for a in _args(bufs[k][0])), *sp.S, sp.L, sp.NC, sp.p, sp.n,
-        **{f"ATOMIC_{k.upper()}": bufs[k][1] for k in fulls},
-        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=_p2(sp.n), NPB=-(-sp.p // BP),
-        **sp.launch_kw(dev, cf["num_warps"], dot_up))
+        *(a for k in "uwgc" for a in _args(bufs[k][0])), *sp.S, sp.L, sp.NC, sp.p, sp.n,
+        **{f"ATOMIC_{k.upper()}": bufs[k][1] for k in "uwgc"},
+        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, NPB=-(-sp.p // BP), **kw(cf))
     grads = [bufs[k][2](bufs[k][0]) for k in fulls]
     return grads, dh0
 
@@ -151,18 +174,18 @@ def _backward(sp: Spec, u, w, x, g, c, H, dy, dhl):
 class _Core(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sp: Spec, u, w, x, g, c, h0):
-        y, hl, H = _forward(sp, u, w, x, g, c, h0)
+        y, hl, H, A = _forward(sp, u, w, x, g, c, h0)
         ctx.sp, ctx.has_h0 = sp, h0 is not None
-        ctx.save_for_backward(u, w, x, g, c, H)
+        ctx.save_for_backward(u, w, x, g, c, H, A)
         return y, hl
 
     @staticmethod
     def backward(ctx, dy, dhl):
-        u, w, x, g, c, H = ctx.saved_tensors
+        u, w, x, g, c, H, A = ctx.saved_tensors
         sp = ctx.sp
         if dy is None:
             dy = torch.zeros(sp.P, sp.L, sp.p, device=x.device, dtype=torch.float32)
-        (du, dw, dx, dg, dc), dh0 = _backward(sp, u, w, x, g, c, H, dy, dhl)
+        (du, dw, dx, dg, dc), dh0 = _backward(sp, u, w, x, g, c, H, A, dy, dhl)
         dh0 = dh0.reshape(*sp.S, sp.p, sp.n) if ctx.has_h0 else None
         return None, du, dw, dx, dg, dc, dh0
 
