@@ -24,13 +24,11 @@ from ssmc.targets.ssd_autograd import _flat, _torch_core
 SHAPE = dict(b=8, L=4096, h=24, p=64, n=128)
 VARIANTS = {
     "bwd_dbc": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn, w in
-                ((32, 64, 8), (32, 64, 4), (16, 64, 4), (16, 32, 4), (32, 32, 4), (16, 32, 8), (64, 64, 8),
-                 (32, 128, 8))],
-    "bwd_dx": [{"BLOCK_P": bp, "num_warps": w} for bp in (32, 64) for w in (4, 8)],
-    "chunk_fwd": [{"BLOCK_P": bp, "num_warps": w} for bp, w in ((64, 4), (64, 8), (32, 4))],
-    "chunk_state": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn, w in
-                    ((64, 128, 4), (64, 128, 8), (64, 64, 4), (32, 128, 4))],
-    "pass": [{"BLOCK": bl, "num_warps": w} for bl, w in ((1024, 4), (512, 4), (2048, 8), (256, 2))],
+                ((32, 64, 4), (16, 64, 4), (32, 32, 4), (64, 64, 4), (32, 64, 8), (16, 32, 4))],
+    "bwd_dx": [{"BLOCK_P": bp, "num_warps": w} for bp, w in ((64, 8), (64, 4), (32, 4))],
+    "chunk_fwd": [{"BLOCK_P": bp, "num_warps": w} for bp, w in ((64, 4), (32, 4))],
+    "chunk_state": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn, w in ((64, 128, 4), (64, 64, 4))],
+    "pass": [{"BLOCK": bl, "num_warps": w} for bl, w in ((256, 2), (512, 4), (1024, 4), (128, 1))],
 }
 
 

@@ -110,6 +110,10 @@ def use_kernels(region: ir.Region, plan, inputs) -> str | None:
         return f"triton {T._TRITON_VERSION}"
     if compute_dtype(region, inputs) != torch.float32:
         return f"compute dtype {compute_dtype(region, inputs)} (the kernels run fp32)"
+    sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(region.axes, region.axis_size)}
+    P = math.prod(sizes[a] for a in plan.programs)
+    if P > 65535:
+        return f"{P} program indices (grid axis 1 holds at most 65535)"
     return None
 
 

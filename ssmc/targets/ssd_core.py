@@ -26,10 +26,10 @@ TEMPLATE = "triton/ssd_core.py.j2"
 LOG2E = 1.4426950408889634
 # tile sizes and warps per kernel (p, n rounded up to powers of two, at least 16: tl.dot's minimum)
 CONFIG = {"chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
-          "pass": {"BLOCK": 1024, "num_warps": 4},
+          "pass": {"BLOCK": 256, "num_warps": 2},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
           "bwd_dx": {"BLOCK_P": 64, "num_warps": 8},
-          "bwd_dbc": {"BLOCK_P": 32, "BLOCK_N": 64, "num_warps": 8}}
+          "bwd_dbc": {"BLOCK_P": 32, "BLOCK_N": 64, "num_warps": 4}}
 
 def opd_of(dtypes) -> str:
     """The dots' operand type: the inputs' 16-bit type when x, g and c all come from one, else fp32."""
@@ -77,6 +77,8 @@ class Spec:
         self.P = math.prod(self.S)
         self.NC = -(-L // chunk)
         self.opd, self.deterministic = opd, deterministic
+        # the chunk states between the kernels: the dots' operand type (they read them as that)
+        self.state_dtype = {"tl.bfloat16": torch.bfloat16, "tl.float16": torch.float16}.get(opd, torch.float32)
         self.mod = _module(opd, len(self.S), cache_dir)
 
     def launch_kw(self, device, warps: int, dot_up: bool) -> dict:
@@ -105,18 +107,18 @@ def _pass(sp: Spec, buf, A, init, reverse: bool, dot_up: bool):
 def _forward(sp: Spec, u, w, x, g, c, h0):
     dev = x.device
     dot_up = dev.type != "cuda" and sp.opd != "tl.float32"
-    H = torch.empty(sp.P, sp.NC, sp.p, sp.n, device=dev, dtype=torch.float32)
+    H = torch.empty(sp.P, sp.NC, sp.p, sp.n, device=dev, dtype=sp.state_dtype)
     A = torch.empty(sp.P, sp.NC, device=dev, dtype=torch.float32)
     cf = CONFIG["chunk_state"]
     BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
-    sp.mod.ssd_chunk_state[(sp.P, sp.NC, -(-sp.p // BP) * -(-sp.n // BN))](
+    sp.mod.ssd_chunk_state[(sp.NC, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
         *_args(u), *_args(w), *_args(x), *_args(g), H, A, *sp.S, sp.L, sp.NC, sp.p, sp.n,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **sp.launch_kw(dev, cf["num_warps"], dot_up))
     hl = _pass(sp, H, A, h0, False, dot_up)
     y = torch.empty(sp.P, sp.L, sp.p, device=dev, dtype=torch.float32)
     cf = CONFIG["chunk_fwd"]
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
-    sp.mod.ssd_chunk_fwd[(sp.P, sp.NC, -(-sp.p // BP))](
+    sp.mod.ssd_chunk_fwd[(sp.NC, sp.P, -(-sp.p // BP))](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), H, y, *sp.S, sp.L, sp.NC, sp.p, sp.n,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=_p2(sp.n), **sp.launch_kw(dev, cf["num_warps"], dot_up))
     return y, hl, H, A
@@ -144,7 +146,7 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
     dE = torch.empty_like(H)
     cf = CONFIG["chunk_state"]
     BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
-    sp.mod.ssd_chunk_dstate[(sp.P, sp.NC, -(-sp.p // BP) * -(-sp.n // BN))](
+    sp.mod.ssd_chunk_dstate[(sp.NC, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
         *_args(u), *_args(dy), *_args(c), dE, *sp.S, sp.L, sp.NC, sp.p, sp.n,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **kw(cf))
     dh0 = _pass(sp, dE, A, dhl, True, dot_up)
@@ -157,12 +159,12 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
             for k, t in zip(fulls, (u, w, x, g, c))}
     cx = CONFIG["bwd_dx"]
     BPx = _p2(sp.p, hi=cx["BLOCK_P"])
-    sp.mod.ssd_bwd_dx[(sp.P, sp.NC, -(-sp.p // BPx))](
+    sp.mod.ssd_bwd_dx[(sp.NC, sp.P, -(-sp.p // BPx))](
         *_args(u), *_args(w), *_args(g), *_args(c), *_args(dy), dE, *_args(bufs["x"][0]),
         *sp.S, sp.L, sp.NC, sp.p, sp.n, ATOMIC_X=bufs["x"][1], CHUNK=sp.chunk, BLOCK_P=BPx,
         BLOCK_N=_p2(sp.n), **kw(cx))
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
-    sp.mod.ssd_bwd_dbc[(sp.P, sp.NC, NB)](
+    sp.mod.ssd_bwd_dbc[(sp.NC, sp.P, NB)](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), *_args(dy), H, dE,
         *(a for k in "uwgc" for a in _args(bufs[k][0])), *sp.S, sp.L, sp.NC, sp.p, sp.n,
         **{f"ATOMIC_{k.upper()}": bufs[k][1] for k in "uwgc"},
