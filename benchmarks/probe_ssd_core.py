@@ -42,7 +42,7 @@ def factors(b, L, h, p, n, dev, dtype=torch.float32, seed=0, raw=torch.bfloat16)
     x = r(b, L, h, p).permute(0, 2, 1, 3)                           # (b, h, L, p)
     B = r(b, L, n)[:, None]                                         # (b, 1, L, n)
     C = r(b, L, n)[:, None]
-    dy = r(b * h, L, p) / 16
+    dy = r(b, h, L, p) / 16
     # as a bf16 Mamba-2 call hands them over: u computed in fp32, the others the inputs as they are
     return [u.to(dtype)] + [t.to(raw) for t in (w, x, B, C)], dy.to(dtype)
 
@@ -55,13 +55,13 @@ def check(dev) -> dict:
     ins = [t.detach().requires_grad_(True) for t in (u, w, x, g, c)]
     y, hl = ssd_core.core(sp, *ins, None)
     dh = torch.randn_like(hl)
-    got = torch.autograd.grad((y, hl), ins, (dy, dh))
+    got = torch.autograd.grad((y, hl), ins, (dy.reshape(y.shape), dh))
     i64 = [t.detach().double().requires_grad_(True) for t in (u, w, x, g, c)]
     fl = [_flat(t, S, L, k) for t, k in zip(i64, (1, 1, p, n, n))]
     P = S[0] * S[1]
     y64, h64 = _torch_core(*fl, torch.zeros(P, p, n, dtype=torch.float64, device=dev), 64, lambda a, b: a @ b)
-    want = torch.autograd.grad((y64, h64), i64, (dy.double(), dh.double()))
-    out = {"y": rel(y, y64), "h_final": rel(hl, h64)}
+    want = torch.autograd.grad((y64, h64), i64, (dy.double().reshape(y64.shape), dh.double()))
+    out = {"y": rel(y.reshape(y64.shape), y64), "h_final": rel(hl, h64)}
     out.update({f"d{k}": rel(a, b) for k, a, b in zip("uwxgc", got, want)})
     return out
 

@@ -54,8 +54,9 @@ def _flat(v: torch.Tensor, S: tuple, L: int, k: int) -> torch.Tensor:
 
 
 def _unlay(v: torch.Tensor, names: list, progs: tuple, last, sizes: dict) -> torch.Tensor:
-    """(P, T, size of `last`) -> laid out (T, *axes) as the Evaluator keeps values."""
-    T = v.shape[1]
+    """(P, T, size of `last`) or (*program sizes, T, ...) -> laid out (T, *axes) as the Evaluator
+    keeps values."""
+    T = v.shape[-2] if last else v.shape[-1]
     axes = list(progs) + ["t"] + ([last] if last else [])
     v = v.reshape([sizes[a] for a in progs] + [T] + ([sizes[last]] if last else []))
     v = v.permute([axes.index(n) for n in names if n in axes])
@@ -165,9 +166,9 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str =
                            None if c is None else fl(c, sizes[n]), hz, max(1, min(chunk, L)), mm)
     outs_steps = {}
     if y is not None:
-        y = y.to(cdt)
+        y = y.to(cdt).reshape(*S, L, sizes[p])                        # (P, L, p) -> (*S, L, p): a view
         if plan.y_scale is not None:
-            y = y * _flat(small(plan.y_scale, p), S, L, sizes[p])
+            y = y * small(plan.y_scale, p)
         outs_steps[plan.readout] = _unlay(y, names, progs, p, sizes)
     outs = []
     for o in r.outputs:

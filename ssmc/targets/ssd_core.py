@@ -115,11 +115,15 @@ def _forward(sp: Spec, u, w, x, g, c, h0):
         *_args(u), *_args(w), *_args(x), *_args(g), H, A, *sp.S, sp.L, sp.NC, sp.p, sp.n,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **sp.launch_kw(dev, cf["num_warps"], dot_up))
     hl = _pass(sp, H, A, h0, False, dot_up)
-    y = torch.empty(sp.P, sp.L, sp.p, device=dev, dtype=torch.float32)
+    # y in x's memory order where x is whole (a permuted input): the torch ops that combine them
+    # afterwards then run over dense, like-ordered memory
+    full = (*sp.S, sp.L, sp.p)
+    y = (torch.empty_like(x, dtype=torch.float32) if tuple(x.shape) == full and not _aliased(x, full)
+         else torch.empty(full, device=dev, dtype=torch.float32))
     cf = CONFIG["chunk_fwd"]
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
     sp.mod.ssd_chunk_fwd[(sp.NC, sp.P, -(-sp.p // BP))](
-        *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), H, y, *sp.S, sp.L, sp.NC, sp.p, sp.n,
+        *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), H, *_args(y), *sp.S, sp.L, sp.NC, sp.p, sp.n,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=_p2(sp.n), **sp.launch_kw(dev, cf["num_warps"], dot_up))
     return y, hl, H, A
 
@@ -140,7 +144,7 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
     dev = x.device
     dot_up = dev.type != "cuda" and sp.opd != "tl.float32"
     kw = lambda cf: sp.launch_kw(dev, cf["num_warps"], dot_up)        # noqa: E731
-    dy = dy.to(torch.float32).reshape(*sp.S, sp.L, sp.p)
+    dy = dy.to(torch.float32).reshape(*sp.S, sp.L, sp.p)          # a view: dy comes shaped so
     if dhl is not None:
         dhl = dhl.to(torch.float32).reshape(*sp.S, sp.p, sp.n)
     dE = torch.empty_like(H)
@@ -186,13 +190,13 @@ class _Core(torch.autograd.Function):
         u, w, x, g, c, H, A = ctx.saved_tensors
         sp = ctx.sp
         if dy is None:
-            dy = torch.zeros(sp.P, sp.L, sp.p, device=x.device, dtype=torch.float32)
+            dy = torch.zeros(*sp.S, sp.L, sp.p, device=x.device, dtype=torch.float32)
         (du, dw, dx, dg, dc), dh0 = _backward(sp, u, w, x, g, c, H, A, dy, dhl)
         dh0 = dh0.reshape(*sp.S, sp.p, sp.n) if ctx.has_h0 else None
         return None, du, dw, dx, dg, dc, dh0
 
 
 def core(sp: Spec, u, w, x, g, c, h0):
-    """(y (P, L, p), h_L (P, p, n)) in fp32, P the program axes flattened (the last fastest).
+    """(y (*S, L, p), h_L (P, p, n)) in fp32, P the program axes flattened (the last fastest).
     u, w: (*S or 1, L or 1, 1); x: (..., p or 1); g, c: (..., n or 1); h0: (*S, p, n) or None."""
     return _Core.apply(sp, u, w, x, g, c, h0)
