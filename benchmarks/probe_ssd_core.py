@@ -24,11 +24,9 @@ from ssmc.targets.ssd_autograd import _flat, _torch_core
 SHAPE = dict(b=8, L=4096, h=24, p=64, n=128)
 VARIANTS = {
     "bwd_dbc": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn, w in
-                ((32, 64, 4), (16, 64, 4), (32, 32, 4), (64, 64, 4), (32, 64, 8), (16, 32, 4))],
-    "bwd_dx": [{"BLOCK_P": bp, "num_warps": w} for bp, w in ((64, 8), (64, 4), (32, 4))],
-    "chunk_fwd": [{"BLOCK_P": bp, "num_warps": w} for bp, w in ((64, 4), (32, 4))],
-    "chunk_state": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn, w in ((64, 128, 4), (64, 64, 4))],
-    "pass": [{"BLOCK": bl, "num_warps": w} for bl, w in ((256, 2), (512, 4), (1024, 4), (128, 1))],
+                ((32, 128, 4), (64, 128, 4), (16, 128, 4), (64, 64, 4), (32, 128, 8))],
+    "bwd_dx": [{"BLOCK_P": bp, "num_warps": w} for bp, w in ((64, 4), (64, 8))],
+    "pass": [{"BLOCK": bl, "num_warps": w} for bl, w in ((256, 2), (1024, 4))],
 }
 
 

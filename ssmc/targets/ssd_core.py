@@ -12,7 +12,9 @@ two fp32 (P, chunks, p, n) state buffers, nothing of size (P, L, p, n).
 
 A factor is passed in its own shape, (program axes or 1, L or 1, p / n or 1), and read through
 stride 0 where it is broadcast (Mamba-2's B and C are shared by the heads); its gradient is then
-added atomically, or in deterministic mode stored at the full shape and summed by torch.
+stored at the full shape and summed by torch (faster on the H200 than atomic adds, whose adds from
+the heads of one chunk collide; deterministic too). Only du and dw add up atomically, over blocks
+of n, and deterministic mode takes n whole instead.
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ LOG2E = 1.4426950408889634
 CONFIG = {"chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
           "pass": {"BLOCK": 256, "num_warps": 2},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
-          "bwd_dx": {"BLOCK_P": 64, "num_warps": 8},
-          "bwd_dbc": {"BLOCK_P": 32, "BLOCK_N": 64, "num_warps": 4}}
+          "bwd_dx": {"BLOCK_P": 64, "num_warps": 4},
+          "bwd_dbc": {"BLOCK_P": 32, "BLOCK_N": 128, "num_warps": 4}}
 
 def opd_of(dtypes) -> str:
     """The dots' operand type: the inputs' 16-bit type when x, g and c all come from one, else fp32."""
@@ -129,12 +131,14 @@ def _forward(sp: Spec, u, w, x, g, c, h0):
 
 
 def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool, partial: bool = False):
-    """(buffer the kernel writes, atomic?, how to turn the buffer into t's gradient). ``partial``:
-    several programs add shares to one element (blocks of n; never in deterministic mode)."""
-    if not _aliased(t, full) and not partial:
-        return torch.empty(t.shape, device=t.device, dtype=torch.float32), False, lambda b: b
-    if not deterministic:
+    """(buffer the kernel writes, atomic?, how to turn the buffer into t's gradient). A factor
+    broadcast along some axis gets a buffer of the full shape, summed by torch afterwards;
+    ``partial``: several programs add shares to one element (blocks of n; not in deterministic
+    mode, which takes n whole)."""
+    if partial and not deterministic:
         return torch.zeros(t.shape, device=t.device, dtype=torch.float32), True, lambda b: b
+    if not _aliased(t, full):
+        return torch.empty(t.shape, device=t.device, dtype=torch.float32), False, lambda b: b
     dims = [i for i, (d, f) in enumerate(zip(t.shape, full)) if d == 1 and f > 1]
     buf = torch.empty(full, device=t.device, dtype=torch.float32)
     return buf, False, lambda b: b.sum(dims, keepdim=True)
@@ -165,13 +169,13 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
     BPx = _p2(sp.p, hi=cx["BLOCK_P"])
     sp.mod.ssd_bwd_dx[(sp.NC, sp.P, -(-sp.p // BPx))](
         *_args(u), *_args(w), *_args(g), *_args(c), *_args(dy), dE, *_args(bufs["x"][0]),
-        *sp.S, sp.L, sp.NC, sp.p, sp.n, ATOMIC_X=bufs["x"][1], CHUNK=sp.chunk, BLOCK_P=BPx,
+        *sp.S, sp.L, sp.NC, sp.p, sp.n, CHUNK=sp.chunk, BLOCK_P=BPx,
         BLOCK_N=_p2(sp.n), **kw(cx))
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
     sp.mod.ssd_bwd_dbc[(sp.NC, sp.P, NB)](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), *_args(dy), H, dE,
         *(a for k in "uwgc" for a in _args(bufs[k][0])), *sp.S, sp.L, sp.NC, sp.p, sp.n,
-        **{f"ATOMIC_{k.upper()}": bufs[k][1] for k in "uwgc"},
+        ATOMIC_U=bufs["u"][1], ATOMIC_W=bufs["w"][1],
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, NPB=-(-sp.p // BP), **kw(cf))
     grads = [bufs[k][2](bufs[k][0]) for k in fulls]
     return grads, dh0
