@@ -31,7 +31,7 @@ CONFIG = {"chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
           "pass": {"BLOCK": 256, "num_warps": 2},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
           "bwd_dx": {"BLOCK_P": 64, "num_warps": 4},
-          "bwd_dbc": {"BLOCK_P": 32, "BLOCK_N": 128, "num_warps": 4}}
+          "bwd_dbc": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4}}
 
 def opd_of(dtypes) -> str:
     """The dots' operand type: the inputs' 16-bit type when x, g and c all come from one, else fp32."""
