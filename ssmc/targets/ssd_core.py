@@ -8,7 +8,7 @@ the factor expressions to the region's inputs. The kernels (templates/triton/ssd
 each chunk's own end state (all chunks at once), the chunk-start states (an elementwise walk over
 chunks), the outputs per chunk; backward, the end-state gradients the same two ways in reverse,
 then dx per chunk and block of p, and dg, dc, du, dw per chunk and block of n. Memory:
-two fp32 (P, chunks, p, n) state buffers, nothing of size (P, L, p, n).
+two (P, chunks, p, n) state buffers in the dots' operand type, nothing of size (P, L, p, n).
 
 A factor is passed in its own shape, (program axes or 1, L or 1, p / n or 1), and read through
 stride 0 where it is broadcast (Mamba-2's B and C are shared by the heads); its gradient is then
@@ -18,6 +18,7 @@ of n, and deterministic mode takes n whole instead.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -32,6 +33,7 @@ CONFIG = {"chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
           "bwd_dx": {"BLOCK_P": 64, "num_warps": 4},
           "bwd_dbc": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4}}
+
 
 def opd_of(dtypes) -> str:
     """The dots' operand type: the inputs' 16-bit type when x, g and c all come from one, else fp32."""
@@ -49,6 +51,12 @@ def render(opd: str, nprog: int) -> str:
 
 
 def _module(opd: str, nprog: int, cache_dir: str | None):
+    return _module_for(opd, nprog, cache_dir, T.interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _module_for(opd: str, nprog: int, cache_dir: str | None, interpreting: bool):
+    # rendered once per process and mode (the interpreter decorates the module differently)
     from ssmc.options import default_cache_dir
     from ssmc.runtime.cache import cache_key, get_cache
     src = render(opd, nprog)
