@@ -1,10 +1,13 @@
-"""Backward of chunked-SSD regions: the chunked SSD written in torch matmuls, differentiated by autograd.
+"""Backward of chunked-SSD regions: the region's factors and epilogue under torch autograd, the
+chunked core between them as the Triton kernels of ssd_core.py (GPU, and the interpreter when
+asked) or in torch matmuls (CPU, fp64), as below.
 
 The selective-scan backward (triton_bwd.py) treats every state element as its own recurrence;
 for a Mamba-2 head (a p x n state of 64 x 128) that is 8192 scans per program and no tensor
 cores. Here the region's `SSDPlan` (triton_ssd.py: log decay u, drive w * x(p) * g(n),
 readout sum_n h * c) is evaluated over the whole sequence with the torch target's `Evaluator`,
-and the outputs are recomputed in the SSD's matmul form, chunk of Q steps by chunk:
+and the outputs are recomputed in the SSD's matmul form, chunk of Q steps by chunk (the torch
+form; ssd_core.py computes the same map in kernels, with its own backward):
 
     a      = cumsum of u inside the chunk                               (P, chunks, Q)
     y_in   = ((c g^T) * exp(a_t - a_s) [s <= t] * w_s) x               intra-chunk, (Q, Q) matmuls
