@@ -65,7 +65,7 @@ def _module_for(opd: str, nprog: int, cache_dir: str | None, interpreting: bool)
 
 
 def _p2(n: int, lo: int = 16, hi: int | None = None) -> int:
-    b = max(lo, 1 << max(0, int(n) - 1).bit_length())
+    b = max(lo, T._pow2(n))
     return min(b, hi) if hi else b
 
 
@@ -91,10 +91,11 @@ class Spec:
         self.state_dtype = {"tl.bfloat16": torch.bfloat16, "tl.float16": torch.float16}.get(opd, torch.float32)
         self.mod = _module(opd, len(self.S), cache_dir)
 
-    def launch_kw(self, device, warps: int, dot_up: bool) -> dict:
-        kw = {"DOT_UP": dot_up}
-        if device.type == "cuda":
-            kw["num_warps"] = warps
+    def launch_kw(self, device, warps: int, dots: bool = True) -> dict:
+        """Warps on a GPU; for a kernel with dots, DOT_UP (16-bit operands under the interpreter)."""
+        kw = {"num_warps": warps} if device.type == "cuda" else {}
+        if dots:
+            kw["DOT_UP"] = device.type != "cuda" and self.opd != "tl.float32"
         return kw
 
 
@@ -102,7 +103,7 @@ def _none_args(sp: Spec, like: torch.Tensor) -> list:
     return [like, *([0] * (len(sp.S) + 2))]
 
 
-def _pass(sp: Spec, buf, A, init, reverse: bool, dot_up: bool):
+def _pass(sp: Spec, buf, A, init, reverse: bool):
     """ssd_pass over buf in place; returns the last carried value (P, p, n) fp32."""
     out = torch.empty(sp.P, sp.p, sp.n, device=buf.device, dtype=torch.float32)
     cf = CONFIG["pass"]
@@ -110,21 +111,20 @@ def _pass(sp: Spec, buf, A, init, reverse: bool, dot_up: bool):
     sp.mod.ssd_pass[(sp.P, -(-(sp.p * sp.n) // BLOCK))](
         buf, A, *(_args(init) if init is not None else _none_args(sp, buf)), out, *sp.S, sp.NC, sp.p,
         sp.n, HAS_H0=init is not None, REVERSE=reverse, BLOCK=BLOCK,
-        **({"num_warps": cf["num_warps"]} if buf.device.type == "cuda" else {}))
+        **sp.launch_kw(buf.device, cf["num_warps"], dots=False))
     return out
 
 
 def _forward(sp: Spec, u, w, x, g, c, h0):
     dev = x.device
-    dot_up = dev.type != "cuda" and sp.opd != "tl.float32"
     H = torch.empty(sp.P, sp.NC, sp.p, sp.n, device=dev, dtype=sp.state_dtype)
     A = torch.empty(sp.P, sp.NC, device=dev, dtype=torch.float32)
     cf = CONFIG["chunk_state"]
     BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
     sp.mod.ssd_chunk_state[(sp.NC, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
         *_args(u), *_args(w), *_args(x), *_args(g), H, A, *sp.S, sp.L, sp.NC, sp.p, sp.n,
-        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **sp.launch_kw(dev, cf["num_warps"], dot_up))
-    hl = _pass(sp, H, A, h0, False, dot_up)
+        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **sp.launch_kw(dev, cf["num_warps"]))
+    hl = _pass(sp, H, A, h0, False)
     # y in x's memory order where x is whole (a permuted input): the torch ops that combine them
     # afterwards then run over dense, like-ordered memory
     full = (*sp.S, sp.L, sp.p)
@@ -134,7 +134,7 @@ def _forward(sp: Spec, u, w, x, g, c, h0):
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
     sp.mod.ssd_chunk_fwd[(sp.NC, sp.P, -(-sp.p // BP))](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), H, *_args(y), *sp.S, sp.L, sp.NC, sp.p, sp.n,
-        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=_p2(sp.n), **sp.launch_kw(dev, cf["num_warps"], dot_up))
+        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=_p2(sp.n), **sp.launch_kw(dev, cf["num_warps"]))
     return y, hl, H, A
 
 
@@ -154,8 +154,7 @@ def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool, partial: boo
 
 def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
     dev = x.device
-    dot_up = dev.type != "cuda" and sp.opd != "tl.float32"
-    kw = lambda cf: sp.launch_kw(dev, cf["num_warps"], dot_up)        # noqa: E731
+    kw = lambda cf: sp.launch_kw(dev, cf["num_warps"])               # noqa: E731
     dy = dy.to(torch.float32).reshape(*sp.S, sp.L, sp.p)          # a view: dy comes shaped so
     if dhl is not None:
         dhl = dhl.to(torch.float32).reshape(*sp.S, sp.p, sp.n)
@@ -165,7 +164,7 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
     sp.mod.ssd_chunk_dstate[(sp.NC, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
         *_args(u), *_args(dy), *_args(c), dE, *sp.S, sp.L, sp.NC, sp.p, sp.n,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **kw(cf))
-    dh0 = _pass(sp, dE, A, dhl, True, dot_up)
+    dh0 = _pass(sp, dE, A, dhl, True)
     fulls = {"u": (*sp.S, sp.L, 1), "w": (*sp.S, sp.L, 1), "x": (*sp.S, sp.L, sp.p),
              "g": (*sp.S, sp.L, sp.n), "c": (*sp.S, sp.L, sp.n)}
     cf = CONFIG["bwd_dbc"]

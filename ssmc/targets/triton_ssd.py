@@ -615,6 +615,7 @@ class SSDKernel(T.TritonKernel):
         self._ssd_core = use_kernels(self.region, self.plan, inputs)
         try:
             got = ssd_backward(self.region, self.plan, inputs, grads, needs,
+                               core="torch" if self._ssd_core else "triton",
                                deterministic=bool(getattr(self.options, "deterministic", False)),
                                cache_dir=getattr(self.options, "cache_dir", None))
             self._ssd_bwd = "ok"
