@@ -507,6 +507,67 @@ def test_ssd_core_blocks_of_n_and_p_add_up(deterministic, interp, monkeypatch):
         assert a.shape == w.shape and rel_err(a, w) <= 5e-6, (name, rel_err(a, w))
 
 
+@pytest.mark.parametrize("case", sorted(BWD_CASES))
+def test_ssd_epilogue_kernel_equals_the_adjoint(case, interp):
+    """ssd_epilogue.py's generated kernel (interpreted) for the per-step epilogue's backward,
+    with the core's kernels: every input's gradient of fp32 inputs equals the float64 adjoint;
+    D's gradient (summed over batch, time and p through slots) and z's (the gate, read by the
+    epilogue only) included. An input nobody asks about gets no gradient and no buffer."""
+    from ssmc.targets import ssd_epilogue as E
+    from ssmc.targets.reference import adjoint_run, run
+    from ssmc.targets.ssd_autograd import ssd_backward
+    fn, make = BWD_CASES[case]
+    torch.manual_seed(7)
+    args = make()
+    region = region_of(fn, args)
+    plan = S.make_ssd_plan(region, float64=True)
+    xs = zeros_region_inputs(region, fn, args)
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in run(region, xs, 5)]
+    needs = [x.is_floating_point() for x in xs]
+    want = adjoint_run(region, xs, grads, needs, 5)
+    ep = E.make_epilogue(region, plan, tuple(needs))
+    assert not isinstance(ep, str), ep
+    read = {region.inputs[ld.input].name for ld, _ in ep.grads if ld.input < len(xs)}
+    if case.startswith("mamba2"):        # x (the skip), D, z: the epilogue's own inputs
+        assert {"l_x_", "l_d_", "l_z_"} <= {n.split(" ")[0] for n in read}, read
+    x32 = [x.float() if x.is_floating_point() else x for x in xs]
+    calls = []
+    orig = E.backward
+
+    def spy(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    import unittest.mock
+    with unittest.mock.patch.object(E, "backward", spy):
+        got = ssd_backward(region, plan, x32, [v.float() for v in grads], needs, 16, core="triton", epilogue=ep)
+    assert calls
+    for i, (a, w) in enumerate(zip(got, want)):
+        assert a.shape == xs[i].shape and rel_err(a, w) <= 3e-6, (region.inputs[i].name, rel_err(a, w))
+    last = max(i for i, n in enumerate(needs) if n)
+    needs[last] = False
+    ep2 = E.make_epilogue(region, plan, tuple(needs))
+    assert all(ld.input != last for ld, _ in ep2.grads)
+    got2 = ssd_backward(region, plan, x32, [v.float() for v in grads], needs, 16, core="triton", epilogue=ep2)
+    assert got2[last] is None and rel_err(got2[0], want[0]) <= 3e-6
+
+
+def test_ssd_epilogue_declines_with_reason():
+    """A per-step output not laid out along every axis of the kernel's tiles is declined, with
+    the output named."""
+    from ssmc.targets import ssd_epilogue as E
+    fn, make = BWD_CASES["mamba2_z_final"]
+    args = make()
+    region = region_of(fn, args)
+    plan = S.make_ssd_plan(region, float64=True)
+    k = next(k for k, o in enumerate(region.outputs) if o.kind == "steps")
+    o = region.outputs[k]
+    bad = dataclasses.replace(o, index=tuple(1 if ix == plan.p else ix for ix in o.index))
+    region2 = dataclasses.replace(region, outputs=region.outputs[:k] + (bad,) + region.outputs[k + 1:])
+    why = E.make_epilogue(region2, plan)
+    assert isinstance(why, str) and f"per-step output {k}" in why, why
+
+
 @pytest.mark.parametrize("cc", [80, 90])
 def test_ssd_core_kernels_compile_for_sm80_sm90(cc, monkeypatch, tmp_path):
     """The core's kernels compile for sm_80 and sm_90 at the Mamba-2 shape (p 64, n 128, bf16
@@ -541,6 +602,18 @@ def test_ssd_core_kernels_compile_for_sm80_sm90(cc, monkeypatch, tmp_path):
         assert f".target sm_{cc}" in ptx and ck.asm.get("cubin"), name
         mma = re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.\S+", ptx)
         assert mma and all("bf16" in m for m in mma), (name, sorted(set(mma)))
+    # the epilogue's backward of Mamba-2 (D skip, z gate) at p 64
+    from ssmc.targets import ssd_epilogue as E
+    fn, make = BWD_CASES["mamba2_z_final"]
+    region = region_of(fn, make())
+    ep = E.make_epilogue(region, S.make_ssd_plan(region, float64=True))
+    emod = E._module(ep, str(tmp_path), False)
+    fn = getattr(emod, T.kernel_name(ep.region) + "_epi_bwd")
+    cx = {"BLOCK_T": E.TILE // 64, "BLOCK_P": 64}
+    sig = {a: "constexpr" if a in cx else "*bf16" if a.endswith("_ptr") else "i32" for a in fn.arg_names}
+    ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
+                        options={"num_warps": E.NUM_WARPS})
+    assert f".target sm_{cc}" in ck.asm["ptx"] and ck.asm.get("cubin")
 
 
 def test_ssd_training_runs_the_matmul_backward(interp):
@@ -563,6 +636,7 @@ def test_ssd_training_runs_the_matmul_backward(interp):
     kern = lookup(info.key).kernel
     note = kern.backward_note()
     assert note.startswith("backward: the chunked SSD") and "Triton kernels of ssmc/targets/ssd_core.py" in note, note
+    assert "epilogue's backward: the generated kernel of ssmc/targets/ssd_epilogue.py" in note, note
     from ssmc.explain import refresh
     refresh(report)
     assert "the core map through the Triton kernels" in str(report.regions[0])

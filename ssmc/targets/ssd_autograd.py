@@ -32,7 +32,7 @@ import torch
 from ssmc import ir
 
 from . import triton as T
-from .reference import Evaluator, _to_output, compute_dtype, grads_by_autograd
+from .reference import Evaluator, _to_output, autograd_inside_op, compute_dtype, grads_by_autograd
 
 CHUNK = 64
 
@@ -121,12 +121,10 @@ def use_kernels(region: ir.Region, plan, inputs) -> str | None:
     return None
 
 
-def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str = "auto",
-                deterministic: bool = False, cache_dir: str | None = None) -> list[torch.Tensor]:
-    """The region's outputs computed in the chunked SSD's matmul form (differentiable).
-    ``core``: "triton" runs the map from the factors to (y, final state) as the kernels of
-    ssd_core.py (under the interpreter too), "torch" in torch matmuls, "auto" the kernels where
-    `use_kernels` says they run."""
+def _core(region: ir.Region, plan, inputs, chunk: int, kernels: bool, deterministic: bool,
+          cache_dir: str | None):
+    """The factors under autograd and the core map: (y (*program sizes, L, p) or None without a
+    readout, the state after the last step (P, p, n), the Evaluator, the axis sizes)."""
     r = region
     cdt = compute_dtype(r, inputs)
     dev = inputs[0].device
@@ -137,7 +135,6 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str =
     S = tuple(sizes[a] for a in progs)
     ev = Evaluator(r, inputs, 0, L, cdt)
     small = lambda e, last: _small(ev.eval(e).to(cdt), names, progs, last)   # noqa: E731
-    kernels = core == "triton" or (core == "auto" and use_kernels(r, plan, inputs) is None)
 
     def factor(e, last):
         # on the kernels' path a factor that is one input read as is keeps its dtype (no fp32 copy)
@@ -167,28 +164,81 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str =
               else torch.zeros(P, sizes[p], sizes[n], dtype=cdt, device=dev))
         y, h = _torch_core(fl(u, 1), fl(w, 1), fl(x, sizes[p]), fl(g, sizes[n]),
                            None if c is None else fl(c, sizes[n]), hz, max(1, min(chunk, L)), mm)
-    outs_steps = {}
     if y is not None:
         y = y.to(cdt).reshape(*S, L, sizes[p])                        # (P, L, p) -> (*S, L, p): a view
-        if plan.y_scale is not None:
-            y = y * small(plan.y_scale, p)
-        outs_steps[plan.readout] = _unlay(y, names, progs, p, sizes)
-    outs = []
-    for o in r.outputs:
-        if o.kind == "steps":
-            ev.memo.update(outs_steps)
-            v = ev.eval(o.expr)
-            outs.append(_to_output(v, names, o.index, {**sizes, "t": L}).to(ir.to_dtype(o.dtype)))
-        else:
-            evf = Evaluator(r, inputs, L - 1, L, cdt)
-            hl = h.reshape([sizes[a] for a in (*progs, p, n)])
-            evf.state = hl.permute([(*progs, p, n).index(ax) for ax in r.axes]).unsqueeze(0)
+    return y, h, ev, {**sizes, "t": L}
+
+
+def _final_outputs(region: ir.Region, plan, inputs, h, sizes: dict) -> dict:
+    """{output index: value} of the final outputs, evaluated on the last state h (P, p, n)."""
+    r = region
+    L = sizes["t"]
+    names = ["t", *r.axes]
+    progs = (*plan.programs, plan.p, plan.n)
+    outs = {}
+    for k, o in enumerate(r.outputs):
+        if o.kind == "final":
+            evf = Evaluator(r, inputs, L - 1, L, compute_dtype(r, inputs))
+            hl = h.reshape([sizes[a] for a in progs])
+            evf.state = hl.permute([progs.index(ax) for ax in r.axes]).unsqueeze(0)
             v = evf.eval(o.expr)
-            outs.append(_to_output(v, names, o.index, {**sizes, "t": 1}).to(ir.to_dtype(o.dtype)))
+            outs[k] = _to_output(v, names, o.index, {**sizes, "t": 1}).to(ir.to_dtype(o.dtype))
     return outs
 
 
-def ssd_backward(region: ir.Region, plan, inputs, grads, needs, chunk: int = CHUNK, **kw) -> list:
-    """Every input's gradient (None where not needed) by autograd through `ssd_outputs` (``kw``:
-    its core, deterministic and cache_dir)."""
-    return grads_by_autograd(lambda xs: ssd_outputs(region, plan, xs, chunk, **kw), inputs, grads, needs)
+def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str = "auto",
+                deterministic: bool = False, cache_dir: str | None = None) -> list[torch.Tensor]:
+    """The region's outputs computed in the chunked SSD's matmul form (differentiable).
+    ``core``: "triton" runs the map from the factors to (y, final state) as the kernels of
+    ssd_core.py (under the interpreter too), "torch" in torch matmuls, "auto" the kernels where
+    `use_kernels` says they run."""
+    r = region
+    kernels = core == "triton" or (core == "auto" and use_kernels(r, plan, inputs) is None)
+    y, h, ev, sizes = _core(r, plan, inputs, chunk, kernels, deterministic, cache_dir)
+    names, progs, p = ["t", *r.axes], tuple(plan.programs), plan.p
+    if y is not None:
+        if plan.y_scale is not None:
+            y = y * _small(ev.eval(plan.y_scale).to(y.dtype), names, progs, p)
+        ev.memo[plan.readout] = _unlay(y, names, progs, p, sizes)
+    finals = _final_outputs(r, plan, inputs, h, sizes)
+    return [_to_output(ev.eval(o.expr), names, o.index, sizes).to(ir.to_dtype(o.dtype))
+            if o.kind == "steps" else finals[k] for k, o in enumerate(r.outputs)]
+
+
+def ssd_backward(region: ir.Region, plan, inputs, grads, needs, chunk: int = CHUNK,
+                 core: str = "auto", deterministic: bool = False, cache_dir: str | None = None,
+                 epilogue=None) -> list:
+    """Every input's gradient (None where not needed). With the core's kernels and an
+    ``epilogue`` (ssd_epilogue.make_epilogue's, for these `needs`), the per-step epilogue's
+    backward is that generated kernel, and autograd runs through the factors, the core and the
+    final outputs only; otherwise autograd runs through all of `ssd_outputs`."""
+    kernels = core == "triton" or (core == "auto" and use_kernels(region, plan, inputs) is None)
+    kw = dict(core=core, deterministic=deterministic, cache_dir=cache_dir)
+    if not kernels or epilogue is None or isinstance(epilogue, str):
+        return grads_by_autograd(lambda xs: ssd_outputs(region, plan, xs, chunk, **kw), inputs, grads, needs)
+    from .ssd_epilogue import backward as epilogue_backward
+    r = region
+    xs = [x.detach().requires_grad_(bool(n) and x.is_floating_point()) for x, n in zip(inputs, needs)]
+    with autograd_inside_op(), torch.enable_grad():
+        y, h, _, sizes = _core(r, plan, xs, chunk, True, deterministic, cache_dir)
+        finals = _final_outputs(r, plan, xs, h, sizes)
+    dy, extra = epilogue_backward(epilogue, inputs, y.detach(), grads, sizes, cache_dir)
+    pairs = [(y, dy)] + [(finals[k], grads[k]) for k in finals if grads[k] is not None and grads[k].numel()]
+    pairs = [(o, g) for o, g in pairs if o.requires_grad]
+    wrt = [x for x in xs if x.requires_grad]
+    got = [None] * len(wrt)
+    if pairs and wrt:
+        with autograd_inside_op():
+            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs],
+                                      allow_unused=True)
+    it = iter(got)
+    res = []
+    for i, (x, xx) in enumerate(zip(inputs, xs)):
+        if not xx.requires_grad:
+            res.append(None)
+            continue
+        g, e = next(it), extra.get(i)
+        if e is not None:
+            g = e if g is None else (g + e if g.dtype == e.dtype else g.to(e.dtype) + e)
+        res.append(torch.zeros_like(x) if g is None else g.to(x.dtype))
+    return res

@@ -603,21 +603,27 @@ class SSDKernel(T.TritonKernel):
     # -- backward -------------------------------------------------------------------------------------
     _ssd_bwd: str | None = None       # "ok", or why the matmul-form backward did not run
     _ssd_core: str | None = None      # why the core ran in torch matmuls, not ssd_core's kernels
+    _ssd_epi: str | None = None       # why the epilogue's backward ran under torch autograd
 
     def backward(self, inputs, grads, needs):
         """The chunked SSD's backward (ssd_autograd.py): the factors' expressions under autograd,
         the core map from the factors to y and the final state as the Triton kernels of
-        ssd_core.py (in torch matmuls where they do not run); the selective-scan backward
+        ssd_core.py (in torch matmuls where they do not run), the per-step epilogue's backward
+        as the generated kernel of ssd_epilogue.py where it applies; the selective-scan backward
         kernel where that fails (``backward_note()`` says which ran and why)."""
         from .ssd_autograd import ssd_backward, use_kernels
         if self.sizes(inputs)[1] == 0:           # nothing to chunk
             return super().backward(inputs, grads, needs)
         self._ssd_core = use_kernels(self.region, self.plan, inputs)
+        ep = None
+        if self._ssd_core is None:
+            ep = self._epilogue(tuple(bool(n) for n in needs))
+            self._ssd_epi = ep if isinstance(ep, str) else None
         try:
             got = ssd_backward(self.region, self.plan, inputs, grads, needs,
                                core="torch" if self._ssd_core else "triton",
                                deterministic=bool(getattr(self.options, "deterministic", False)),
-                               cache_dir=getattr(self.options, "cache_dir", None))
+                               cache_dir=getattr(self.options, "cache_dir", None), epilogue=ep)
             self._ssd_bwd = "ok"
             return got
         except Exception as e:       # e.g. out of memory: the per-element backward runs
@@ -626,13 +632,26 @@ class SSDKernel(T.TritonKernel):
                         "backward runs instead", self.region.name, self._ssd_bwd)
         return super().backward(inputs, grads, needs)
 
+    def _epilogue(self, needs: tuple):
+        """ssd_epilogue's plan for these needs (or why there is none), made once per needs."""
+        from .ssd_epilogue import make_epilogue
+        memo = self.__dict__.setdefault("_epilogues", {})
+        if needs not in memo:
+            memo[needs] = make_epilogue(self.region, self.plan, needs)
+        return memo[needs]
+
     def backward_note(self) -> str | None:
         from .ssd_autograd import CHUNK
         if self._ssd_bwd == "ok":
-            core = ("the Triton kernels of ssmc/targets/ssd_core.py" if self._ssd_core is None
-                    else f"torch matmuls ({self._ssd_core})")
+            if self._ssd_core is None:
+                core = "the Triton kernels of ssmc/targets/ssd_core.py"
+                epi = ("; the per-step epilogue's backward: the generated kernel of "
+                       "ssmc/targets/ssd_epilogue.py" if self._ssd_epi is None
+                       else f"; the per-step epilogue under autograd ({self._ssd_epi})")
+            else:
+                core, epi = f"torch matmuls ({self._ssd_core})", ""
             return (f"backward: the chunked SSD, chunk {CHUNK}: factors under autograd, the core "
-                    f"map through {core} (ssmc/targets/ssd_autograd.py)")
+                    f"map through {core}{epi} (ssmc/targets/ssd_autograd.py)")
         note = super().backward_note()
         if self._ssd_bwd is not None and note:
             return f"{note}; the chunked SSD backward failed: {self._ssd_bwd}"
