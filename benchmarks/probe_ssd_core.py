@@ -23,8 +23,9 @@ from ssmc.targets.ssd_autograd import _flat, _torch_core
 
 SHAPE = dict(b=8, L=4096, h=24, p=64, n=128)
 VARIANTS = {
-    "bwd_dbc": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w} for bp, bn, w in
-                ((32, 128, 4), (64, 128, 4), (16, 128, 4), (64, 64, 4), (32, 128, 8))],
+    "bwd_dbc": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w, "loop_heads": lh} for bp, bn, w, lh in
+                ((64, 128, 4, False), (64, 128, 8, True), (64, 128, 4, True), (64, 64, 8, True),
+                 (64, 64, 4, True), (32, 128, 8, True), (32, 64, 8, True))],
     "bwd_dx": [{"BLOCK_P": bp, "num_warps": w} for bp, w in ((64, 4), (64, 8))],
     "pass": [{"BLOCK": bl, "num_warps": w} for bl, w in ((256, 2), (1024, 4))],
 }

@@ -32,7 +32,8 @@ CONFIG = {"chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
           "pass": {"BLOCK": 256, "num_warps": 2},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
           "bwd_dx": {"BLOCK_P": 64, "num_warps": 4},
-          "bwd_dbc": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4}}
+          # loop_heads: programs loop over the indices that share g and c, summing dg and dc
+          "bwd_dbc": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 8, "loop_heads": True}}
 
 
 def opd_of(dtypes) -> str:
@@ -155,7 +156,7 @@ def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool, partial: boo
 def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
     dev = x.device
     kw = lambda cf: sp.launch_kw(dev, cf["num_warps"])               # noqa: E731
-    dy = dy.to(torch.float32).reshape(*sp.S, sp.L, sp.p)          # a view: dy comes shaped so
+    dy = dy.reshape(*sp.S, sp.L, sp.p)              # a view: dy comes shaped so (the kernels read any float type)
     if dhl is not None:
         dhl = dhl.to(torch.float32).reshape(*sp.S, sp.p, sp.n)
     dE = torch.empty_like(H)
@@ -165,9 +166,14 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
         *_args(u), *_args(dy), *_args(c), dE, *sp.S, sp.L, sp.NC, sp.p, sp.n,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **kw(cf))
     dh0 = _pass(sp, dE, A, dhl, True)
-    fulls = {"u": (*sp.S, sp.L, 1), "w": (*sp.S, sp.L, 1), "x": (*sp.S, sp.L, sp.p),
-             "g": (*sp.S, sp.L, sp.n), "c": (*sp.S, sp.L, sp.n)}
+    # program axes along which g and c are both shared: looped inside ssd_bwd_dbc, whose
+    # programs sum dg and dc over them in registers (no per-head buffers)
     cf = CONFIG["bwd_dbc"]
+    inner = [cf.get("loop_heads", True) and sp.S[k] > 1 and g.shape[k] == 1 and c.shape[k] == 1
+             for k in range(len(sp.S))]
+    shared = tuple(1 if i else d for i, d in zip(inner, sp.S))
+    fulls = {"u": (*sp.S, sp.L, 1), "w": (*sp.S, sp.L, 1), "x": (*sp.S, sp.L, sp.p),
+             "g": (*shared, sp.L, sp.n), "c": (*shared, sp.L, sp.n)}
     BN = _p2(sp.n) if sp.deterministic else _p2(sp.n, hi=cf["BLOCK_N"])
     NB = -(-sp.n // BN)
     bufs = {k: _grad_buffer(t, fulls[k], sp.deterministic, partial=NB > 1 and k in "uw")
@@ -179,9 +185,11 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
         *sp.S, sp.L, sp.NC, sp.p, sp.n, CHUNK=sp.chunk, BLOCK_P=BPx,
         BLOCK_N=_p2(sp.n), **kw(cx))
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
-    sp.mod.ssd_bwd_dbc[(sp.NC, sp.P, NB)](
+    heads = math.prod(d for i, d in zip(inner, sp.S) if i)
+    split = [a for k, d in enumerate(sp.S) for a in ((1, d) if inner[k] else (d, 1))]
+    sp.mod.ssd_bwd_dbc[(sp.NC, sp.P // heads, NB)](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), *_args(dy), H, dE,
-        *(a for k in "uwgc" for a in _args(bufs[k][0])), *sp.S, sp.L, sp.NC, sp.p, sp.n,
+        *(a for k in "uwgc" for a in _args(bufs[k][0])), *split, heads, sp.L, sp.NC, sp.p, sp.n,
         ATOMIC_U=bufs["u"][1], ATOMIC_W=bufs["w"][1],
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, NPB=-(-sp.p // BP), **kw(cf))
     grads = [bufs[k][2](bufs[k][0]) for k in fulls]
