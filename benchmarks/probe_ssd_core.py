@@ -3,8 +3,9 @@
 Factors laid out as a bf16 Mamba-2 call at b8 L4096 h24 p64 n128 hands them over (u = dt A in
 fp32; dt, x, B, C the bf16 inputs as they are: permuted views of (b, L, h, .) tensors, B and C
 shared by the heads), checked first (all fp32) against the torch matmul form in float64 at L 512; then do_bench medians of the forward (chunk states + outputs) and the
-backward (end-state gradients + per-chunk gradients) for each config of one kernel at a time,
-the others at their defaults, atomic and deterministic.
+backward (end-state gradients + per-chunk gradients) for each config of one kernel at a time
+(or of the chunk, "core"), the others at their defaults, atomic and deterministic; and the
+backward's peak memory above what was allocated before it.
 
     python -m benchmarks.probe_ssd_core --out ssd_core.json
 """
@@ -23,9 +24,10 @@ from ssmc.targets.ssd_autograd import _flat, _torch_core
 
 SHAPE = dict(b=8, L=4096, h=24, p=64, n=128)
 VARIANTS = {
-    "bwd_dbc": [{"BLOCK_P": bp, "BLOCK_N": bn, "num_warps": w, "loop_heads": lh} for bp, bn, w, lh in
-                ((64, 128, 4, False), (64, 128, 8, True), (64, 128, 4, True), (64, 64, 8, True),
-                 (64, 64, 4, True), (32, 128, 8, True), (32, 64, 8, True))],
+    "core": [{"CHUNK": q} for q in (64, 128)],
+    "bwd_dbc": [{"BLOCK_P": 64, "BLOCK_N": bn, "num_warps": w, "heads": hd} for hd, bn, w in
+                (("loop", 128, 8), ("loop", 64, 8), ("loop", 64, 4), ("loop", 32, 4),
+                 ("atomic", 128, 4), ("atomic", 128, 8), ("atomic", 64, 4), ("store", 128, 4))],
     "bwd_dx": [{"BLOCK_P": bp, "num_warps": w} for bp, w in ((64, 4), (64, 8))],
     "pass": [{"BLOCK": bl, "num_warps": w} for bl, w in ((256, 2), (1024, 4))],
 }
@@ -70,7 +72,11 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = "cuda"
-    res = {"env": env_info(), "shape": SHAPE, "check_fp32_vs_fp64_L512": check(dev)}
+    try:
+        ck = check(dev)
+    except Exception as e:
+        ck = {"error": f"{type(e).__name__}: {e}"[:300]}
+    res = {"env": env_info(), "shape": SHAPE, "check_fp32_vs_fp64_L512": ck}
     print(res["check_fp32_vs_fp64_L512"], flush=True)
     (u, w, x, g, c), dy = factors(**SHAPE, dev=dev)
     S, L, p, n = (SHAPE["b"], SHAPE["h"]), SHAPE["L"], SHAPE["p"], SHAPE["n"]
@@ -78,7 +84,6 @@ def main():
     rows = []
     for opd in ("tl.bfloat16", "tl.float32"):
         for det in (False, True):
-            sp = ssd_core.Spec(S, L, p, n, 64, opd, det)
             for kern, cfgs in VARIANTS.items():
                 for cfg in cfgs:
                     if (opd != "tl.bfloat16" or det) and cfg != {k: default[kern][k] for k in cfg}:
@@ -87,10 +92,18 @@ def main():
                     ssd_core.CONFIG.update(copy.deepcopy(default))
                     ssd_core.CONFIG[kern].update(cfg)
                     row = {"opd": opd, "deterministic": det, "kernel": kern, **cfg}
+                    sp = ssd_core.Spec(S, L, p, n, ssd_core.config("core", opd)["CHUNK"], opd, det)
                     try:
                         y, hl, H, A = ssd_core._forward(sp, u, w, x, g, c, None)
                         row["fwd_ms"] = bench(lambda: ssd_core._forward(sp, u, w, x, g, c, None))
                         row["bwd_ms"] = bench(lambda: ssd_core._backward(sp, u, w, x, g, c, H, A, dy, None))
+                        torch.cuda.synchronize()
+                        base = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+                        ssd_core._backward(sp, u, w, x, g, c, H, A, dy, None)
+                        torch.cuda.synchronize()
+                        row["bwd_peak_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                        del y, hl, H, A
                     except Exception as e:
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(row, flush=True)

@@ -473,6 +473,44 @@ def test_ssd_core_kernels_bf16_and_deterministic(interp):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("heads", ["loop", "atomic", "store"])
+def test_ssd_core_heads_modes_equal_the_adjoint(heads, interp, monkeypatch):
+    """Each way ssd_bwd_dbc sums the gradients of B and C over the heads that share them
+    (CONFIG's "heads") gives the float64 adjoint's gradients; "atomic" adds atomically into
+    one buffer of B's shape, "store" writes a buffer per head, "loop" neither."""
+    from ssmc.targets import ssd_core
+    from ssmc.targets.reference import adjoint_run, run
+    from ssmc.targets.ssd_autograd import ssd_backward
+    monkeypatch.setitem(ssd_core.CONFIG, "bwd_dbc", {**ssd_core.CONFIG["bwd_dbc"], "heads": heads})
+    fn, make = BWD_CASES["mamba2_z_final"]
+    torch.manual_seed(8)
+    args = make()
+    region = region_of(fn, args)
+    plan = S.make_ssd_plan(region, float64=True)
+    x64 = [x.double() if x.is_floating_point() else x for x in zeros_region_inputs(region, fn, args)]
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in run(region, x64, 5)]
+    needs = [x.is_floating_point() for x in x64]
+    want = adjoint_run(region, x64, grads, needs, 5)
+    seen = []
+    orig = ssd_core._grad_buffer
+
+    def spy(t, full, det, **kw):
+        got = orig(t, full, det, **kw)
+        seen.append((got[1], tuple(got[0].shape) != tuple(t.shape)))
+        return got
+    x32 = [x.float() if x.is_floating_point() else x for x in x64]
+    import unittest.mock
+    with unittest.mock.patch.object(ssd_core, "_grad_buffer", spy):
+        got = ssd_backward(region, plan, x32, [v.float() for v in grads], needs, 16, core="triton")
+    for i, (a, w) in enumerate(zip(got, want)):
+        assert rel_err(a, w) <= 3e-6, (heads, region.inputs[i].name, rel_err(a, w))
+    # the five factors' buffers (u, w, x, g, c): g's and c's are the last two
+    assert len(seen) == 5, seen
+    assert [s[0] for s in seen[3:]] == [heads == "atomic"] * 2, seen
+    assert [s[1] for s in seen[3:]] == [heads == "store"] * 2, seen
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_ssd_core_blocks_of_n_and_p_add_up(deterministic, interp, monkeypatch):
     """Tiles smaller than the state (n 40 in blocks of 16, p 24 in blocks of 16, so partial

@@ -123,13 +123,22 @@ class Evaluator:
         names = [ix for ix in ld.index if not isinstance(ix, int)]
         if len(set(names)) != len(names):
             raise NotImplementedError(f"load {ld} indexes one axis twice")
-        if "t" in names:
-            v = v.narrow(names.index("t"), self.t0, self.t1 - self.t0)
+        v = self._steps(v, names)
         order = sorted(range(len(names)), key=lambda i: self.names.index(names[i]))
         v = v.permute(order)
         present = [names[i] for i in order]
         v = _unsqueeze_to(v, present, self.names)
         return v.to(self.cdt) if v.is_floating_point() else v
+
+    def _steps(self, v: torch.Tensor, names: list) -> torch.Tensor:
+        """v restricted to the steps [t0, t1): v itself when that is all of them (a narrow's
+        backward would zero-fill and copy a gradient of v's size)."""
+        if "t" not in names:
+            return v
+        d = names.index("t")
+        if self.t0 == 0 and self.t1 == v.shape[d]:
+            return v
+        return v.narrow(d, self.t0, self.t1 - self.t0)
 
     def view_of(self, x: torch.Tensor, ld: Load) -> torch.Tensor:
         """The same view `load` takes, of another tensor laid out like input ld.input."""
@@ -137,8 +146,7 @@ class Evaluator:
         for d, ix in sorted(((d, ix) for d, ix in enumerate(ld.index) if isinstance(ix, int)), reverse=True):
             v = v.select(d, ix)
         names = [ix for ix in ld.index if not isinstance(ix, int)]
-        if "t" in names:
-            v = v.narrow(names.index("t"), self.t0, self.t1 - self.t0)
+        v = self._steps(v, names)
         order = sorted(range(len(names)), key=lambda i: self.names.index(names[i]))
         return _unsqueeze_to(v.permute(order), [names[i] for i in order], self.names)
 

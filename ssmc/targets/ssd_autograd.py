@@ -121,52 +121,80 @@ def use_kernels(region: ir.Region, plan, inputs) -> str | None:
     return None
 
 
-def _core(region: ir.Region, plan, inputs, chunk: int, kernels: bool, deterministic: bool,
+def operand_dtypes(plan, inputs) -> set:
+    """The dtypes of the float inputs x, g and c read (they pick the core's dot operands)."""
+    used = {ld.input for e in (plan.x, plan.g, plan.c) if e is not None for ld in ir.loads(e)}
+    return {inputs[i].dtype for i in used if inputs[i].is_floating_point()}
+
+
+def kernel_chunk(plan, inputs) -> int:
+    """The chunk of the core's kernels for these inputs (ssd_core's config for their operands)."""
+    from .ssd_core import config, opd_of
+    return config("core", opd_of(operand_dtypes(plan, inputs)))["CHUNK"]
+
+
+class _Factors:
+    """The region's factors laid out for the core: u, w (*S or 1, L or 1, 1), x (..., p or 1),
+    g, c (..., n or 1), h0 (*S, p, n) or None; the Evaluator, the axis sizes (with "t"), the
+    program sizes S and the dtypes x, g and c are read from."""
+
+    def __init__(self, region: ir.Region, plan, inputs, kernels: bool):
+        r = region
+        self.cdt = cdt = compute_dtype(r, inputs)
+        sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
+        L = inputs[r.length[0]].shape[r.length[1]]
+        names = ["t", *r.axes]
+        progs, p, n = tuple(plan.programs), plan.p, plan.n
+        self.S = tuple(sizes[a] for a in progs)
+        self.ev = ev = Evaluator(r, inputs, 0, L, cdt)
+        self.sizes = {**sizes, "t": L}
+        small = lambda e, last: _small(ev.eval(e).to(cdt), names, progs, last)   # noqa: E731
+
+        def factor(e, last):
+            # on the kernels' path a factor that is one input read as is keeps its dtype (no fp32 copy)
+            if kernels and isinstance(e, ir.Load) and inputs[e.input].is_floating_point():
+                return _small(ev.view_of(inputs[e.input], e), names, progs, last)
+            return small(e, last)
+        self.u, self.w = small(plan.log_decay, None), factor(plan.w, None)
+        self.x, self.g = factor(plan.x, p), factor(plan.g, n)
+        self.c = factor(plan.c, n) if plan.readout is not None else None
+        self.kinds = operand_dtypes(plan, inputs)
+        self.h0 = (inputs[r.init].to(cdt).permute([r.axes.index(ax) for ax in (*progs, p, n)])
+                   if r.init is not None else None)
+
+    def spec(self, plan, chunk: int | None, deterministic: bool, cache_dir: str | None):
+        """The core kernels' Spec for these factors (chunk None: ssd_core's config's)."""
+        from .ssd_core import Spec, config, opd_of
+        opd = opd_of(self.kinds)
+        return Spec(self.S, self.sizes["t"], self.sizes[plan.p], self.sizes[plan.n],
+                    chunk or config("core", opd)["CHUNK"], opd, deterministic, cache_dir)
+
+
+def _core(region: ir.Region, plan, inputs, chunk: int | None, kernels: bool, deterministic: bool,
           cache_dir: str | None):
     """The factors under autograd and the core map: (y (*program sizes, L, p) or None without a
     readout, the state after the last step (P, p, n), the Evaluator, the axis sizes)."""
-    r = region
-    cdt = compute_dtype(r, inputs)
-    dev = inputs[0].device
-    sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
-    L = inputs[r.length[0]].shape[r.length[1]]
-    names = ["t", *r.axes]
-    progs, p, n = tuple(plan.programs), plan.p, plan.n
-    S = tuple(sizes[a] for a in progs)
-    ev = Evaluator(r, inputs, 0, L, cdt)
-    small = lambda e, last: _small(ev.eval(e).to(cdt), names, progs, last)   # noqa: E731
-
-    def factor(e, last):
-        # on the kernels' path a factor that is one input read as is keeps its dtype (no fp32 copy)
-        if kernels and isinstance(e, ir.Load) and inputs[e.input].is_floating_point():
-            return _small(ev.view_of(inputs[e.input], e), names, progs, last)
-        return small(e, last)
-    u, w, x, g = small(plan.log_decay, None), factor(plan.w, None), factor(plan.x, p), factor(plan.g, n)
-    c = factor(plan.c, n) if plan.readout is not None else None
-    used = {ld.input for e in (plan.x, plan.g, plan.c) if e is not None for ld in ir.loads(e)}
-    kinds = {inputs[i].dtype for i in used if inputs[i].is_floating_point()}
-    if r.init is not None:
-        h0 = inputs[r.init].to(cdt).permute([r.axes.index(ax) for ax in (*progs, p, n)])
-    else:
-        h0 = None
-    P = math.prod(S)
+    f = _Factors(region, plan, inputs, kernels)
+    S, sizes, cdt = f.S, f.sizes, f.cdt
+    L, p, n = sizes["t"], sizes[plan.p], sizes[plan.n]
     if kernels:
-        from .ssd_core import Spec, core as run_core, opd_of
-        sp = Spec(S, L, sizes[p], sizes[n], chunk, opd_of(kinds), deterministic, cache_dir)
-        y, h = run_core(sp, u, w, x, g, c, h0)
+        from .ssd_core import core as run_core
+        y, h = run_core(f.spec(plan, chunk, deterministic, cache_dir), f.u, f.w, f.x, f.g, f.c, f.h0)
     else:
+        kinds = set(f.kinds)
         lo = kinds.pop() if len(kinds) == 1 and kinds <= {torch.bfloat16, torch.float16} else None
 
         def mm(a, b):
             return a @ b if lo is None else (a.to(lo) @ b.to(lo)).to(cdt)
+        P = math.prod(S)
         fl = lambda v, k: _flat(v, S, L, k)                          # noqa: E731
-        hz = (h0.reshape(P, sizes[p], sizes[n]) if h0 is not None
-              else torch.zeros(P, sizes[p], sizes[n], dtype=cdt, device=dev))
-        y, h = _torch_core(fl(u, 1), fl(w, 1), fl(x, sizes[p]), fl(g, sizes[n]),
-                           None if c is None else fl(c, sizes[n]), hz, max(1, min(chunk, L)), mm)
+        hz = (f.h0.reshape(P, p, n) if f.h0 is not None
+              else torch.zeros(P, p, n, dtype=cdt, device=inputs[0].device))
+        y, h = _torch_core(fl(f.u, 1), fl(f.w, 1), fl(f.x, p), fl(f.g, n),
+                           None if f.c is None else fl(f.c, n), hz, max(1, min(chunk or CHUNK, L)), mm)
     if y is not None:
-        y = y.to(cdt).reshape(*S, L, sizes[p])                        # (P, L, p) -> (*S, L, p): a view
-    return y, h, ev, {**sizes, "t": L}
+        y = y.to(cdt).reshape(*S, L, p)                              # (P, L, p) -> (*S, L, p): a view
+    return y, h, f.ev, sizes
 
 
 def _final_outputs(region: ir.Region, plan, inputs, h, sizes: dict) -> dict:
@@ -186,7 +214,7 @@ def _final_outputs(region: ir.Region, plan, inputs, h, sizes: dict) -> dict:
     return outs
 
 
-def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str = "auto",
+def ssd_outputs(region: ir.Region, plan, inputs, chunk: int | None = None, core: str = "auto",
                 deterministic: bool = False, cache_dir: str | None = None) -> list[torch.Tensor]:
     """The region's outputs computed in the chunked SSD's matmul form (differentiable).
     ``core``: "triton" runs the map from the factors to (y, final state) as the kernels of
@@ -205,40 +233,89 @@ def ssd_outputs(region: ir.Region, plan, inputs, chunk: int = CHUNK, core: str =
             if o.kind == "steps" else finals[k] for k, o in enumerate(r.outputs)]
 
 
-def ssd_backward(region: ir.Region, plan, inputs, grads, needs, chunk: int = CHUNK,
+def ssd_backward(region: ir.Region, plan, inputs, grads, needs, chunk: int | None = None,
                  core: str = "auto", deterministic: bool = False, cache_dir: str | None = None,
                  epilogue=None) -> list:
     """Every input's gradient (None where not needed). With the core's kernels and an
-    ``epilogue`` (ssd_epilogue.make_epilogue's, for these `needs`), the per-step epilogue's
-    backward is that generated kernel, and autograd runs through the factors, the core and the
-    final outputs only; otherwise autograd runs through all of `ssd_outputs`."""
+    ``epilogue`` (ssd_epilogue.make_epilogue's, for these `needs`), `_kernel_backward`;
+    otherwise autograd through all of `ssd_outputs`."""
     kernels = core == "triton" or (core == "auto" and use_kernels(region, plan, inputs) is None)
     kw = dict(core=core, deterministic=deterministic, cache_dir=cache_dir)
     if not kernels or epilogue is None or isinstance(epilogue, str):
         return grads_by_autograd(lambda xs: ssd_outputs(region, plan, xs, chunk, **kw), inputs, grads, needs)
+    return _kernel_backward(region, plan, inputs, grads, needs, chunk, deterministic, cache_dir, epilogue)
+
+
+def _kernel_backward(region, plan, inputs, grads, needs, chunk, deterministic, cache_dir, epilogue):
+    """The backward as kernels end to end, torch autograd only through the factor expressions
+    and the final outputs:
+
+        factors (autograd records them) -> the core's forward (y, the chunk states; no graph)
+        -> the epilogue's kernel (dy, and its inputs' gradients) -> the core's backward kernels
+        (du, dw, dx, dg, dc, dh0; dx added into the epilogue's gradient of the same input
+        where x is that input read as is) -> autograd from the factors to the inputs.
+
+    y is held in the dots' operand type (what the core's backward reads of dy anyway) and freed
+    before the core's backward, so the largest buffers alive at once are the two chunk-state
+    buffers, dy and the inputs' gradients."""
+    from . import ssd_core
     from .ssd_epilogue import backward as epilogue_backward
     r = region
     xs = [x.detach().requires_grad_(bool(n) and x.is_floating_point()) for x, n in zip(inputs, needs)]
     with autograd_inside_op(), torch.enable_grad():
-        y, h, _, sizes = _core(r, plan, xs, chunk, True, deterministic, cache_dir)
-        finals = _final_outputs(r, plan, xs, h, sizes)
-    dy, extra = epilogue_backward(epilogue, inputs, y.detach(), grads, sizes, cache_dir)
-    pairs = [(y, dy)] + [(finals[k], grads[k]) for k in finals if grads[k] is not None and grads[k].numel()]
-    pairs = [(o, g) for o, g in pairs if o.requires_grad]
+        f = _Factors(r, plan, xs, True)
+    sp = f.spec(plan, chunk, deterministic, cache_dir)
+    sizes, L = f.sizes, f.sizes["t"]
+    with torch.no_grad():
+        y, hl, H, A = ssd_core._forward(sp, f.u, f.w, f.x, f.g, f.c, f.h0, y_dtype=sp.state_dtype)
     wrt = [x for x in xs if x.requires_grad]
-    got = [None] * len(wrt)
-    if pairs and wrt:
-        with autograd_inside_op():
-            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs],
-                                      allow_unused=True)
-    it = iter(got)
-    res = []
-    for i, (x, xx) in enumerate(zip(inputs, xs)):
-        if not xx.requires_grad:
-            res.append(None)
-            continue
-        g, e = next(it), extra.get(i)
-        if e is not None:
-            g = e if g is None else (g + e if g.dtype == e.dtype else g.to(e.dtype) + e)
-        res.append(torch.zeros_like(x) if g is None else g.to(x.dtype))
-    return res
+    total = {}                                         # input index -> gradient so far
+
+    def add(i, g):
+        if g is not None:
+            if i in total:
+                dt = torch.promote_types(total[i].dtype, g.dtype)
+                g = total[i].to(dt) + g.to(dt)
+            total[i] = g
+    # the final outputs: their gradients reach the last state (dhl) and the inputs they read
+    dhl = None
+    want = [k for k, o in enumerate(r.outputs) if o.kind == "final" and grads[k] is not None
+            and grads[k].numel()]
+    if want:
+        hd = hl.detach().requires_grad_(True)
+        with autograd_inside_op(), torch.enable_grad():
+            finals = _final_outputs(r, plan, xs, hd, sizes)
+        pairs = [(finals[k], grads[k]) for k in want if finals[k].requires_grad]
+        if pairs:
+            got = torch.autograd.grad([o for o, _ in pairs], [hd, *wrt],
+                                      [g.to(o.dtype) for o, g in pairs], allow_unused=True)
+            dhl = got[0]
+            for x, g in zip(wrt, got[1:]):
+                add(next(i for i, v in enumerate(xs) if v is x), g)
+    dy, extra = epilogue_backward(epilogue, inputs, y.reshape(*f.S, L, -1), grads, sizes, cache_dir)
+    del y
+    # dx into the epilogue's gradient of x's input when x is that input as is (Mamba-2's D skip)
+    dx_out, xi = None, plan.x.input if isinstance(plan.x, ir.Load) else None
+    if xi is not None and xi in extra and extra[xi].shape == inputs[xi].shape \
+            and not ssd_core._aliased(f.x, (*f.S, L, sizes[plan.p])):
+        dx_out = _small(f.ev.view_of(extra[xi], plan.x), ["t", *r.axes], tuple(plan.programs), plan.p)
+    with torch.no_grad():
+        (du, dw, dx, dg, dc), dh0 = ssd_core._backward(sp, f.u, f.w, f.x, f.g, f.c, H, A, dy, dhl,
+                                                        dx_out=dx_out)
+    del H, A, dy
+    for i, e in extra.items():
+        add(i, e)                                      # dx_out's input: dx included
+    roots = [(f.u, du), (f.w, dw), (f.g, dg), (f.c, dc)]
+    if dx_out is None:
+        roots.append((f.x, dx))
+    if f.h0 is not None:
+        roots.append((f.h0, dh0.reshape(f.h0.shape)))
+    roots = [(o, g) for o, g in roots if o is not None and o.requires_grad]
+    if roots and wrt:
+        got = torch.autograd.grad([o for o, _ in roots], wrt, [g.to(o.dtype) for o, g in roots],
+                                  allow_unused=True)
+        for x, g in zip(wrt, got):
+            add(next(i for i, v in enumerate(xs) if v is x), g)
+    return [None if not xx.requires_grad else
+            (total[i].to(x.dtype) if i in total else torch.zeros_like(x))
+            for i, (x, xx) in enumerate(zip(inputs, xs))]

@@ -28,12 +28,25 @@ from . import triton as T
 TEMPLATE = "triton/ssd_core.py.j2"
 LOG2E = 1.4426950408889634
 # tile sizes and warps per kernel (p, n rounded up to powers of two, at least 16: tl.dot's minimum)
-CONFIG = {"chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
+CONFIG = {"core": {"CHUNK": 64},             # the chunk of training's core (ssd_autograd.py)
+          "chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
           "pass": {"BLOCK": 256, "num_warps": 2},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
           "bwd_dx": {"BLOCK_P": 64, "num_warps": 4},
-          # loop_heads: programs loop over the indices that share g and c, summing dg and dc
-          "bwd_dbc": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 8, "loop_heads": True}}
+          # heads: how the program indices that share g and c (Mamba-2's heads) sum dg and dc:
+          # "loop" (a program loops over them, summing in registers), "atomic" (atomic adds;
+          # "loop" in deterministic mode) or "store" (per index, summed by torch: buffers of
+          # (P, L, n) fp32)
+          "bwd_dbc": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 8, "heads": "loop"}}
+
+# fp32 operands (tf32x3 dots) take about twice the shared memory: ssd_bwd_dbc at BLOCK_N 128 or
+# CHUNK 128 would need more than an H200 has (228 KiB); these override CONFIG for them
+FP32 = {"core": {"CHUNK": 64}, "bwd_dbc": {"BLOCK_N": 32}}
+
+
+def config(kernel: str, opd: str) -> dict:
+    """CONFIG[kernel] for dots with `opd` operands."""
+    return {**CONFIG[kernel], **(FP32.get(kernel, {}) if opd == "tl.float32" else {})}
 
 
 def opd_of(dtypes) -> str:
@@ -107,7 +120,7 @@ def _none_args(sp: Spec, like: torch.Tensor) -> list:
 def _pass(sp: Spec, buf, A, init, reverse: bool):
     """ssd_pass over buf in place; returns the last carried value (P, p, n) fp32."""
     out = torch.empty(sp.P, sp.p, sp.n, device=buf.device, dtype=torch.float32)
-    cf = CONFIG["pass"]
+    cf = config("pass", sp.opd)
     BLOCK = min(cf["BLOCK"], _p2(sp.p * sp.n))
     sp.mod.ssd_pass[(sp.P, -(-(sp.p * sp.n) // BLOCK))](
         buf, A, *(_args(init) if init is not None else _none_args(sp, buf)), out, *sp.S, sp.NC, sp.p,
@@ -116,11 +129,11 @@ def _pass(sp: Spec, buf, A, init, reverse: bool):
     return out
 
 
-def _forward(sp: Spec, u, w, x, g, c, h0):
+def _forward(sp: Spec, u, w, x, g, c, h0, y_dtype=torch.float32):
     dev = x.device
     H = torch.empty(sp.P, sp.NC, sp.p, sp.n, device=dev, dtype=sp.state_dtype)
     A = torch.empty(sp.P, sp.NC, device=dev, dtype=torch.float32)
-    cf = CONFIG["chunk_state"]
+    cf = config("chunk_state", sp.opd)
     BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
     sp.mod.ssd_chunk_state[(sp.NC, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
         *_args(u), *_args(w), *_args(x), *_args(g), H, A, *sp.S, sp.L, sp.NC, sp.p, sp.n,
@@ -129,9 +142,9 @@ def _forward(sp: Spec, u, w, x, g, c, h0):
     # y in x's memory order where x is whole (a permuted input): the torch ops that combine them
     # afterwards then run over dense, like-ordered memory
     full = (*sp.S, sp.L, sp.p)
-    y = (torch.empty_like(x, dtype=torch.float32) if tuple(x.shape) == full and not _aliased(x, full)
-         else torch.empty(full, device=dev, dtype=torch.float32))
-    cf = CONFIG["chunk_fwd"]
+    y = (torch.empty_like(x, dtype=y_dtype) if tuple(x.shape) == full and not _aliased(x, full)
+         else torch.empty(full, device=dev, dtype=y_dtype))
+    cf = config("chunk_fwd", sp.opd)
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
     sp.mod.ssd_chunk_fwd[(sp.NC, sp.P, -(-sp.p // BP))](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), H, *_args(y), *sp.S, sp.L, sp.NC, sp.p, sp.n,
@@ -142,8 +155,8 @@ def _forward(sp: Spec, u, w, x, g, c, h0):
 def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool, partial: bool = False):
     """(buffer the kernel writes, atomic?, how to turn the buffer into t's gradient). A factor
     broadcast along some axis gets a buffer of the full shape, summed by torch afterwards;
-    ``partial``: several programs add shares to one element (blocks of n; not in deterministic
-    mode, which takes n whole)."""
+    ``partial``: several programs add shares to one element (blocks of n, or indices sharing
+    the factor; not in deterministic mode, whose callers avoid it)."""
     if partial and not deterministic:
         return torch.zeros(t.shape, device=t.device, dtype=torch.float32), True, lambda b: b
     if not _aliased(t, full):
@@ -153,44 +166,52 @@ def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool, partial: boo
     return buf, False, lambda b: b.sum(dims, keepdim=True)
 
 
-def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl):
+def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
+    """((du, dw, dx, dg, dc), dh0 (P, p, n)). ``dx_out``: a tensor of x's shape (any float
+    type) that dx is added into, and returned as dx."""
     dev = x.device
     kw = lambda cf: sp.launch_kw(dev, cf["num_warps"])               # noqa: E731
     dy = dy.reshape(*sp.S, sp.L, sp.p)              # a view: dy comes shaped so (the kernels read any float type)
     if dhl is not None:
         dhl = dhl.to(torch.float32).reshape(*sp.S, sp.p, sp.n)
     dE = torch.empty_like(H)
-    cf = CONFIG["chunk_state"]
+    cf = config("chunk_state", sp.opd)
     BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
     sp.mod.ssd_chunk_dstate[(sp.NC, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
         *_args(u), *_args(dy), *_args(c), dE, *sp.S, sp.L, sp.NC, sp.p, sp.n,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **kw(cf))
     dh0 = _pass(sp, dE, A, dhl, True)
-    # program axes along which g and c are both shared: looped inside ssd_bwd_dbc, whose
-    # programs sum dg and dc over them in registers (no per-head buffers)
-    cf = CONFIG["bwd_dbc"]
-    inner = [cf.get("loop_heads", True) and sp.S[k] > 1 and g.shape[k] == 1 and c.shape[k] == 1
-             for k in range(len(sp.S))]
-    shared = tuple(1 if i else d for i, d in zip(inner, sp.S))
+    # program axes along which g and c are both shared (see CONFIG's "heads"): looped inside
+    # ssd_bwd_dbc or added atomically; either way no per-index buffers
+    cf = config("bwd_dbc", sp.opd)
+    mode = "loop" if sp.deterministic and cf["heads"] == "atomic" else cf["heads"]
+    common = [mode != "store" and sp.S[k] > 1 and g.shape[k] == 1 and c.shape[k] == 1
+              for k in range(len(sp.S))]
+    inner = common if mode == "loop" else [False] * len(sp.S)
+    shared = tuple(1 if i else d for i, d in zip(common, sp.S))
     fulls = {"u": (*sp.S, sp.L, 1), "w": (*sp.S, sp.L, 1), "x": (*sp.S, sp.L, sp.p),
              "g": (*shared, sp.L, sp.n), "c": (*shared, sp.L, sp.n)}
     BN = _p2(sp.n) if sp.deterministic else _p2(sp.n, hi=cf["BLOCK_N"])
     NB = -(-sp.n // BN)
-    bufs = {k: _grad_buffer(t, fulls[k], sp.deterministic, partial=NB > 1 and k in "uw")
+    atomic_gc = mode == "atomic" and any(common)
+    bufs = {k: _grad_buffer(t, fulls[k], sp.deterministic,
+                            partial=(NB > 1 and k in "uw") or (atomic_gc and k in "gc"))
             for k, t in zip(fulls, (u, w, x, g, c))}
-    cx = CONFIG["bwd_dx"]
+    if dx_out is not None:
+        bufs["x"] = (dx_out, False, lambda b: b)
+    cx = config("bwd_dx", sp.opd)
     BPx = _p2(sp.p, hi=cx["BLOCK_P"])
     sp.mod.ssd_bwd_dx[(sp.NC, sp.P, -(-sp.p // BPx))](
         *_args(u), *_args(w), *_args(g), *_args(c), *_args(dy), dE, *_args(bufs["x"][0]),
         *sp.S, sp.L, sp.NC, sp.p, sp.n, CHUNK=sp.chunk, BLOCK_P=BPx,
-        BLOCK_N=_p2(sp.n), **kw(cx))
+        BLOCK_N=_p2(sp.n), ACC=dx_out is not None, **kw(cx))
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
     heads = math.prod(d for i, d in zip(inner, sp.S) if i)
     split = [a for k, d in enumerate(sp.S) for a in ((1, d) if inner[k] else (d, 1))]
     sp.mod.ssd_bwd_dbc[(sp.NC, sp.P // heads, NB)](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), *_args(dy), H, dE,
         *(a for k in "uwgc" for a in _args(bufs[k][0])), *split, heads, sp.L, sp.NC, sp.p, sp.n,
-        ATOMIC_U=bufs["u"][1], ATOMIC_W=bufs["w"][1],
+        ATOMIC_U=bufs["u"][1], ATOMIC_W=bufs["w"][1], ATOMIC_GC=atomic_gc,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, NPB=-(-sp.p // BP), **kw(cf))
     grads = [bufs[k][2](bufs[k][0]) for k in fulls]
     return grads, dh0

@@ -604,6 +604,7 @@ class SSDKernel(T.TritonKernel):
     _ssd_bwd: str | None = None       # "ok", or why the matmul-form backward did not run
     _ssd_core: str | None = None      # why the core ran in torch matmuls, not ssd_core's kernels
     _ssd_epi: str | None = None       # why the epilogue's backward ran under torch autograd
+    _ssd_chunk: int | None = None     # the backward's chunk
 
     def backward(self, inputs, grads, needs):
         """The chunked SSD's backward (ssd_autograd.py): the factors' expressions under autograd,
@@ -611,10 +612,11 @@ class SSDKernel(T.TritonKernel):
         ssd_core.py (in torch matmuls where they do not run), the per-step epilogue's backward
         as the generated kernel of ssd_epilogue.py where it applies; the selective-scan backward
         kernel where that fails (``backward_note()`` says which ran and why)."""
-        from .ssd_autograd import ssd_backward, use_kernels
+        from .ssd_autograd import CHUNK, kernel_chunk, ssd_backward, use_kernels
         if self.sizes(inputs)[1] == 0:           # nothing to chunk
             return super().backward(inputs, grads, needs)
         self._ssd_core = use_kernels(self.region, self.plan, inputs)
+        self._ssd_chunk = CHUNK if self._ssd_core else kernel_chunk(self.plan, inputs)
         ep = None
         if self._ssd_core is None:
             ep = self._epilogue(tuple(bool(n) for n in needs))
@@ -641,7 +643,6 @@ class SSDKernel(T.TritonKernel):
         return memo[needs]
 
     def backward_note(self) -> str | None:
-        from .ssd_autograd import CHUNK
         if self._ssd_bwd == "ok":
             if self._ssd_core is None:
                 core = "the Triton kernels of ssmc/targets/ssd_core.py"
@@ -650,8 +651,8 @@ class SSDKernel(T.TritonKernel):
                        else f"; the per-step epilogue under autograd ({self._ssd_epi})")
             else:
                 core, epi = f"torch matmuls ({self._ssd_core})", ""
-            return (f"backward: the chunked SSD, chunk {CHUNK}: factors under autograd, the core "
-                    f"map through {core}{epi} (ssmc/targets/ssd_autograd.py)")
+            return (f"backward: the chunked SSD, chunk {self._ssd_chunk}: factors under autograd, "
+                    f"the core map through {core}{epi} (ssmc/targets/ssd_autograd.py)")
         note = super().backward_note()
         if self._ssd_bwd is not None and note:
             return f"{note}; the chunked SSD backward failed: {self._ssd_bwd}"
