@@ -67,9 +67,34 @@ def check(dev) -> dict:
     return out
 
 
+def time_one(S, L, p, n, opd, det, fs, dy, row) -> dict:
+    """fwd_ms, bwd_ms and the backward's peak memory at CONFIG as it stands (or the error)."""
+    u, w, x, g, c = fs
+    sp = ssd_core.Spec(S, L, p, n, ssd_core.config("core", opd)["CHUNK"], opd, det)
+    try:
+        y, hl, H, A = ssd_core._forward(sp, u, w, x, g, c, None)
+        row["fwd_ms"] = bench(lambda: ssd_core._forward(sp, u, w, x, g, c, None))
+        row["bwd_ms"] = bench(lambda: ssd_core._backward(sp, u, w, x, g, c, H, A, dy, None))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ssd_core._backward(sp, u, w, x, g, c, H, A, dy, None)
+        torch.cuda.synchronize()
+        row["bwd_peak_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        del y, hl, H, A
+    except Exception as e:
+        import traceback
+        at = [f.line for f in traceback.extract_tb(e.__traceback__) if f.filename.endswith("ssd_core.py")]
+        row["error"] = f"{type(e).__name__}: {e}"[:300] + (f" (at {at[-1]})" if at else "")
+    print(row, flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="", help="JSON list of CONFIG overrides ({kernel: {key: value}}) "
+                    "to time instead of VARIANTS, bf16, not deterministic")
     args = ap.parse_args()
     dev = "cuda"
     try:
@@ -82,7 +107,13 @@ def main():
     S, L, p, n = (SHAPE["b"], SHAPE["h"]), SHAPE["L"], SHAPE["p"], SHAPE["n"]
     default = copy.deepcopy(ssd_core.CONFIG)
     rows = []
-    for opd in ("tl.bfloat16", "tl.float32"):
+    for over in json.loads(args.configs or "[]"):
+        ssd_core.CONFIG.clear()
+        ssd_core.CONFIG.update(copy.deepcopy(default))
+        for k, v in over.items():
+            ssd_core.CONFIG[k].update(v)
+        rows.append(time_one(S, L, p, n, "tl.bfloat16", False, (u, w, x, g, c), dy, {"config": over}))
+    for opd in ("tl.bfloat16", "tl.float32") if not args.configs else ():
         for det in (False, True):
             for kern, cfgs in VARIANTS.items():
                 for cfg in cfgs:
@@ -91,23 +122,8 @@ def main():
                     ssd_core.CONFIG.clear()
                     ssd_core.CONFIG.update(copy.deepcopy(default))
                     ssd_core.CONFIG[kern].update(cfg)
-                    row = {"opd": opd, "deterministic": det, "kernel": kern, **cfg}
-                    sp = ssd_core.Spec(S, L, p, n, ssd_core.config("core", opd)["CHUNK"], opd, det)
-                    try:
-                        y, hl, H, A = ssd_core._forward(sp, u, w, x, g, c, None)
-                        row["fwd_ms"] = bench(lambda: ssd_core._forward(sp, u, w, x, g, c, None))
-                        row["bwd_ms"] = bench(lambda: ssd_core._backward(sp, u, w, x, g, c, H, A, dy, None))
-                        torch.cuda.synchronize()
-                        base = torch.cuda.memory_allocated()
-                        torch.cuda.reset_peak_memory_stats()
-                        ssd_core._backward(sp, u, w, x, g, c, H, A, dy, None)
-                        torch.cuda.synchronize()
-                        row["bwd_peak_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-                        del y, hl, H, A
-                    except Exception as e:
-                        row["error"] = f"{type(e).__name__}: {e}"[:300]
-                    print(row, flush=True)
-                    rows.append(row)
+                    rows.append(time_one(S, L, p, n, opd, det, (u, w, x, g, c), dy,
+                                         {"opd": opd, "deterministic": det, "kernel": kern, **cfg}))
     ssd_core.CONFIG.clear()
     ssd_core.CONFIG.update(default)
     res["rows"] = rows
