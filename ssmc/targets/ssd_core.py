@@ -37,7 +37,7 @@ CONFIG = {"core": {"CHUNK": 64},             # the chunk of training's core (ssd
           # "loop" (a program loops over them, summing in registers), "atomic" (atomic adds;
           # "loop" in deterministic mode) or "store" (per index, summed by torch: buffers of
           # (P, L, n) fp32)
-          "bwd_dbc": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 8, "heads": "loop"}}
+          "bwd_dbc": {"BLOCK_P": 64, "BLOCK_N": 32, "num_warps": 4, "heads": "loop"}}
 
 # fp32 operands (tf32x3 dots) take about twice the shared memory: ssd_bwd_dbc at BLOCK_N 128 or
 # CHUNK 128 would need more than an H200 has (228 KiB); these override CONFIG for them

@@ -1,0 +1,75 @@
+"""What is alive when the chunked SSD core's backward starts, in one Mamba-2 training step.
+
+    python -m benchmarks.probe_train_memory --out mem.json
+
+The bf16 Mamba-2 region of bench_train (b8 L4096 h24 p64 n128), compiled by ssmc: one
+fwd+bwd, and at the core backward's first gradient buffer (the chunk states H, their gradients
+dE and dy all allocated) every live CUDA tensor of 8 MiB or more, with the allocator's count
+above the step's start.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_gpu import env_info, lowered_graph
+from benchmarks.bench_train import M2, fwd_bwd
+from benchmarks.run import mamba2_inputs, mamba2_loop
+from ssmc.targets import ssd_core
+
+
+def live(min_mb=8) -> list:
+    out = []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.is_cuda:
+                mb = o.untyped_storage().nbytes() / 2**20
+                if mb >= min_mb:
+                    out.append({"shape": list(o.shape), "dtype": str(o.dtype), "storage_MB": round(mb, 1),
+                                "ptr": o.untyped_storage().data_ptr()})
+        except Exception:
+            pass
+    seen, rows = set(), []
+    for r in sorted(out, key=lambda r: -r["storage_MB"]):
+        if r["ptr"] not in seen:
+            seen.add(r["ptr"])
+            rows.append(r)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    small = mamba2_inputs(M2, 16, torch.bfloat16, "cuda", seed=0)
+    gm, _ = lowered_graph(mamba2_loop, small, target="triton")
+    ins = mamba2_inputs(M2, 4096, torch.bfloat16, "cuda", seed=1)
+    dout = (torch.randn(M2["b"], 4096, M2["h"], M2["p"], device="cuda") / 16).to(torch.bfloat16)
+    step = fwd_bwd(gm, ins, dout)
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    res = {"env": env_info(), "inputs_MB": base / 2**20, "at_core_backward": None}
+    orig = ssd_core._grad_buffer
+
+    def spy(*a, **k):
+        if res["at_core_backward"] is None:
+            res["at_core_backward"] = {"allocated_above_start_MB": (torch.cuda.memory_allocated() - base) / 2**20,
+                                       "live": live()}
+        return orig(*a, **k)
+    ssd_core._grad_buffer = spy
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    ssd_core._grad_buffer = orig
+    res["peak_above_start_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    print(json.dumps(res, indent=1))
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
