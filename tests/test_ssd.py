@@ -514,7 +514,7 @@ def test_ssd_core_heads_modes_equal_the_adjoint(heads, interp, monkeypatch):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_ssd_core_blocks_of_n_and_p_add_up(deterministic, interp, monkeypatch):
     """Tiles smaller than the state (n 40 in blocks of 16, p 24 in blocks of 16, so partial
-    blocks): du and dw summed over the blocks of n (atomically; deterministic mode takes n whole),
+    blocks): du and dw summed over the blocks of n (atomically; deterministic mode in a slot per block),
     B and C shared by the heads, a time-constant x scale; against the torch matmul form in float64."""
     from ssmc.targets import ssd_core
     from ssmc.targets.ssd_autograd import _flat, _torch_core

@@ -14,7 +14,7 @@ A factor is passed in its own shape, (program axes or 1, L or 1, p / n or 1), an
 stride 0 where it is broadcast (Mamba-2's B and C are shared by the heads); its gradient is then
 stored at the full shape and summed by torch (faster on the H200 than atomic adds, whose adds from
 the heads of one chunk collide; deterministic too). Only du and dw add up atomically, over blocks
-of n, and deterministic mode takes n whole instead.
+of n, and deterministic mode writes one slot per block of n instead, summed by torch.
 """
 from __future__ import annotations
 
@@ -191,12 +191,20 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
     shared = tuple(1 if i else d for i, d in zip(common, sp.S))
     fulls = {"u": (*sp.S, sp.L, 1), "w": (*sp.S, sp.L, 1), "x": (*sp.S, sp.L, sp.p),
              "g": (*shared, sp.L, sp.n), "c": (*shared, sp.L, sp.n)}
-    BN = _p2(sp.n) if sp.deterministic else _p2(sp.n, hi=cf["BLOCK_N"])
+    BN = _p2(sp.n, hi=cf["BLOCK_N"])
     NB = -(-sp.n // BN)
     atomic_gc = mode == "atomic" and any(common)
     bufs = {k: _grad_buffer(t, fulls[k], sp.deterministic,
                             partial=(NB > 1 and k in "uw") or (atomic_gc and k in "gc"))
             for k, t in zip(fulls, (u, w, x, g, c))}
+    slot = {"u": 0, "w": 0}
+    if NB > 1 and sp.deterministic:
+        # du and dw: one slot per block of n (written whole, no atomics), summed by torch
+        for k, t in (("u", u), ("w", w)):
+            dims = [i + 1 for i, (d, f) in enumerate(zip(t.shape, fulls[k])) if d == 1 and f > 1]
+            buf = torch.empty(NB, *fulls[k], device=t.device, dtype=torch.float32)
+            slot[k] = buf.stride(0)
+            bufs[k] = (buf, False, lambda b, dims=dims: (b.sum(dims, keepdim=True) if dims else b).sum(0))
     if dx_out is not None:
         bufs["x"] = (dx_out, False, lambda b: b)
     cx = config("bwd_dx", sp.opd)
@@ -210,7 +218,8 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
     split = [a for k, d in enumerate(sp.S) for a in ((1, d) if inner[k] else (d, 1))]
     sp.mod.ssd_bwd_dbc[(sp.NC, sp.P // heads, NB)](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), *_args(dy), H, dE,
-        *(a for k in "uwgc" for a in _args(bufs[k][0])), *split, heads, sp.L, sp.NC, sp.p, sp.n,
+        *(a for k in "uwgc" for a in _args(bufs[k][0][0] if slot.get(k) else bufs[k][0])), *split, heads,
+        sp.L, sp.NC, sp.p, sp.n, slot["u"], slot["w"],
         ATOMIC_U=bufs["u"][1], ATOMIC_W=bufs["w"][1], ATOMIC_GC=atomic_gc,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, NPB=-(-sp.p // BP), **kw(cf))
     grads = [bufs[k][2](bufs[k][0]) for k in fulls]
