@@ -5,7 +5,8 @@
 The bf16 Mamba-2 region of bench_train (b8 L4096 h24 p64 n128), compiled by ssmc: one
 fwd+bwd, and at the core backward's first gradient buffer (the chunk states H, their gradients
 dE and dy all allocated) every live CUDA tensor of 8 MiB or more, with the allocator's count
-above the step's start.
+above the step's start; then one step under the allocator's history: what is alive at its peak
+and which lines of ssmc allocated it.
 """
 from __future__ import annotations
 
@@ -41,6 +42,35 @@ def live(min_mb=8) -> list:
     return rows
 
 
+def at_peak(step, min_mb=8) -> dict:
+    """One more step under the allocator's history: the allocations alive at the step's peak,
+    each with the innermost frames of ssmc or the benchmarks that made it."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    step()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = [e for dev in snap["device_traces"] for e in dev]
+    live, total, best, best_live = {}, 0, -1, {}
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+        elif e["action"] in ("free_requested",) and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+        if total > best:
+            best, best_live = total, dict(live)
+
+    def where(e):
+        fr = [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in e.get("frames", [])
+              if any(k in f["filename"] for k in ("ssmc", "benchmarks", "targets", "runtime"))]
+        return fr[:4]
+    rows = [{"MB": round(e["size"] / 2**20, 1), "where": where(e)} for e in best_live.values()
+            if e["size"] >= min_mb * 2**20]
+    return {"peak_of_step_allocs_MB": best / 2**20, "live": sorted(rows, key=lambda r: -r["MB"])}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -67,6 +97,7 @@ def main():
     torch.cuda.synchronize()
     ssd_core._grad_buffer = orig
     res["peak_above_start_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    res["at_peak"] = at_peak(step)
     print(json.dumps(res, indent=1))
     Path(args.out).write_text(json.dumps(res, indent=1))
 
