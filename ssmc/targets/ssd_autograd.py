@@ -1,6 +1,8 @@
-"""Backward of chunked-SSD regions: the region's factors and epilogue under torch autograd, the
-chunked core between them as the Triton kernels of ssd_core.py (GPU, and the interpreter when
-asked) or in torch matmuls (CPU, fp64), as below.
+"""Backward of chunked-SSD regions. On a GPU (and under the interpreter when asked) with an
+epilogue kernel (ssd_epilogue.py), `_kernel_backward`: kernels end to end, torch autograd only
+through the factor expressions. Otherwise the region's factors and epilogue under torch
+autograd, the chunked core between them as the Triton kernels of ssd_core.py or in torch
+matmuls (CPU, fp64), as below.
 
 The selective-scan backward (triton_bwd.py) treats every state element as its own recurrence;
 for a Mamba-2 head (a p x n state of 64 x 128) that is 8192 scans per program and no tensor

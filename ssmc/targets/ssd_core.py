@@ -3,8 +3,9 @@
     h_t = e^(u_t) h_(t-1) + w_t x_t g_t^T,   y_t = h_t c_t,   h_L           (a (p, n) state)
 
 for every index of the program axes. ssd_autograd.py evaluates the region's factors (u, w, x, g,
-c from its `SSDPlan`) in torch and calls `core` here; autograd then carries du ... dc back through
-the factor expressions to the region's inputs. The kernels (templates/triton/ssd_core.py.j2):
+c from its `SSDPlan`) in torch and calls `core` here (autograd then carries du ... dc back through
+the factor expressions to the region's inputs), or `_forward` and `_backward` directly when the
+whole backward runs as kernels. The kernels (templates/triton/ssd_core.py.j2):
 each chunk's own end state (all chunks at once), the chunk-start states (an elementwise walk over
 chunks), the outputs per chunk; backward, the end-state gradients the same two ways in reverse,
 then dx per chunk and block of p, and dg, dc, du, dw per chunk and block of n. Memory:
