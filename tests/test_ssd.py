@@ -572,16 +572,24 @@ def test_ssd_epilogue_kernel_equals_the_adjoint(case, interp):
     if case.startswith("mamba2"):        # x (the skip), D, z: the epilogue's own inputs
         assert {"l_x_", "l_d_", "l_z_"} <= {n.split(" ")[0] for n in read}, read
     x32 = [x.float() if x.is_floating_point() else x for x in xs]
-    calls = []
+    calls, bufs = [], []
     orig = E.backward
+    from ssmc.targets import ssd_core
+    orig_buf = ssd_core._grad_buffer
 
     def spy(*a, **k):
         calls.append(1)
         return orig(*a, **k)
+
+    def spy_buf(t, *a, **k):
+        bufs.append(tuple(t.shape))
+        return orig_buf(t, *a, **k)
     import unittest.mock
-    with unittest.mock.patch.object(E, "backward", spy):
+    with unittest.mock.patch.object(E, "backward", spy), unittest.mock.patch.object(ssd_core, "_grad_buffer", spy_buf):
         got = ssd_backward(region, plan, x32, [v.float() for v in grads], needs, 16, core="triton", epilogue=ep)
     assert calls
+    if case.startswith("mamba2"):        # dx goes into the epilogue's gradient of x: no buffer of its own
+        assert len(bufs) == 4, bufs
     for i, (a, w) in enumerate(zip(got, want)):
         assert a.shape == xs[i].shape and rel_err(a, w) <= 3e-6, (region.inputs[i].name, rel_err(a, w))
     last = max(i for i, n in enumerate(needs) if n)

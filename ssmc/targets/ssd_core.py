@@ -197,7 +197,7 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
     atomic_gc = mode == "atomic" and any(common)
     bufs = {k: _grad_buffer(t, fulls[k], sp.deterministic,
                             partial=(NB > 1 and k in "uw") or (atomic_gc and k in "gc"))
-            for k, t in zip(fulls, (u, w, x, g, c))}
+            for k, t in zip(fulls, (u, w, x, g, c)) if not (k == "x" and dx_out is not None)}
     slot = {"u": 0, "w": 0}
     if NB > 1 and sp.deterministic:
         # du and dw: one slot per block of n (written whole, no atomics), summed by torch
