@@ -430,6 +430,23 @@ def test_ssd_core_kernels_equal_the_adjoint(case, interp):
             assert a.shape == xs[i].shape and rel_err(a, w) <= 3e-6, (chunk, region.inputs[i].name, rel_err(a, w))
 
 
+def _mamba2_adjoint_case(seed: int, grad_seed: int, dtype):
+    """Mamba-2 with z and a final state: (region, plan, inputs in `dtype`, float64 output
+    gradients, needs, the float64 adjoint's gradients of those same input values)."""
+    from ssmc.targets.reference import adjoint_run, run
+    fn, make = BWD_CASES["mamba2_z_final"]
+    torch.manual_seed(seed)
+    args = make()
+    region = region_of(fn, args)
+    plan = S.make_ssd_plan(region, float64=True)
+    xs = [x.to(dtype) if x.is_floating_point() else x for x in zeros_region_inputs(region, fn, args)]
+    x64 = [x.double() if x.is_floating_point() else x for x in xs]
+    g = torch.Generator().manual_seed(grad_seed)
+    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in run(region, x64, 5)]
+    needs = [x.is_floating_point() for x in xs]
+    return region, plan, xs, grads, needs, adjoint_run(region, x64, grads, needs, 5)
+
+
 def test_ssd_core_kernels_bf16_and_deterministic(interp):
     """bf16 inputs: the kernels' dots take bf16 operands (rounded to nearest) and the gradients
     stay within bf16 rounding of the float64 adjoint of the same bf16 values; B's and C's
@@ -437,19 +454,8 @@ def test_ssd_core_kernels_bf16_and_deterministic(interp):
     deterministic mode gives the same gradients bit for bit (n fits one block here: no atomic
     adds in either mode)."""
     from ssmc.targets import ssd_core
-    from ssmc.targets.reference import adjoint_run, run
     from ssmc.targets.ssd_autograd import ssd_backward
-    fn, make = BWD_CASES["mamba2_z_final"]
-    torch.manual_seed(7)
-    args = make()
-    region = region_of(fn, args)
-    plan = S.make_ssd_plan(region, float64=True)
-    xs = [x.bfloat16() if x.is_floating_point() else x for x in zeros_region_inputs(region, fn, args)]
-    x64 = [x.double() if x.is_floating_point() else x for x in xs]
-    g = torch.Generator().manual_seed(3)
-    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in run(region, x64, 5)]
-    needs = [x.is_floating_point() for x in xs]
-    want = adjoint_run(region, x64, grads, needs, 5)
+    region, plan, xs, grads, needs, want = _mamba2_adjoint_case(7, 3, torch.bfloat16)
     got = ssd_backward(region, plan, xs, [v.float() for v in grads], needs, 16, core="triton")
     for i, (a, w) in enumerate(zip(got, want)):
         assert a.dtype == torch.bfloat16 and rel_err(a, w) <= 1e-2, (region.inputs[i].name, rel_err(a, w))
@@ -479,19 +485,9 @@ def test_ssd_core_heads_modes_equal_the_adjoint(heads, interp, monkeypatch):
     (CONFIG's "heads") gives the float64 adjoint's gradients; "atomic" adds atomically into
     one buffer of B's shape, "store" writes a buffer per head, "loop" neither."""
     from ssmc.targets import ssd_core
-    from ssmc.targets.reference import adjoint_run, run
     from ssmc.targets.ssd_autograd import ssd_backward
     monkeypatch.setitem(ssd_core.CONFIG, "bwd_dbc", {**ssd_core.CONFIG["bwd_dbc"], "heads": heads})
-    fn, make = BWD_CASES["mamba2_z_final"]
-    torch.manual_seed(8)
-    args = make()
-    region = region_of(fn, args)
-    plan = S.make_ssd_plan(region, float64=True)
-    x64 = [x.double() if x.is_floating_point() else x for x in zeros_region_inputs(region, fn, args)]
-    g = torch.Generator().manual_seed(4)
-    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in run(region, x64, 5)]
-    needs = [x.is_floating_point() for x in x64]
-    want = adjoint_run(region, x64, grads, needs, 5)
+    region, plan, x64, grads, needs, want = _mamba2_adjoint_case(8, 4, torch.float64)
     seen = []
     orig = ssd_core._grad_buffer
 
