@@ -430,11 +430,11 @@ def test_ssd_core_kernels_equal_the_adjoint(case, interp):
             assert a.shape == xs[i].shape and rel_err(a, w) <= 3e-6, (chunk, region.inputs[i].name, rel_err(a, w))
 
 
-def _mamba2_adjoint_case(seed: int, grad_seed: int, dtype):
-    """Mamba-2 with z and a final state: (region, plan, inputs in `dtype`, float64 output
-    gradients, needs, the float64 adjoint's gradients of those same input values)."""
+def _adjoint_case(case: str, seed: int, grad_seed: int, dtype):
+    """BWD_CASES[case] (region, plan, inputs in `dtype`, float64 output gradients, needs, the
+    float64 adjoint's gradients of those same input values)."""
     from ssmc.targets.reference import adjoint_run, run
-    fn, make = BWD_CASES["mamba2_z_final"]
+    fn, make = BWD_CASES[case]
     torch.manual_seed(seed)
     args = make()
     region = region_of(fn, args)
@@ -455,7 +455,7 @@ def test_ssd_core_kernels_bf16_and_deterministic(interp):
     adds in either mode)."""
     from ssmc.targets import ssd_core
     from ssmc.targets.ssd_autograd import ssd_backward
-    region, plan, xs, grads, needs, want = _mamba2_adjoint_case(7, 3, torch.bfloat16)
+    region, plan, xs, grads, needs, want = _adjoint_case("mamba2_z_final", 7, 3, torch.bfloat16)
     got = ssd_backward(region, plan, xs, [v.float() for v in grads], needs, 16, core="triton")
     for i, (a, w) in enumerate(zip(got, want)):
         assert a.dtype == torch.bfloat16 and rel_err(a, w) <= 1e-2, (region.inputs[i].name, rel_err(a, w))
@@ -487,7 +487,7 @@ def test_ssd_core_heads_modes_equal_the_adjoint(heads, interp, monkeypatch):
     from ssmc.targets import ssd_core
     from ssmc.targets.ssd_autograd import ssd_backward
     monkeypatch.setitem(ssd_core.CONFIG, "bwd_dbc", {**ssd_core.CONFIG["bwd_dbc"], "heads": heads})
-    region, plan, x64, grads, needs, want = _mamba2_adjoint_case(8, 4, torch.float64)
+    region, plan, x64, grads, needs, want = _adjoint_case("mamba2_z_final", 8, 4, torch.float64)
     seen = []
     orig = ssd_core._grad_buffer
 
@@ -550,18 +550,8 @@ def test_ssd_epilogue_kernel_equals_the_adjoint(case, interp):
     D's gradient (summed over batch, time and p through slots) and z's (the gate, read by the
     epilogue only) included. An input nobody asks about gets no gradient and no buffer."""
     from ssmc.targets import ssd_epilogue as E
-    from ssmc.targets.reference import adjoint_run, run
     from ssmc.targets.ssd_autograd import ssd_backward
-    fn, make = BWD_CASES[case]
-    torch.manual_seed(7)
-    args = make()
-    region = region_of(fn, args)
-    plan = S.make_ssd_plan(region, float64=True)
-    xs = zeros_region_inputs(region, fn, args)
-    g = torch.Generator().manual_seed(3)
-    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in run(region, xs, 5)]
-    needs = [x.is_floating_point() for x in xs]
-    want = adjoint_run(region, xs, grads, needs, 5)
+    region, plan, xs, grads, needs, want = _adjoint_case(case, 7, 3, torch.float64)
     ep = E.make_epilogue(region, plan, tuple(needs))
     assert not isinstance(ep, str), ep
     read = {region.inputs[ld.input].name for ld, _ in ep.grads if ld.input < len(xs)}
