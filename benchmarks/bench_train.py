@@ -275,15 +275,14 @@ def main():
     ap.add_argument("--core-config", default="", help='JSON merged into ssd_core.CONFIG per kernel, '
                     'e.g. \'{"core": {"CHUNK": 128}, "bwd_dbc": {"heads": "atomic"}}\'')
     args = ap.parse_args()
+    from ssmc.targets import ssd_core
     if args.core_config:
-        from ssmc.targets import ssd_core
         for k, v in json.loads(args.core_config).items():
             ssd_core.CONFIG[k].update(v)
     if args.small:
         M1.update(b=2, d=8, n=4)
         M2.update(b=2, h=2, p=4, n=8)
     res = {"env": env_info() if DEV == "cuda" else {"device": "cpu"}}
-    from ssmc.targets import ssd_core
     res["ssd_core_config"] = ssd_core.CONFIG
     targets = args.targets.split(",")
     out = Path(args.out)

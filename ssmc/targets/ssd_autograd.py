@@ -270,7 +270,8 @@ def _kernel_backward(region, plan, inputs, grads, needs, chunk, deterministic, c
     sizes, L = f.sizes, f.sizes["t"]
     with torch.no_grad():
         y, hl, H, A = ssd_core._forward(sp, f.u, f.w, f.x, f.g, f.c, f.h0, y_dtype=sp.state_dtype)
-    wrt = [x for x in xs if x.requires_grad]
+    wrt_i = [i for i, x in enumerate(xs) if x.requires_grad]
+    wrt = [xs[i] for i in wrt_i]
     total = {}                                         # input index -> gradient so far
 
     def add(i, g):
@@ -292,8 +293,8 @@ def _kernel_backward(region, plan, inputs, grads, needs, chunk, deterministic, c
             got = torch.autograd.grad([o for o, _ in pairs], [hd, *wrt],
                                       [g.to(o.dtype) for o, g in pairs], allow_unused=True)
             dhl = got[0]
-            for x, g in zip(wrt, got[1:]):
-                add(next(i for i, v in enumerate(xs) if v is x), g)
+            for i, g in zip(wrt_i, got[1:]):
+                add(i, g)
     dy, extra = epilogue_backward(epilogue, inputs, y.reshape(*f.S, L, -1), grads, sizes, cache_dir)
     del y
     # dx into the epilogue's gradient of x's input when x is that input as is (Mamba-2's D skip)
@@ -316,8 +317,8 @@ def _kernel_backward(region, plan, inputs, grads, needs, chunk, deterministic, c
     if roots and wrt:
         got = torch.autograd.grad([o for o, _ in roots], wrt, [g.to(o.dtype) for o, g in roots],
                                   allow_unused=True)
-        for x, g in zip(wrt, got):
-            add(next(i for i, v in enumerate(xs) if v is x), g)
+        for i, g in zip(wrt_i, got):
+            add(i, g)
     return [None if not xx.requires_grad else
             (total[i].to(x.dtype) if i in total else torch.zeros_like(x))
             for i, (x, xx) in enumerate(zip(inputs, xs))]

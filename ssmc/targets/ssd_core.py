@@ -153,18 +153,26 @@ def _forward(sp: Spec, u, w, x, g, c, h0, y_dtype=torch.float32):
     return y, hl, H, A
 
 
-def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool, partial: bool = False):
-    """(buffer the kernel writes, atomic?, how to turn the buffer into t's gradient). A factor
-    broadcast along some axis gets a buffer of the full shape, summed by torch afterwards;
-    ``partial``: several programs add shares to one element (blocks of n, or indices sharing
-    the factor; not in deterministic mode, whose callers avoid it)."""
+def _grad_buffer(t: torch.Tensor, full: tuple, deterministic: bool, partial: bool = False, blocks: int = 1):
+    """(buffer the kernel writes, atomic?, how to turn the buffer into t's gradient, the stride
+    between slots or 0). A factor broadcast along some axis gets a buffer of the full shape,
+    summed by torch afterwards; ``partial``: several programs add shares to one element (blocks
+    of n, or indices sharing the factor): atomically, or in deterministic mode into one slot per
+    block of n (``blocks`` of them; the kernel is handed the first, the others at the stride)."""
     if partial and not deterministic:
-        return torch.zeros(t.shape, device=t.device, dtype=torch.float32), True, lambda b: b
-    if not _aliased(t, full):
-        return torch.empty(t.shape, device=t.device, dtype=torch.float32), False, lambda b: b
+        return torch.zeros(t.shape, device=t.device, dtype=torch.float32), True, lambda b: b, 0
     dims = [i for i, (d, f) in enumerate(zip(t.shape, full)) if d == 1 and f > 1]
+    if partial:
+        slots = torch.empty(blocks, *full, device=t.device, dtype=torch.float32)
+        down = [d + 1 for d in dims]
+
+        def finish(_):
+            return (slots.sum(down, keepdim=True) if down else slots).sum(0)
+        return slots[0], False, finish, slots.stride(0)
+    if not _aliased(t, full):
+        return torch.empty(t.shape, device=t.device, dtype=torch.float32), False, lambda b: b, 0
     buf = torch.empty(full, device=t.device, dtype=torch.float32)
-    return buf, False, lambda b: b.sum(dims, keepdim=True)
+    return buf, False, lambda b: b.sum(dims, keepdim=True), 0
 
 
 def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
@@ -195,19 +203,13 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
     BN = _p2(sp.n, hi=cf["BLOCK_N"])
     NB = -(-sp.n // BN)
     atomic_gc = mode == "atomic" and any(common)
+    # du and dw: shares from the NB blocks of n (atomic adds, or slots in deterministic mode);
+    # dg and dc: from the indices sharing them when they add atomically (never deterministic)
     bufs = {k: _grad_buffer(t, fulls[k], sp.deterministic,
-                            partial=(NB > 1 and k in "uw") or (atomic_gc and k in "gc"))
+                            partial=(NB > 1 and k in "uw") or (atomic_gc and k in "gc"), blocks=NB)
             for k, t in zip(fulls, (u, w, x, g, c)) if not (k == "x" and dx_out is not None)}
-    slot = {"u": 0, "w": 0}
-    if NB > 1 and sp.deterministic:
-        # du and dw: one slot per block of n (written whole, no atomics), summed by torch
-        for k, t in (("u", u), ("w", w)):
-            dims = [i + 1 for i, (d, f) in enumerate(zip(t.shape, fulls[k])) if d == 1 and f > 1]
-            buf = torch.empty(NB, *fulls[k], device=t.device, dtype=torch.float32)
-            slot[k] = buf.stride(0)
-            bufs[k] = (buf, False, lambda b, dims=dims: (b.sum(dims, keepdim=True) if dims else b).sum(0))
     if dx_out is not None:
-        bufs["x"] = (dx_out, False, lambda b: b)
+        bufs["x"] = (dx_out, False, lambda b: b, 0)
     cx = config("bwd_dx", sp.opd)
     BPx = _p2(sp.p, hi=cx["BLOCK_P"])
     sp.mod.ssd_bwd_dx[(sp.NC, sp.P, -(-sp.p // BPx))](
@@ -219,8 +221,8 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
     split = [a for k, d in enumerate(sp.S) for a in ((1, d) if inner[k] else (d, 1))]
     sp.mod.ssd_bwd_dbc[(sp.NC, sp.P // heads, NB)](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), *_args(dy), H, dE,
-        *(a for k in "uwgc" for a in _args(bufs[k][0][0] if slot.get(k) else bufs[k][0])), *split, heads,
-        sp.L, sp.NC, sp.p, sp.n, slot["u"], slot["w"],
+        *(a for k in "uwgc" for a in _args(bufs[k][0])), *split, heads,
+        sp.L, sp.NC, sp.p, sp.n, bufs["u"][3], bufs["w"][3],
         ATOMIC_U=bufs["u"][1], ATOMIC_W=bufs["w"][1], ATOMIC_GC=atomic_gc,
         CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, NPB=-(-sp.p // BP), **kw(cf))
     grads = [bufs[k][2](bufs[k][0]) for k in fulls]
