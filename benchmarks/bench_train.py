@@ -104,7 +104,7 @@ def mamba_ssm_calls(ext, ins, dout):
     return fwd, step
 
 
-def run_mamba1(res, L, targets, baseline, configs):
+def run_mamba1(res, L, targets, baseline, configs, ncu_once=False):
     dtype = torch.bfloat16
     small = mamba1_inputs(M1, 16, dtype, DEV, seed=0)
     graphs = {t: lowered_graph(mamba1_loop, small, target=t) for t in targets}
@@ -141,6 +141,12 @@ def run_mamba1(res, L, targets, baseline, configs):
             bwd = getattr(entry.kernel, "bwd", None)
             row["bwd_config"] = getattr(bwd, "config", None)
         print(f"ssmc {t}: {row}", flush=True)
+        if ncu_once and ok:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()        # ncu --profile-from-start off profiles this step only
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
     base = rows.get("mamba_ssm_cuda", {}).get("ms")
     for t in targets:
         if base and rows[t].get("ms"):
@@ -272,6 +278,8 @@ def main():
     ap.add_argument("--m2-length", type=int, default=4096)
     ap.add_argument("--profile", action="store_true", help="a torch.profiler table of one mamba2 fwd+bwd")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
+    ap.add_argument("--ncu-once", action="store_true", help="one more mamba1 fwd+bwd per target between "
+                    "cudaProfilerStart/Stop (ncu --profile-from-start off)")
     ap.add_argument("--core-config", default="", help='JSON merged into ssd_core.CONFIG per kernel, '
                     'e.g. \'{"core": {"CHUNK": 128}, "bwd_dbc": {"heads": "atomic"}}\'')
     args = ap.parse_args()
@@ -289,7 +297,7 @@ def main():
     for w in args.workloads.split(","):
         try:
             if w == "mamba1":
-                run_mamba1(res, args.m1_length, targets, args.baseline, args.configs)
+                run_mamba1(res, args.m1_length, targets, args.baseline, args.configs, args.ncu_once)
             elif w == "mamba2":
                 run_mamba2(res, args.m2_length, targets, args.baseline, profile=args.profile)
         except Exception as e:

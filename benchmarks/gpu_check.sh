@@ -2,7 +2,7 @@
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
 # SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune",
-# "ncu", "decode", "bspprobe", "ssdcore" and "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
+# "ncu", "m1counters", "decode", "bspprobe", "ssdcore" and "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
 #   $OUT/fuzz_gpu.json (SSMC_FUZZ_* as in tests/fuzz_harness.py; defaults below fit one call)
@@ -76,6 +76,13 @@ if [[ $STEPS == *ncu* ]]; then      # hardware counters of the Mamba-1 region's 
     ncu -i /tmp/ncu_$t.ncu-rep --page details > "$OUT/ncu_$t.txt" 2>&1
     ncu -i /tmp/ncu_$t.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_${t}_sass.csv" 2>&1
   done
+fi
+if [[ $STEPS == *m1counters* ]]; then  # hardware counters of one Mamba-1 training step (Triton target), b8 d1536 n16 L2048
+  timeout ${SSMC_NCU_TIMEOUT:-240} ncu --clock-control none --profile-from-start off --set full \
+    --import-source no -f -o /tmp/ncu_m1bwd python -m benchmarks.bench_train --out /dev/null \
+    --workloads mamba1 --targets triton --ncu-once >> "$LOG" 2>&1
+  ncu -i /tmp/ncu_m1bwd.ncu-rep --page details > "$OUT/ncu_m1bwd.txt" 2>&1
+  ncu -i /tmp/ncu_m1bwd.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_m1bwd_sass.csv" 2>&1
 fi
 if [[ $STEPS == *decode* ]]; then   # the decode step: Python call, host time, CUDA graph replay
   timeout ${SSMC_DECODE_TIMEOUT:-150} python -m benchmarks.probe_decode --out "$OUT/h200_decode_probe.json" >> "$LOG" 2>&1
