@@ -507,6 +507,37 @@ def test_ssd_core_heads_modes_equal_the_adjoint(heads, interp, monkeypatch):
     assert [s[1] for s in seen[3:]] == [heads == "store"] * 2, seen
 
 
+@pytest.mark.parametrize("keep", [1, 2, 4])
+def test_ssd_core_states_kept_every_few_chunks(keep, interp):
+    """States kept every `keep` chunks (L 23 in chunks of 4: six chunks, the last partial; keep 4
+    leaves a partial last group): the kernels recompute the others from the kept ones and give
+    the outputs, final state and every gradient of the float64 matmul form, with state buffers
+    of one state per group."""
+    from ssmc.targets import ssd_core
+    from ssmc.targets.ssd_autograd import _flat, _torch_core
+    gen = torch.Generator().manual_seed(12)
+    b, h, L, p, n, chunk = 2, 2, 23, 16, 16, 4
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)          # noqa: E731
+    dt = F.softplus(r(b, h, L, 1))
+    f64 = [dt * -torch.rand(1, h, 1, 1, generator=gen, dtype=torch.float64), dt, r(b, h, L, p),
+           r(b, 1, L, n), r(b, 1, L, n)]
+    h0 = r(b, h, p, n)
+    sp = ssd_core.Spec((b, h), L, p, n, chunk, "tl.float32", False, keep=keep)
+    assert (sp.NC, sp.NS) == (6, -(-6 // keep))
+    ins = [t.float() for t in (*f64, h0)]
+    y, hl, H, A = ssd_core._forward(sp, *ins)
+    assert tuple(H.shape) == (b * h, sp.NS, p, n) and tuple(A.shape) == (b * h, sp.NS)
+    dy, dh = r(b * h, L, p), r(b * h, p, n)
+    (du, dw, dx, dg, dc), dh0 = ssd_core._backward(sp, *ins[:5], H, A, dy.float().reshape(y.shape), dh.float())
+    i64 = [t.detach().requires_grad_(True) for t in (*f64, h0)]
+    fl = [_flat(t, (b, h), L, k) for t, k in zip(i64[:5], (1, 1, p, n, n))]
+    y64, h64 = _torch_core(*fl, i64[5].reshape(b * h, p, n), chunk, lambda a, c: a @ c)
+    assert rel_err(y.reshape(y64.shape), y64) <= 2e-6 and rel_err(hl, h64) <= 2e-6
+    want = torch.autograd.grad((y64, h64), i64, (dy, dh))
+    for name, a, w in zip(("u", "w", "x", "g", "c", "h0"), (du, dw, dx, dg, dc, dh0.reshape(h0.shape)), want):
+        assert a.shape == w.shape and rel_err(a, w) <= 5e-6, (keep, name, rel_err(a, w))
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_ssd_core_blocks_of_n_and_p_add_up(deterministic, interp, monkeypatch):
     """Tiles smaller than the state (n 40 in blocks of 16, p 24 in blocks of 16, so partial
@@ -605,7 +636,7 @@ def test_ssd_epilogue_declines_with_reason():
 @pytest.mark.parametrize("cc", [80, 90])
 def test_ssd_core_kernels_compile_for_sm80_sm90(cc, monkeypatch, tmp_path):
     """The core's kernels compile for sm_80 and sm_90 at the Mamba-2 shape (p 64, n 128, bf16
-    dots), their matmuls on tensor cores."""
+    dots, states kept as CONFIG says), their matmuls on tensor cores."""
     from triton.backends.compiler import GPUTarget
     from ssmc.targets import ssd_core
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -626,9 +657,12 @@ def test_ssd_core_kernels_compile_for_sm80_sm90(cc, monkeypatch, tmp_path):
                                    {"HAS_H0": True, "REVERSE": True, "BLOCK": C["pass"]["BLOCK"]}),
                         target=GPUTarget("cuda", cc, 32), options={"num_warps": C["pass"]["num_warps"]})
     assert f".target sm_{cc}" in ck.asm["ptx"] and ck.asm.get("cubin")
+    keep = C["core"]["KEEP"]
     for name, (cx, cfg) in kernels.items():
         fn = getattr(mod, name)
-        cx = {**cx, "CHUNK": 64, "DOT_UP": False}
+        # the state kernels run over groups of KEEP chunks; the others over chunks, given KEEP
+        grouped = name in ("ssd_chunk_state", "ssd_chunk_dstate")
+        cx = {**cx, "CHUNK": 64 * keep if grouped else 64, "DOT_UP": False, **({} if grouped else {"KEEP": keep})}
         sig = {a: "constexpr" if a in cx else "*fp32" if a.endswith("_ptr") else "i32" for a in fn.arg_names}
         ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
                             options={"num_warps": cfg["num_warps"]})

@@ -9,7 +9,8 @@ whole backward runs as kernels. The kernels (templates/triton/ssd_core.py.j2):
 each chunk's own end state (all chunks at once), the chunk-start states (an elementwise walk over
 chunks), the outputs per chunk; backward, the end-state gradients the same two ways in reverse,
 then dx per chunk and block of p, and dg, dc, du, dw per chunk and block of n. Memory:
-two (P, chunks, p, n) state buffers in the dots' operand type, nothing of size (P, L, p, n).
+two (P, chunks / KEEP, p, n) state buffers in the dots' operand type (a state kept every KEEP
+chunks, the others recomputed by the kernels that read them), nothing of size (P, L, p, n).
 
 A factor is passed in its own shape, (program axes or 1, L or 1, p / n or 1), and read through
 stride 0 where it is broadcast (Mamba-2's B and C are shared by the heads); its gradient is then
@@ -29,7 +30,10 @@ from . import triton as T
 TEMPLATE = "triton/ssd_core.py.j2"
 LOG2E = 1.4426950408889634
 # tile sizes and warps per kernel (p, n rounded up to powers of two, at least 16: tl.dot's minimum)
-CONFIG = {"core": {"CHUNK": 64},             # the chunk of training's core (ssd_autograd.py)
+# core: the chunk of training's core (ssd_autograd.py) and KEEP, the chunks per kept state: the
+# state buffers (the start states H and their gradients, the largest tensors of the backward)
+# hold one state every KEEP chunks, and the chunk kernels recompute the others from them
+CONFIG = {"core": {"CHUNK": 64, "KEEP": 2},
           "chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
           "pass": {"BLOCK": 256, "num_warps": 2},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
@@ -42,7 +46,7 @@ CONFIG = {"core": {"CHUNK": 64},             # the chunk of training's core (ssd
 
 # fp32 operands (tf32x3 dots) take about twice the shared memory: ssd_bwd_dbc at BLOCK_N 128 or
 # CHUNK 128 would need more than an H200 has (228 KiB); these override CONFIG for them
-FP32 = {"core": {"CHUNK": 64}, "bwd_dbc": {"BLOCK_N": 32}}
+FP32 = {"core": {"CHUNK": 64, "KEEP": 1}, "bwd_dbc": {"BLOCK_N": 32}}
 
 
 def config(kernel: str, opd: str) -> dict:
@@ -94,13 +98,16 @@ def _aliased(t: torch.Tensor, full: tuple) -> bool:
 
 
 class Spec:
-    """Shapes of one call: program axis sizes S, length L, p, n; chunk, operand type."""
+    """Shapes of one call: program axis sizes S, length L, p, n; chunk, operand type; keep: chunks
+    per kept state (None: the config's)."""
 
     def __init__(self, S: tuple, L: int, p: int, n: int, chunk: int, opd: str, deterministic: bool,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, keep: int | None = None):
         self.S, self.L, self.p, self.n, self.chunk = tuple(S), L, p, n, chunk
         self.P = math.prod(self.S)
         self.NC = -(-L // chunk)
+        self.keep = max(1, min(keep or config("core", opd)["KEEP"], self.NC))
+        self.NS = -(-self.NC // self.keep)          # kept states: one per group of `keep` chunks
         self.opd, self.deterministic = opd, deterministic
         # the chunk states between the kernels: the dots' operand type (they read them as that)
         self.state_dtype = {"tl.bfloat16": torch.bfloat16, "tl.float16": torch.float16}.get(opd, torch.float32)
@@ -119,12 +126,12 @@ def _none_args(sp: Spec, like: torch.Tensor) -> list:
 
 
 def _pass(sp: Spec, buf, A, init, reverse: bool):
-    """ssd_pass over buf in place; returns the last carried value (P, p, n) fp32."""
+    """ssd_pass over buf's kept states in place; returns the last carried value (P, p, n) fp32."""
     out = torch.empty(sp.P, sp.p, sp.n, device=buf.device, dtype=torch.float32)
     cf = config("pass", sp.opd)
     BLOCK = min(cf["BLOCK"], _p2(sp.p * sp.n))
     sp.mod.ssd_pass[(sp.P, -(-(sp.p * sp.n) // BLOCK))](
-        buf, A, *(_args(init) if init is not None else _none_args(sp, buf)), out, *sp.S, sp.NC, sp.p,
+        buf, A, *(_args(init) if init is not None else _none_args(sp, buf)), out, *sp.S, sp.NS, sp.p,
         sp.n, HAS_H0=init is not None, REVERSE=reverse, BLOCK=BLOCK,
         **sp.launch_kw(buf.device, cf["num_warps"], dots=False))
     return out
@@ -132,13 +139,14 @@ def _pass(sp: Spec, buf, A, init, reverse: bool):
 
 def _forward(sp: Spec, u, w, x, g, c, h0, y_dtype=torch.float32):
     dev = x.device
-    H = torch.empty(sp.P, sp.NC, sp.p, sp.n, device=dev, dtype=sp.state_dtype)
-    A = torch.empty(sp.P, sp.NC, device=dev, dtype=torch.float32)
+    # each group of `keep` chunks' own end state, then the states at the groups' starts
+    H = torch.empty(sp.P, sp.NS, sp.p, sp.n, device=dev, dtype=sp.state_dtype)
+    A = torch.empty(sp.P, sp.NS, device=dev, dtype=torch.float32)
     cf = config("chunk_state", sp.opd)
     BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
-    sp.mod.ssd_chunk_state[(sp.NC, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
-        *_args(u), *_args(w), *_args(x), *_args(g), H, A, *sp.S, sp.L, sp.NC, sp.p, sp.n,
-        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **sp.launch_kw(dev, cf["num_warps"]))
+    sp.mod.ssd_chunk_state[(sp.NS, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
+        *_args(u), *_args(w), *_args(x), *_args(g), H, A, *sp.S, sp.L, sp.NS, sp.p, sp.n,
+        CHUNK=sp.chunk * sp.keep, BLOCK_P=BP, BLOCK_N=BN, **sp.launch_kw(dev, cf["num_warps"]))
     hl = _pass(sp, H, A, h0, False)
     # y in x's memory order where x is whole (a permuted input): the torch ops that combine them
     # afterwards then run over dense, like-ordered memory
@@ -149,7 +157,7 @@ def _forward(sp: Spec, u, w, x, g, c, h0, y_dtype=torch.float32):
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
     sp.mod.ssd_chunk_fwd[(sp.NC, sp.P, -(-sp.p // BP))](
         *_args(u), *_args(w), *_args(x), *_args(g), *_args(c), H, *_args(y), *sp.S, sp.L, sp.NC, sp.p, sp.n,
-        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=_p2(sp.n), **sp.launch_kw(dev, cf["num_warps"]))
+        CHUNK=sp.chunk, KEEP=sp.keep, BLOCK_P=BP, BLOCK_N=_p2(sp.n), **sp.launch_kw(dev, cf["num_warps"]))
     return y, hl, H, A
 
 
@@ -186,9 +194,9 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
     dE = torch.empty_like(H)
     cf = config("chunk_state", sp.opd)
     BP, BN = _p2(sp.p, hi=cf["BLOCK_P"]), _p2(sp.n, hi=cf["BLOCK_N"])
-    sp.mod.ssd_chunk_dstate[(sp.NC, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
-        *_args(u), *_args(dy), *_args(c), dE, *sp.S, sp.L, sp.NC, sp.p, sp.n,
-        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, **kw(cf))
+    sp.mod.ssd_chunk_dstate[(sp.NS, sp.P, -(-sp.p // BP) * -(-sp.n // BN))](
+        *_args(u), *_args(dy), *_args(c), dE, *sp.S, sp.L, sp.NS, sp.p, sp.n,
+        CHUNK=sp.chunk * sp.keep, BLOCK_P=BP, BLOCK_N=BN, **kw(cf))
     dh0 = _pass(sp, dE, A, dhl, True)
     # program axes along which g and c are both shared (see CONFIG's "heads"): looped inside
     # ssd_bwd_dbc or added atomically; either way no per-index buffers
@@ -214,7 +222,7 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
     BPx = _p2(sp.p, hi=cx["BLOCK_P"])
     sp.mod.ssd_bwd_dx[(sp.NC, sp.P, -(-sp.p // BPx))](
         *_args(u), *_args(w), *_args(g), *_args(c), *_args(dy), dE, *_args(bufs["x"][0]),
-        *sp.S, sp.L, sp.NC, sp.p, sp.n, CHUNK=sp.chunk, BLOCK_P=BPx,
+        *sp.S, sp.L, sp.NC, sp.p, sp.n, CHUNK=sp.chunk, KEEP=sp.keep, BLOCK_P=BPx,
         BLOCK_N=_p2(sp.n), ACC=dx_out is not None, **kw(cx))
     BP = _p2(sp.p, hi=cf["BLOCK_P"])
     heads = math.prod(d for i, d in zip(inner, sp.S) if i)
@@ -224,7 +232,7 @@ def _backward(sp: Spec, u, w, x, g, c, H, A, dy, dhl, dx_out=None):
         *(a for k in "uwgc" for a in _args(bufs[k][0])), *split, heads,
         sp.L, sp.NC, sp.p, sp.n, bufs["u"][3], bufs["w"][3],
         ATOMIC_U=bufs["u"][1], ATOMIC_W=bufs["w"][1], ATOMIC_GC=atomic_gc,
-        CHUNK=sp.chunk, BLOCK_P=BP, BLOCK_N=BN, NPB=-(-sp.p // BP), **kw(cf))
+        CHUNK=sp.chunk, KEEP=sp.keep, BLOCK_P=BP, BLOCK_N=BN, NPB=-(-sp.p // BP), **kw(cf))
     grads = [bufs[k][2](bufs[k][0]) for k in fulls]
     return grads, dh0
 
