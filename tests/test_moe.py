@@ -313,7 +313,7 @@ def test_failing_grouped_kernel_falls_back_to_the_reference(monkeypatch, tmp_pat
     assert "out of resources" in lookup(report.groups[0].key).failure
 
 
-@pytest.mark.parametrize("variant", ["loop", "scan"])
+@pytest.mark.parametrize("variant", ["loop", "scan", "seq4"])
 def test_grouped_kernel_compiles_for_sm90_without_gpu(variant, monkeypatch, tmp_path):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget

@@ -7,9 +7,12 @@ of templates/triton/moe_scan_fwd.py.j2: programs are (group, sequence, block of 
 group's state tile is the next power of two of its own state size (a static branch per tile
 present), so padding never reaches beyond a group's own tile. The body per tile is the
 single-expert kernel's (the same macros and printed variants as ssmc/targets/triton.py):
-config "variant" "loop" (sequential steps) or "scan" (tl.associative_scan over chunks of
-steps), autotuned with the rest of the config. Backward runs the member kernel's backward per
-group (the generated Triton backward on a GPU, the IR adjoint on CPU).
+config "variant" "loop" (sequential steps), "scan" (tl.associative_scan over chunks of
+steps) or "seq<S>", autotuned with the rest of the config. Backward runs the member kernel's backward per
+group (the generated Triton backward on a GPU, the IR adjoint on CPU). Config "variant" "seq<S>"
+runs the single-expert kernel's seq body (a row's steps in one thread's registers, S state
+elements a lane): every state tile gets TILE / tile channels a program, so the programs of all
+groups have the same lanes and the same work per step.
 
 `padding(stats)` is what ``ssmc.explain`` shows: per group its sequences, state size and tile,
 and the work computed on padding against the useful work.
@@ -135,6 +138,15 @@ def load_configs() -> dict:
     return json.loads((importlib.resources.files("ssmc.templates") / CONFIGS).read_text())
 
 
+def _seq_body(variant: str, tile: int, states) -> str | None:
+    """The body a seq<S> entry runs for a state tile: seq<S'> with the largest S' <= S that
+    divides the tile (at most the tile's size), None (the loop body) for tiles below 2."""
+    if not variant.startswith("seq"):
+        return None
+    fit = [s for s in states if s <= int(variant[3:]) and s <= tile and tile % s == 0]
+    return f"seq{max(fit)}" if fit else None
+
+
 def entry_name(r: Region, config: dict) -> str:
     """The grouped template's entry kernel for a config's variant ("loop" when it names none)."""
     from .triton import kernel_name
@@ -182,6 +194,12 @@ class GroupedTritonKernel(GroupedKernel):
         self._table_key = None
         self._table = None
         self.fields = self._fields()
+        names = [n for n, _ in self.fields]
+        self._size_n = names.index("SIZE_N") if "SIZE_N" in names else None
+        from .triton import _print_seq
+        # the seq variants exist where the single-expert kernel has them (a register axis whose
+        # sum is the readout, no per-step output indexing it)
+        self.has_seq = bool(plan.reg) and _print_seq(region, plan, "tl.float32") is not None
 
     def _fields(self) -> list:
         """The per-group table row after (first program, channel blocks, tile): per pointer
@@ -199,17 +217,21 @@ class GroupedTritonKernel(GroupedKernel):
 
     # -- source ----------------------------------------------------------------------------------
     def render(self, cdt: str, tiles: tuple, consts: tuple = ()) -> str:
-        from .triton import _env, _print_variant, kernel_args, kernel_name
+        from .triton import SEQ_STATES, _env, _print_seq, _print_variant, kernel_args, kernel_name
         r, p = self.region, self.plan
         args = kernel_args(r, p)
         ptrs = [a for a in args if a.endswith("_ptr")]
         fields = self.fields
+        seq = _print_seq(r, p, cdt) if self.has_seq else None
+        states = SEQ_STATES if seq is not None else ()
         return _env().get_template(TEMPLATE).render(
             region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt,
             kname=kernel_name(r) + "_moe", plan=p, tiles=list(tiles),
             args=[", ".join(args) + ","], bases=[", ".join(ptrs) + ","], fields=fields,
             row=3 + len(fields), call=", ".join(args), consts=dict(consts),
-            loop=_print_variant(r, p, cdt, False), scan=_print_variant(r, p, cdt, True))
+            loop=_print_variant(r, p, cdt, False), scan=_print_variant(r, p, cdt, True),
+            seq=seq, seq_states=states, variants=["loop", "scan", *(f"seq{S}" for S in states)],
+            seq_body_for=lambda v, t: _seq_body(v, t, states))
 
     def module(self, cdt: str, tiles: tuple, consts: tuple = ()):
         """The kernel module for a compute dtype, the tiles present and `consts`: strides that
@@ -246,6 +268,8 @@ class GroupedTritonKernel(GroupedKernel):
         for t, (bd, ch) in tile_params(config, tiles).items():
             sig[f"BD_{t}"] = sig[f"CH_{t}"] = "constexpr"
             cx[f"BD_{t}"], cx[f"CH_{t}"] = bd, ch
+            if str(config.get("variant", "loop")).startswith("seq"):
+                sig[f"EVEN_{t}"], cx[f"EVEN_{t}"] = "constexpr", True
         cdt = "tl.float64" if torch.float64 in dts.values() else "tl.float32"
         mod = self.module(cdt, tuple(tiles), tuple(consts))
         return getattr(mod, entry_name(r, config)), sig, cx
@@ -360,6 +384,8 @@ class GroupedTritonKernel(GroupedKernel):
         cx = {}
         for t, (bd, ch) in tp.items():
             cx[f"BD_{t}"], cx[f"CH_{t}"] = bd, ch
+            if str(config.get("variant", "loop")).startswith("seq"):
+                cx[f"EVEN_{t}"] = all(row[2] != t or row[3 + self._size_n] == t for row in rows)
         fn[(nprog,)](*[bases[n] for n in names], self._table, len(rows), **cx, **extra)
         self.stats = padding(r, groups, {t: bd for t, (bd, _) in tp.items()})
         self.launches = 1
@@ -382,7 +408,8 @@ class GroupedTritonKernel(GroupedKernel):
 
     def _config(self, groups, arch, outs) -> dict:
         from .triton import arch_key
-        cands = load_configs()[arch_key(arch)]
+        cands = [c for c in load_configs()[arch_key(arch)]
+                 if self.has_seq or not str(c.get("variant", "loop")).startswith("seq")]
         live = [g for g in groups if _rows(self.region, g)]
         bucket = (arch_key(arch), tuple(x.dtype for x in live[0]),
                   tuple(sorted(_pow2(group_sizes(self.region, g)[0].get(self.plan.reg, 1)) for g in live)),
