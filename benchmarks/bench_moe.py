@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_moe --out benchmarks/results/h200_moe.json     # GPU: the shapes
     python -m benchmarks.bench_moe --tiny --out /tmp/moe.json                  # CPU, tiny shapes
-    python -m benchmarks.bench_moe --variant scan --out h200_moe_scan.json    # only the scan configs
+    python -m benchmarks.bench_moe --variant scan --out h200_moe_scan.json    # only the scan configs (comma list)
 
 8 experts with d_state 8, 8, 16, 16, 32, 32, 64, 64 (each its own A, B/C projections, D, bias),
 b64 d1536 L2048, bf16 activations, fp32 state; routing "balanced" (a random permutation cut
@@ -278,8 +278,9 @@ def main(argv=None):
     ap.add_argument("--rest", default="eager", help="how the rest of the layer runs: eager | inductor | auto")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per row on CPU")
     ap.add_argument("--skip", default="", help="rows to leave out: layer_grouped,layer_per_expert,eager")
-    ap.add_argument("--variant", default=None, choices=["loop", "scan"],
-                    help="only the grouped kernel's configs of this variant (default: all, autotuned)")
+    ap.add_argument("--variant", default=None,
+                    help="only the grouped kernel's configs of these variants, comma-separated: loop, scan, "
+                         "seq2, seq4, seq8 (default: all, autotuned)")
     args = ap.parse_args(argv)
     args.skip = set(filter(None, args.skip.split(",")))
     args.form = args.form or ("loop" if args.tiny else "scan")
@@ -290,7 +291,10 @@ def main(argv=None):
     print(f"[bench_moe] {vars(args)}", flush=True)
     if args.variant:
         from ssmc.targets import moe as M
-        table = {k: [c for c in v if c.get("variant", "loop") == args.variant] if isinstance(v, list) else v
+        wanted = set(args.variant.split(","))
+        if wanted - {"loop", "scan", "seq2", "seq4", "seq8"}:
+            ap.error(f"--variant: unknown {sorted(wanted - {'loop', 'scan', 'seq2', 'seq4', 'seq8'})}")
+        table = {k: [c for c in v if c.get("variant", "loop") in wanted] if isinstance(v, list) else v
                  for k, v in M.load_configs().items()}
         restore, M.load_configs = M.load_configs, lambda: table
     try:
