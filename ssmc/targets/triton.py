@@ -330,8 +330,8 @@ SEQ_STATES = (2, 4, 8)       # the seq variant's state elements a lane: one kern
 
 @dataclasses.dataclass
 class SeqVariant:
-    """The ``_seq<S>`` kernels' blocks. The register axis is split as n = q * S + s: q over the
-    NQ = BLOCK_N / S lanes of a row (``on3`` = q * S + s, a (1, NQ, 1) tile), s over the S
+    """The ``_seq<S>`` kernels' blocks. The register axis is split as n = s * NQ + q: q over the
+    NQ = BLOCK_N / S lanes of a row (``on3`` = s * NQ + q, a (1, NQ, 1) tile), s over the S
     copies of the per-index code the template unrolls (each with its own carry ``hc<s>``).
     Per chunk of time: `outer` (values free of the register axis, on (BLOCK_D, 1, CHUNK) tiles,
     which Triton spreads over the lanes and converts once into the state loop's layout), then
@@ -751,7 +751,7 @@ class TritonKernel:
             if c["variant"] == "rows" and not rows:
                 continue
             S = _seq_states(c)
-            if S and (not seq or bn % S):                  # n = q * S + s: S must divide BLOCK_N
+            if S and (not seq or bn % S):                  # n = s * NQ + q: S must divide BLOCK_N
                 continue
             c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
             c["CHUNK"] = max(1, min(int(c["CHUNK"]), _pow2(L)))     # the same across a bucket

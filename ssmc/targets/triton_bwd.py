@@ -590,7 +590,7 @@ class BackwardKernel(T.TritonKernel):
         for c in table[T.arch_key(arch)]:
             c = dict(c)
             S = T._seq_states(c)
-            if S and (not seq or bn % S):              # n = q * S + s: S must divide BLOCK_N
+            if S and (not seq or bn % S):              # n = s * NQ + q: S must divide BLOCK_N
                 continue
             c["BLOCK_D"] = max(1, min(int(c["BLOCK_D"]), bd_max))
             c["CHUNK"] = max(1, min(int(c["CHUNK"]), T._pow2(L)))
