@@ -541,13 +541,9 @@ def _kept_states_check(keep, b, h, L, p, n, chunk, dtype=torch.float32, device="
         assert a.shape == w.shape and rel_err(a.cpu(), w) <= tol, (keep, name, rel_err(a.cpu(), w))
 
 
-@pytest.mark.parametrize("recompute", ["if", "mask"])
 @pytest.mark.parametrize("keep", [1, 2, 4])
-def test_ssd_core_states_kept_every_few_chunks(keep, recompute, interp, monkeypatch):
-    """L 23 in chunks of 4: six chunks, the last partial; keep 4 leaves a partial last group;
-    either way of recomputing the states between the kept ones."""
-    from ssmc.targets import ssd_core
-    monkeypatch.setitem(ssd_core.CONFIG, "core", {**ssd_core.CONFIG["core"], "RECOMPUTE": recompute})
+def test_ssd_core_states_kept_every_few_chunks(keep, interp):
+    """L 23 in chunks of 4: six chunks, the last partial; keep 4 leaves a partial last group."""
     _kept_states_check(keep, 2, 2, 23, 16, 16, 4)
 
 
@@ -964,16 +960,13 @@ def test_gpu_ssd(dtype, L, monkeypatch, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recompute", ["if", "mask"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gpu_ssd_core_states_kept(dtype, recompute, monkeypatch, tmp_path):
+def test_gpu_ssd_core_states_kept(dtype, monkeypatch, tmp_path):
     """The training core's kernels at Mamba-2's p 64 n 128 (B, C shared by 4 heads; dB, dC in
     blocks of n), chunk 64, states kept every second chunk, L 1000 (a partial last chunk and an
     odd number of chunks), against float64."""
-    from ssmc.targets import ssd_core
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setitem(ssd_core.CONFIG, "core", {**ssd_core.CONFIG["core"], "RECOMPUTE": recompute})
     _kept_states_check(2, 2, 4, 1000, 64, 128, 64, dtype=dtype, device="cuda")
 
 

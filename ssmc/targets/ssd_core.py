@@ -33,8 +33,7 @@ LOG2E = 1.4426950408889634
 # core: the chunk of training's core (ssd_autograd.py) and KEEP, the chunks per kept state: the
 # state buffers (the start states H and their gradients, the largest tensors of the backward)
 # hold one state every KEEP chunks, and the chunk kernels recompute the others from them
-# (RECOMPUTE "if": only where a chunk needs it; "mask": every program, zeros where not needed)
-CONFIG = {"core": {"CHUNK": 64, "KEEP": 2, "RECOMPUTE": "if"},
+CONFIG = {"core": {"CHUNK": 64, "KEEP": 2},
           "chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
           "pass": {"BLOCK": 256, "num_warps": 2},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
@@ -63,25 +62,23 @@ def opd_of(dtypes) -> str:
     return "tl.float32"
 
 
-def render(opd: str, nprog: int, recompute: str = "if") -> str:
-    if recompute not in ("if", "mask"):
-        raise ValueError(f"ssd_core CONFIG core RECOMPUTE must be 'if' or 'mask', not {recompute!r}")
+def render(opd: str, nprog: int) -> str:
     prec = {"tl.float32": "tf32x3"}.get(opd, "")
     return T._env().get_template(TEMPLATE).render(
         opd=opd, nprog=nprog, prec=prec, prec_kw=f', input_precision="{prec}"' if prec else "",
-        log2e=repr(LOG2E), recompute=recompute)
+        log2e=repr(LOG2E))
 
 
 def _module(opd: str, nprog: int, cache_dir: str | None):
-    return _module_for(opd, nprog, cache_dir, T.interpreting(), config("core", opd)["RECOMPUTE"])
+    return _module_for(opd, nprog, cache_dir, T.interpreting())
 
 
 @functools.lru_cache(maxsize=None)
-def _module_for(opd: str, nprog: int, cache_dir: str | None, interpreting: bool, recompute: str = "if"):
-    # rendered once per process, mode (the interpreter decorates the module differently) and recompute
+def _module_for(opd: str, nprog: int, cache_dir: str | None, interpreting: bool):
+    # rendered once per process and mode (the interpreter decorates the module differently)
     from ssmc.options import default_cache_dir
     from ssmc.runtime.cache import cache_key, get_cache
-    src = render(opd, nprog, recompute)
+    src = render(opd, nprog)
     key = cache_key("triton-ssd-core", src, T._TRITON_VERSION)
     return T.import_source(src, key, get_cache(cache_dir or default_cache_dir()))[0]
 
