@@ -284,9 +284,12 @@ def main():
                     'e.g. \'{"core": {"CHUNK": 128}, "bwd_dbc": {"heads": "atomic"}}\'')
     args = ap.parse_args()
     from ssmc.targets import ssd_core
-    if args.core_config:
-        for k, v in json.loads(args.core_config).items():
-            ssd_core.CONFIG[k].update(v)
+    with ssd_core.overridden(json.loads(args.core_config or "{}")):
+        run_all(args)
+
+
+def run_all(args):
+    from ssmc.targets import ssd_core
     if args.small:
         M1.update(b=2, d=8, n=4)
         M2.update(b=2, h=2, p=4, n=8)

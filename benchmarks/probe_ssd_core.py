@@ -108,24 +108,17 @@ def main():
     default = copy.deepcopy(ssd_core.CONFIG)
     rows = []
     for over in json.loads(args.configs or "[]"):
-        ssd_core.CONFIG.clear()
-        ssd_core.CONFIG.update(copy.deepcopy(default))
-        for k, v in over.items():
-            ssd_core.CONFIG[k].update(v)
-        rows.append(time_one(S, L, p, n, "tl.bfloat16", False, (u, w, x, g, c), dy, {"config": over}))
+        with ssd_core.overridden(over):
+            rows.append(time_one(S, L, p, n, "tl.bfloat16", False, (u, w, x, g, c), dy, {"config": over}))
     for opd in ("tl.bfloat16", "tl.float32") if not args.configs else ():
         for det in (False, True):
             for kern, cfgs in VARIANTS.items():
                 for cfg in cfgs:
                     if (opd != "tl.bfloat16" or det) and cfg != {k: default[kern][k] for k in cfg}:
                         continue                      # fp32 and deterministic: the defaults only
-                    ssd_core.CONFIG.clear()
-                    ssd_core.CONFIG.update(copy.deepcopy(default))
-                    ssd_core.CONFIG[kern].update(cfg)
-                    rows.append(time_one(S, L, p, n, opd, det, (u, w, x, g, c), dy,
-                                         {"opd": opd, "deterministic": det, "kernel": kern, **cfg}))
-    ssd_core.CONFIG.clear()
-    ssd_core.CONFIG.update(default)
+                    with ssd_core.overridden({kern: cfg}):
+                        rows.append(time_one(S, L, p, n, opd, det, (u, w, x, g, c), dy,
+                                             {"opd": opd, "deterministic": det, "kernel": kern, **cfg}))
     res["rows"] = rows
     Path(args.out).write_text(json.dumps(res, indent=1, default=str))
 

@@ -1,17 +1,14 @@
-"""What is alive when the chunked SSD core's backward starts, in one Mamba-2 training step.
+"""What is alive at the peak of one Mamba-2 training step, and which lines allocated it.
 
     python -m benchmarks.probe_train_memory --out mem.json
 
-The bf16 Mamba-2 region of bench_train (b8 L4096 h24 p64 n128), compiled by ssmc: one
-fwd+bwd, and at the core backward's first gradient buffer (the chunk states H, their gradients
-dE and dy all allocated) every live CUDA tensor of 8 MiB or more, with the allocator's count
-above the step's start; then one step under the allocator's history: what is alive at its peak
-and which lines of ssmc allocated it.
+The bf16 Mamba-2 region of bench_train (b8 L4096 h24 p64 n128), compiled by ssmc: the step's
+peak above its start, then one step under the allocator's history: the allocations of 8 MiB or
+more alive at its peak, each with the innermost frames of ssmc or the benchmarks that made it.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 from pathlib import Path
 
@@ -20,26 +17,6 @@ import torch
 from benchmarks.bench_gpu import env_info, lowered_graph
 from benchmarks.bench_train import M2, fwd_bwd
 from benchmarks.run import mamba2_inputs, mamba2_loop
-from ssmc.targets import ssd_core
-
-
-def live(min_mb=8) -> list:
-    out = []
-    for o in gc.get_objects():
-        try:
-            if isinstance(o, torch.Tensor) and o.is_cuda:
-                mb = o.untyped_storage().nbytes() / 2**20
-                if mb >= min_mb:
-                    out.append({"shape": list(o.shape), "dtype": str(o.dtype), "storage_MB": round(mb, 1),
-                                "ptr": o.untyped_storage().data_ptr()})
-        except Exception:
-            pass
-    seen, rows = set(), []
-    for r in sorted(out, key=lambda r: -r["storage_MB"]):
-        if r["ptr"] not in seen:
-            seen.add(r["ptr"])
-            rows.append(r)
-    return rows
 
 
 def at_peak(step, min_mb=8) -> dict:
@@ -83,19 +60,10 @@ def main():
     step()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    res = {"env": env_info(), "inputs_MB": base / 2**20, "at_core_backward": None}
-    orig = ssd_core._grad_buffer
-
-    def spy(*a, **k):
-        if res["at_core_backward"] is None:
-            res["at_core_backward"] = {"allocated_above_start_MB": (torch.cuda.memory_allocated() - base) / 2**20,
-                                       "live": live()}
-        return orig(*a, **k)
-    ssd_core._grad_buffer = spy
+    res = {"env": env_info(), "inputs_MB": base / 2**20}
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    ssd_core._grad_buffer = orig
     res["peak_above_start_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     res["at_peak"] = at_peak(step)
     print(json.dumps(res, indent=1))

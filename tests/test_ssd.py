@@ -1057,3 +1057,20 @@ def test_gpu_end_to_end_prefill_and_decode(monkeypatch, tmp_path):
     args = inputs(b=2, L=64, H=4, Pd=64, N=128, dtype=torch.bfloat16, seed=12, h0=True, device="cuda")
     check_run(mamba2_h0, args, "chunked_ssd", S.SSDKernel)
     check_run(mamba2_h0, tokens(args, 0, 2), "step", S.StepKernel)
+
+
+def test_core_config_overrides_restore_and_name_bad_kernels():
+    """ssd_core.overridden merges per-kernel overrides for its block only, and names a kernel
+    CONFIG does not have."""
+    from ssmc.targets import ssd_core
+    before = {k: dict(v) for k, v in ssd_core.CONFIG.items()}
+    with ssd_core.overridden({"core": {"KEEP": 1}, "bwd_dbc": {"BLOCK_N": 64}}):
+        assert ssd_core.config("core", "tl.bfloat16")["KEEP"] == 1
+        assert ssd_core.CONFIG["bwd_dbc"]["BLOCK_N"] == 64 and ssd_core.CONFIG["bwd_dbc"]["heads"] == before["bwd_dbc"]["heads"]
+        assert ssd_core.Spec((2, 3), 300, 8, 8, None, "tl.bfloat16", False).keep == 1
+    assert ssd_core.CONFIG == before
+    assert ssd_core.Spec((2, 3), 300, 8, 8, None, "tl.bfloat16", False).keep == before["core"]["KEEP"]
+    with pytest.raises(KeyError, match="no kernel \\['bwd_db'\\]"):
+        with ssd_core.overridden({"bwd_db": {"BLOCK_N": 64}}):
+            pass
+    assert ssd_core.CONFIG == before

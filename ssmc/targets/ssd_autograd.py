@@ -166,10 +166,9 @@ class _Factors:
 
     def spec(self, plan, chunk: int | None, deterministic: bool, cache_dir: str | None):
         """The core kernels' Spec for these factors (chunk None: ssd_core's config's)."""
-        from .ssd_core import Spec, config, opd_of
-        opd = opd_of(self.kinds)
+        from .ssd_core import Spec, opd_of
         return Spec(self.S, self.sizes["t"], self.sizes[plan.p], self.sizes[plan.n],
-                    chunk or config("core", opd)["CHUNK"], opd, deterministic, cache_dir)
+                    chunk, opd_of(self.kinds), deterministic, cache_dir)
 
 
 def _core(region: ir.Region, plan, inputs, chunk: int | None, kernels: bool, deterministic: bool,

@@ -20,6 +20,8 @@ of n, and deterministic mode writes one slot per block of n instead, summed by t
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import math
 
@@ -52,6 +54,22 @@ FP32 = {"core": {"CHUNK": 64, "KEEP": 1}, "bwd_dbc": {"BLOCK_N": 32}}
 def config(kernel: str, opd: str) -> dict:
     """CONFIG[kernel] for dots with `opd` operands."""
     return {**CONFIG[kernel], **(FP32.get(kernel, {}) if opd == "tl.float32" else {})}
+
+
+@contextlib.contextmanager
+def overridden(overrides: dict):
+    """CONFIG with `overrides` ({kernel: {key: value}}) merged in, restored on exit (benchmarks)."""
+    unknown = set(overrides) - set(CONFIG)
+    if unknown:
+        raise KeyError(f"ssd_core CONFIG has no kernel {sorted(unknown)}; kernels: {sorted(CONFIG)}")
+    saved = copy.deepcopy(CONFIG)
+    try:
+        for k, v in overrides.items():
+            CONFIG[k].update(v)
+        yield CONFIG
+    finally:
+        CONFIG.clear()
+        CONFIG.update(saved)
 
 
 def opd_of(dtypes) -> str:
@@ -99,10 +117,11 @@ def _aliased(t: torch.Tensor, full: tuple) -> bool:
 
 class Spec:
     """Shapes of one call: program axis sizes S, length L, p, n; chunk, operand type; keep: chunks
-    per kept state (None: the config's)."""
+    per kept state (chunk, keep None: the config's for the operand type)."""
 
-    def __init__(self, S: tuple, L: int, p: int, n: int, chunk: int, opd: str, deterministic: bool,
+    def __init__(self, S: tuple, L: int, p: int, n: int, chunk: int | None, opd: str, deterministic: bool,
                  cache_dir: str | None = None, keep: int | None = None):
+        chunk = chunk or config("core", opd)["CHUNK"]
         self.S, self.L, self.p, self.n, self.chunk = tuple(S), L, p, n, chunk
         self.P = math.prod(self.S)
         self.NC = -(-L // chunk)
