@@ -354,6 +354,7 @@ class SeqVariant:
     final_outer: list
     final: list
     post_first: list                 # `post` of the first copy: it sets the accumulators
+    pre_copy: list = dataclasses.field(default_factory=list)   # per copy, before the time loop
 
 
 def seq_declines(r: Region, plan: Plan) -> str | None:
@@ -375,6 +376,7 @@ def _print_seq(r: Region, plan: Plan, cdt: str) -> SeqVariant | None:
         return None
     p = TritonPrinter(r, cdt)
     p.columns = False
+    p.copy_prelude = []
     codes = {a: (f"idx_{a}", None) for a in plan.scalars}
     if plan.block:
         codes[plan.block] = ("od3", "md3")
@@ -411,7 +413,7 @@ def _print_seq(r: Region, plan: Plan, cdt: str) -> SeqVariant | None:
             final.append(_store(p, k, o, p.expr(o.expr)))
     p.split(None)
     return SeqVariant(list(p.prelude), init, outer, list(accs.values()), pre, a, b, post, outer_post,
-                      final_outer, final, post_first)
+                      final_outer, final, post_first, list(p.copy_prelude))
 
 
 def kernel_args(r: Region, plan: Plan) -> list[str]:

@@ -406,6 +406,7 @@ def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | No
     reg, blk = bp.reg, bp.block
     p = SeqAdjointPrinter(with_grad_inputs(r), cdt)
     p.columns = False
+    p.copy_prelude = []
     em = _Emitter(r, bp, p)
     codes = {a: (f"idx_{a}", None) for a in bp.scalars}
     if blk:
@@ -514,7 +515,7 @@ def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | No
                 end_copy += em.write(g, f"acc{g.input}@s", pre_f.codes, atomic_ok=False)
             else:
                 end += em.write(g, f"acc{g.input}", pre_f.codes, atomic_ok=False)
-    return dict(prelude=list(p.prelude), init=init, fwd_outer=fwd_outer, fwd_pre=fwd_pre, fwd_a=fwd_a,
+    return dict(prelude=list(p.prelude), pre_copy=list(p.copy_prelude), init=init, fwd_outer=fwd_outer, fwd_pre=fwd_pre, fwd_a=fwd_a,
                 fwd_b=fwd_b, final_outer=final_outer, final=final, mu_final=mu_final,
                 acc_init=[x for c, x in acc_init if not c], acc_init_copy=[x for c, x in acc_init if c],
                 outer=outer, pre=pre, a=a, b=b, mid=mid, direct=direct, post=post, post_first=post_first,

@@ -167,6 +167,11 @@ class TritonPrinter:
         self._ahead: tuple | None = None         # (axis, positions) of double_buffer
         self.time_loads: list[TimeLoad] = []
         self.columns = True                      # hoist values along the split axis as tiles (rows)
+        # the seq layouts: values free of time and state but along the split axis, printed once
+        # per copy of the per-index code before the time loop (names with "@s", the template
+        # writes the copy's number there); None: printed where they are read
+        self.copy_prelude: list[str] | None = None
+        self._copy_memo: dict = {}
 
     # -- blocks --------------------------------------------------------------------------------
     def lit(self, v: float) -> str:
@@ -274,10 +279,14 @@ class TritonPrinter:
                 and (self._split is None or self._split not in ax))
 
     def _level(self, e) -> str:
-        """Where `e` is printed: "pre" (before the time loop), "outer" (per chunk, outside the
-        split axis's loop) or "cur" (the current block)."""
+        """Where `e` is printed: "pre" (before the time loop), "copy" (before the time loop,
+        once per copy: `copy_prelude`), "outer" (per chunk, outside the split axis's loop) or
+        "cur" (the current block)."""
         if self.hoistable(e):
             return "pre"
+        if (self.copy_prelude is not None and self._split is not None and "t" not in self.axes(e)
+                and not ir.uses_state(e) and not isinstance(e, Const)):
+            return "copy"
         if self._split is not None and self._split not in self.axes(e) and not ir.uses_state(e):
             return "outer"
         return "cur"
@@ -290,13 +299,15 @@ class TritonPrinter:
         """(lines, memo, frame) of a level."""
         if level == "pre":
             return self.prelude, self._pre_memo, self._pre_frame
+        if level == "copy":
+            return self.copy_prelude, self._copy_memo, self._pre_frame
         if level == "outer":
             return self._outer
         return self.lines, self._memo, self.frame
 
     def _emit(self, e, code: str, level: str) -> str:
         lines, memo, _ = self._where(level)
-        name = self._name(level == "pre")
+        name = self._name(level in ("pre", "copy")) + ("@s" if level == "copy" else "")
         lines.append(f"{name} = {code}")
         memo[e] = name
         return name
