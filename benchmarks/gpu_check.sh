@@ -88,7 +88,9 @@ if [[ $STEPS == *decode* ]]; then   # the decode step: Python call, host time, C
   timeout ${SSMC_DECODE_TIMEOUT:-150} python -m benchmarks.probe_decode --out "$OUT/h200_decode_probe.json" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *moe* ]]; then
-  timeout 200 python -m benchmarks.bench_moe --out "$OUT/h200_moe.json" >> "$LOG" 2>&1
+  # SSMC_MOE_FLAGS: e.g. "--variant seq4,seq2,seq8 --eager-L 0" (the grouped configs autotune
+  # first; the per-expert kernels then autotune per state size: ~4 minutes with every variant)
+  timeout ${SSMC_MOE_TIMEOUT:-450} python -m benchmarks.bench_moe --out "$OUT/h200_moe.json" ${SSMC_MOE_FLAGS:-} >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *bsp,* || $STEPS == *bsp ]]; then
   timeout ${SSMC_BSP_TIMEOUT:-300} python -m benchmarks.bench_block_sparse --out "$OUT/h200_block_sparse.json" \
