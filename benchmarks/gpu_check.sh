@@ -89,7 +89,7 @@ if [[ $STEPS == *decode* ]]; then   # the decode step: Python call, host time, C
 fi
 if [[ $STEPS == *moe* ]]; then
   # SSMC_MOE_FLAGS: e.g. "--variant seq4,seq2,seq8 --eager-L 0" (the grouped configs autotune
-  # first; the per-expert kernels then autotune per state size: ~4 minutes with every variant)
+  # first, then the per-expert kernels per state size: the 210 s of 9699673 were too few)
   timeout ${SSMC_MOE_TIMEOUT:-450} python -m benchmarks.bench_moe --out "$OUT/h200_moe.json" ${SSMC_MOE_FLAGS:-} >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *bsp,* || $STEPS == *bsp ]]; then
