@@ -258,7 +258,7 @@ def _interp_configs():
     return table["interpreter"]
 
 
-@pytest.mark.parametrize("cfg", _interp_configs(), ids=lambda c: f"{c['variant']}-T{c['TILE']}-C{c['CHUNK']}")
+@pytest.mark.parametrize("cfg", _interp_configs(), ids=lambda c: f"{c['variant']}-T{c.get('TILE', 0)}-C{c['CHUNK']}")
 def test_triton_grouped_every_config_interpreted(cfg, monkeypatch, tmp_path):
     """Each interpreter config pinned in turn: the entry kernel of its variant runs (one launch),
     against float64 for random routings (experts with no sequence and with one among them), a
@@ -296,6 +296,15 @@ def test_grouped_tile_params():
     assert tile_params(scan, (8,), 3, 5) == {8: (4, 8)}          # few channels, a short sequence
     loop = {"variant": "loop", "TILE": 128, "CHUNK": 8}
     assert tile_params(loop, (8, 1024), 1536, 2048) == {8: (16, 8), 1024: (1, 8)}
+    # seq4: TILE / tile rows (32 lanes); seqn4: 4 lanes a row at every tile (S = tile / 4 within
+    # 2..8), so 8 rows up to tile 32 and 4 at tile 64 (S 8: 8 lanes a row)
+    assert tile_params({"variant": "seq4", "TILE": 128, "CHUNK": 8}, (8, 16, 64), 1536, 2048) == \
+        {8: (16, 8), 16: (8, 8), 64: (2, 8)}
+    assert tile_params({"variant": "seqn4", "CHUNK": 8, "num_warps": 1}, (8, 16, 32, 64), 1536, 2048) == \
+        {8: (8, 8), 16: (8, 8), 32: (8, 8), 64: (4, 8)}
+    from ssmc.targets.moe import _seq_states
+    assert [_seq_states("seqn4", t) for t in (1, 2, 4, 8, 16, 32, 64)] == [None, 2, 2, 2, 4, 8, 8]
+    assert [_seq_states("seq4", t) for t in (1, 2, 4, 8, 64)] == [None, 2, 4, 4, 4]
 
 
 def test_failing_grouped_kernel_falls_back_to_the_reference(monkeypatch, tmp_path):
@@ -313,7 +322,7 @@ def test_failing_grouped_kernel_falls_back_to_the_reference(monkeypatch, tmp_pat
     assert "out of resources" in lookup(report.groups[0].key).failure
 
 
-@pytest.mark.parametrize("variant", ["loop", "scan", "seq4"])
+@pytest.mark.parametrize("variant", ["loop", "scan", "seq4", "seqn4"])
 def test_grouped_kernel_compiles_for_sm90_without_gpu(variant, monkeypatch, tmp_path):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget

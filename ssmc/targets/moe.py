@@ -138,13 +138,21 @@ def load_configs() -> dict:
     return json.loads((importlib.resources.files("ssmc.templates") / CONFIGS).read_text())
 
 
-def _seq_body(variant: str, tile: int, states) -> str | None:
-    """The body a seq<S> entry runs for a state tile: seq<S'> with the largest S' <= S that
-    divides the tile (at most the tile's size), None (the loop body) for tiles below 2."""
+def _seq_states(variant: str, tile: int, states=(2, 4, 8)) -> int | None:
+    """State elements a lane for a state tile under a seq variant: "seq<S>", the largest S' <= S
+    that divides the tile; "seqn<Q>", Q lanes a row at every tile (S' = tile / Q, within the
+    rendered states, the nearest below); None (the loop body) where none fits (tiles below 2)."""
     if not variant.startswith("seq"):
         return None
-    fit = [s for s in states if s <= int(variant[3:]) and s <= tile and tile % s == 0]
-    return f"seq{max(fit)}" if fit else None
+    want = tile // int(variant[4:]) if variant.startswith("seqn") else int(variant[3:])
+    fit = [s for s in states if s <= max(want, min(states)) and s <= tile and tile % s == 0]
+    return max(fit) if fit else None
+
+
+def _seq_body(variant: str, tile: int, states) -> str | None:
+    """The body function a seq entry runs for a state tile (None: the loop body)."""
+    s = _seq_states(variant, tile, states) if states else None
+    return f"seq{s}" if s else None
 
 
 def entry_name(r: Region, config: dict) -> str:
@@ -158,10 +166,16 @@ def tile_params(config: dict, tiles, d_max: int | None = None, L_max: int | None
     BD = TILE / tile (a power of two, at least 1, at most the channel count rounded up); CH =
     CHUNK, at most the longest length rounded up; for the scan variant, whose chunk is a
     (BD, tile, CH) tile of registers, CH is halved until that tile is at most TILE * CHUNK
-    (states larger than TILE, where BD is already 1)."""
+    (states larger than TILE, where BD is already 1). Variant "seqn<Q>" takes no TILE: its rows
+    have Q lanes at every tile (S = tile / Q state elements a lane), BD = 32 num_warps / Q."""
     out = {}
+    variant = str(config.get("variant", "loop"))
     for t in tiles:
-        bd = max(1, _pow2(max(1, config["TILE"] // t)))
+        if variant.startswith("seqn"):          # 32 lanes a warp: BD rows of Q lanes at every tile
+            s = _seq_states(variant, t) or 1
+            bd = max(1, 32 * int(config.get("num_warps", 1)) * s // t)
+        else:
+            bd = max(1, _pow2(max(1, config["TILE"] // t)))
         if d_max is not None:
             bd = min(bd, _pow2(d_max))
         ch = max(1, int(config["CHUNK"]))
@@ -230,7 +244,8 @@ class GroupedTritonKernel(GroupedKernel):
             args=[", ".join(args) + ","], bases=[", ".join(ptrs) + ","], fields=fields,
             row=3 + len(fields), call=", ".join(args), consts=dict(consts),
             loop=_print_variant(r, p, cdt, False), scan=_print_variant(r, p, cdt, True),
-            seq=seq, seq_states=states, variants=["loop", "scan", *(f"seq{S}" for S in states)],
+            seq=seq, seq_states=states,
+            variants=["loop", "scan", *(f"seq{S}" for S in states), *(["seqn4", "seqn8"] if states else [])],
             seq_body_for=lambda v, t: _seq_body(v, t, states))
 
     def module(self, cdt: str, tiles: tuple, consts: tuple = ()):
