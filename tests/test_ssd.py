@@ -1070,6 +1070,10 @@ def test_core_config_overrides_restore_and_name_bad_kernels():
         assert ssd_core.Spec((2, 3), 300, 8, 8, None, "tl.bfloat16", False).keep == 1
     assert ssd_core.CONFIG == before
     assert ssd_core.Spec((2, 3), 300, 8, 8, None, "tl.bfloat16", False).keep == before["core"]["KEEP"]
+    # a group is never longer than the sequence, and stays a power of two
+    assert ssd_core.Spec((1,), 100, 8, 8, 16, "tl.float32", False, keep=8).keep == 4      # 7 chunks
+    with pytest.raises(ValueError, match="KEEP .* power of two, not 3"):
+        ssd_core.Spec((1,), 100, 8, 8, 16, "tl.float32", False, keep=3)
     with pytest.raises(KeyError, match="no kernel \\['bwd_db'\\]"):
         with ssd_core.overridden({"bwd_db": {"BLOCK_N": 64}}):
             pass

@@ -8,11 +8,11 @@ group's state tile is the next power of two of its own state size (a static bran
 present), so padding never reaches beyond a group's own tile. The body per tile is the
 single-expert kernel's (the same macros and printed variants as ssmc/targets/triton.py):
 config "variant" "loop" (sequential steps), "scan" (tl.associative_scan over chunks of
-steps) or "seq<S>", autotuned with the rest of the config. Backward runs the member kernel's backward per
-group (the generated Triton backward on a GPU, the IR adjoint on CPU). Config "variant" "seq<S>"
-runs the single-expert kernel's seq body (a row's steps in one thread's registers, S state
-elements a lane): every state tile gets TILE / tile channels a program, so the programs of all
-groups have the same lanes and the same work per step.
+steps), "seq<S>" (a row's steps in one thread's registers, S state elements a lane; every state
+tile gets TILE / tile channels a program, so all programs have the same lanes and work per
+step) or "seqn<Q>" (the same body with Q lanes a row at every tile), autotuned with the rest of
+the config. Backward runs the member kernel's backward per group (the generated Triton backward
+on a GPU, the IR adjoint on CPU).
 
 `padding(stats)` is what ``ssmc.explain`` shows: per group its sequences, state size and tile,
 and the work computed on padding against the useful work.

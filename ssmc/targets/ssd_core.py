@@ -125,7 +125,12 @@ class Spec:
         self.S, self.L, self.p, self.n, self.chunk = tuple(S), L, p, n, chunk
         self.P = math.prod(self.S)
         self.NC = -(-L // chunk)
-        self.keep = max(1, min(keep or config("core", opd)["KEEP"], self.NC))
+        keep = keep or config("core", opd)["KEEP"]
+        if keep < 1 or keep & (keep - 1):          # the state kernels' chunk is CHUNK * keep
+            raise ValueError(f"ssd_core: KEEP (chunks per kept state) must be a power of two, not {keep}")
+        while keep > 1 and keep > self.NC:          # no group longer than the sequence
+            keep //= 2
+        self.keep = keep
         self.NS = -(-self.NC // self.keep)          # kept states: one per group of `keep` chunks
         self.opd, self.deterministic = opd, deterministic
         # the chunk states between the kernels: the dots' operand type (they read them as that)
