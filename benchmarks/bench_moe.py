@@ -279,8 +279,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="timed runs per row on CPU")
     ap.add_argument("--skip", default="", help="rows to leave out: layer_grouped,layer_per_expert,eager")
     ap.add_argument("--variant", default=None,
-                    help="only the grouped kernel's configs of these variants, comma-separated: loop, scan, "
-                         "seq2, seq4, seq8 (default: all, autotuned)")
+                    help="only the grouped kernel's configs of these variants, comma-separated (those "
+                         "of templates/triton/moe_scan_fwd.configs.json; default: all, autotuned)")
     args = ap.parse_args(argv)
     args.skip = set(filter(None, args.skip.split(",")))
     args.form = args.form or ("loop" if args.tiny else "scan")
@@ -292,9 +292,10 @@ def main(argv=None):
     if args.variant:
         from ssmc.targets import moe as M
         wanted = set(args.variant.split(","))
-        if wanted - {"loop", "scan", "seq2", "seq4", "seq8"}:
-            ap.error(f"--variant: unknown {sorted(wanted - {'loop', 'scan', 'seq2', 'seq4', 'seq8'})}")
-        table = {k: [c for c in v if c.get("variant", "loop") in wanted] if isinstance(v, list) else v
+        if wanted - set(M.config_variants()):
+            ap.error(f"--variant: unknown {sorted(wanted - set(M.config_variants()))}; "
+                     f"the table's: {', '.join(M.config_variants())}")
+        table = {k: [c for c in v if M.variant_of(c) in wanted] if isinstance(v, list) else v
                  for k, v in M.load_configs().items()}
         restore, M.load_configs = M.load_configs, lambda: table
     try:

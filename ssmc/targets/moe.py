@@ -138,6 +138,16 @@ def load_configs() -> dict:
     return json.loads((importlib.resources.files("ssmc.templates") / CONFIGS).read_text())
 
 
+def variant_of(config: dict) -> str:
+    """A config's variant ("loop" when it names none)."""
+    return str(config.get("variant", "loop"))
+
+
+def config_variants() -> list[str]:
+    """Every variant the config table names, in its order: one entry kernel each."""
+    return list(dict.fromkeys(variant_of(c) for v in load_configs().values() if isinstance(v, list) for c in v))
+
+
 def _seq_states(variant: str, tile: int, states=(2, 4, 8)) -> int | None:
     """State elements a lane for a state tile under a seq variant: "seq<S>", the largest S' <= S
     that divides the tile; "seqn<Q>", Q lanes a row at every tile (S' = tile / Q, within the
@@ -158,7 +168,7 @@ def _seq_body(variant: str, tile: int, states) -> str | None:
 def entry_name(r: Region, config: dict) -> str:
     """The grouped template's entry kernel for a config's variant ("loop" when it names none)."""
     from .triton import kernel_name
-    return f"{kernel_name(r)}_moe_grouped_{config.get('variant', 'loop')}"
+    return f"{kernel_name(r)}_moe_grouped_{variant_of(config)}"
 
 
 def tile_params(config: dict, tiles, d_max: int | None = None, L_max: int | None = None) -> dict:
@@ -169,7 +179,7 @@ def tile_params(config: dict, tiles, d_max: int | None = None, L_max: int | None
     (states larger than TILE, where BD is already 1). Variant "seqn<Q>" takes no TILE: its rows
     have Q lanes at every tile (S = tile / Q state elements a lane), BD = 32 num_warps / Q."""
     out = {}
-    variant = str(config.get("variant", "loop"))
+    variant = variant_of(config)
     for t in tiles:
         if variant.startswith("seqn"):          # 32 lanes a warp: BD rows of Q lanes at every tile
             s = _seq_states(variant, t) or 1
@@ -181,7 +191,7 @@ def tile_params(config: dict, tiles, d_max: int | None = None, L_max: int | None
         ch = max(1, int(config["CHUNK"]))
         if L_max is not None:
             ch = min(ch, _pow2(max(1, L_max)))
-        if config.get("variant", "loop") == "scan":
+        if variant == "scan":
             while ch > 1 and bd * t * ch > config["TILE"] * config["CHUNK"]:
                 ch //= 2
         out[t] = (bd, ch)
@@ -245,7 +255,8 @@ class GroupedTritonKernel(GroupedKernel):
             row=3 + len(fields), call=", ".join(args), consts=dict(consts),
             loop=_print_variant(r, p, cdt, False), scan=_print_variant(r, p, cdt, True),
             seq=seq, seq_states=states,
-            variants=["loop", "scan", *(f"seq{S}" for S in states), *(["seqn4", "seqn8"] if states else [])],
+            variants=[v for v in dict.fromkeys(["loop", "scan", *config_variants()])
+                      if states or not v.startswith("seq")],
             seq_body_for=lambda v, t: _seq_body(v, t, states))
 
     def module(self, cdt: str, tiles: tuple, consts: tuple = ()):
@@ -283,7 +294,7 @@ class GroupedTritonKernel(GroupedKernel):
         for t, (bd, ch) in tile_params(config, tiles).items():
             sig[f"BD_{t}"] = sig[f"CH_{t}"] = "constexpr"
             cx[f"BD_{t}"], cx[f"CH_{t}"] = bd, ch
-            if str(config.get("variant", "loop")).startswith("seq"):
+            if variant_of(config).startswith("seq"):
                 sig[f"EVEN_{t}"], cx[f"EVEN_{t}"] = "constexpr", True
         cdt = "tl.float64" if torch.float64 in dts.values() else "tl.float32"
         mod = self.module(cdt, tuple(tiles), tuple(consts))
@@ -399,7 +410,7 @@ class GroupedTritonKernel(GroupedKernel):
         cx = {}
         for t, (bd, ch) in tp.items():
             cx[f"BD_{t}"], cx[f"CH_{t}"] = bd, ch
-            if str(config.get("variant", "loop")).startswith("seq"):
+            if variant_of(config).startswith("seq"):
                 cx[f"EVEN_{t}"] = all(row[2] != t or row[3 + self._size_n] == t for row in rows)
         fn[(nprog,)](*[bases[n] for n in names], self._table, len(rows), **cx, **extra)
         self.stats = padding(r, groups, {t: bd for t, (bd, _) in tp.items()})
@@ -424,7 +435,7 @@ class GroupedTritonKernel(GroupedKernel):
     def _config(self, groups, arch, outs) -> dict:
         from .triton import arch_key
         cands = [c for c in load_configs()[arch_key(arch)]
-                 if self.has_seq or not str(c.get("variant", "loop")).startswith("seq")]
+                 if self.has_seq or not variant_of(c).startswith("seq")]
         live = [g for g in groups if _rows(self.region, g)]
         bucket = (arch_key(arch), tuple(x.dtype for x in live[0]),
                   tuple(sorted(_pow2(group_sizes(self.region, g)[0].get(self.plan.reg, 1)) for g in live)),
