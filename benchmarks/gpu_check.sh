@@ -61,8 +61,13 @@ if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while t
   echo "== tests/test_triton_bwd.py" >> "$LOG"
   timeout ${SSMC_TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_bwd.py \
     -k "${SSMC_TRAIN_K:-gpu}" 2>&1 | tail -15 >> "$LOG"
-  if [[ -n $BUILD ]]; then wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"; fi
-  timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline --configs \
+  if [[ -n $BUILD ]]; then            # the build comes back (under 16 MiB) to be carried as .carry/mamba_build/
+    wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"
+    for so in /tmp/ssmc_mamba_build/*.so; do
+      [[ -f $so && $(stat -c %s "$so") -lt 16000000 ]] && cp "$so" "$OUT/"
+    done
+  fi
+  timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline ${SSMC_TRAIN_CONFIGS---configs} \
     --workloads "${SSMC_TRAIN_WORKLOADS:-mamba1,mamba2}" --targets "${SSMC_TRAIN_TARGETS:-triton,auto}" ${SSMC_TRAIN_FLAGS:-} >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *ssdcore* ]]; then   # the chunked SSD core's training kernels alone, per tile config
