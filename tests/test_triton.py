@@ -467,7 +467,7 @@ SEQ = [
 
 @pytest.mark.parametrize("cfg", SEQ, ids=["s2", "s4"])
 def test_seq_variant(cfg, interp, monkeypatch):
-    """The seq variant (the register axis split over lanes and unrolled copies, scans along a
+    """The seq variant (the register axis split over lanes and unrolled copies, steps along a
     thread-local time axis) end to end against the reference: whole chunks and a partial one, a
     state axis that does not fill BLOCK_N (and one whose BLOCK_N the copies do not divide:
     another variant runs), a partial channel block, (b, d, L) and strided inputs, an initial
@@ -475,7 +475,7 @@ def test_seq_variant(cfg, interp, monkeypatch):
     only(monkeypatch, cfg)
     _, kern = check(P.mamba1("final"), P.mamba1_inputs(L=11, d=3, n=6, seed=90), cfg["variant"])
     body = _body(kern.source, cfg["variant"])
-    assert "tl.associative_scan((a, b), axis=2" in body and "_sum(acc0, 1)" in body
+    assert "= _steps(a, b, hc" in body and "_sum(acc0, 1)" in body
     check(P.mamba1("final"), P.mamba1_inputs(L=8, d=4, n=4, seed=91), cfg["variant"])
     check(P.mamba1_scan(), P.mamba1_inputs(L=3, seed=92), cfg["variant"])            # no whole chunk
     check(P.mamba1_bdl(), P.mamba1_inputs(L=9, layout="bdl", seed=93), cfg["variant"])

@@ -155,6 +155,8 @@ SEQ_CASES = {
     "mamba1_final_state": CASES["mamba1_final_state"],
     "mamba1_h0": CASES["mamba1_h0"],
     "mamba1_n8": (P.mamba1("stack"), lambda: P.mamba1_inputs(b=2, L=9, d=5, n=8, seed=28)),
+    # whole chunks, channel blocks and state tiles: the masks are constants (EVEN_L, EVEN_D, EVEN_N)
+    "mamba1_even": (P.mamba1("stack"), lambda: P.mamba1_inputs(b=2, L=8, d=8, n=8, seed=29)),
     "s4d": CASES["s4d"],
 }
 

@@ -375,6 +375,32 @@ def _term_kind(e, g: Grad, r: Region, reg: str) -> str:
     return "sum" if reg in ax else "after"
 
 
+def split_free(e, r: Region, axis: str):
+    """`e` as (the product of its factors that vary along `axis`, the product of those that do
+    not, or None): a sum over `axis` of e is the first's sum times the second, one product an
+    element fewer per free factor, and terms differing only in free factors share one sum."""
+    factors: list = []
+
+    def flat(x):
+        if isinstance(x, ir.Op) and x.name == "mul":
+            for y in x.args:
+                flat(y)
+        else:
+            factors.append(x)
+    flat(e)
+    dep = [f for f in factors if axis in value_axes(f, r)]
+    free = [f for f in factors if axis not in value_axes(f, r)]
+    if not dep or not free:
+        return e, None
+
+    def prod(fs):
+        out = fs[0]
+        for f in fs[1:]:
+            out = ir.Op("mul", (out, f))
+        return out
+    return prod(dep), prod(free)
+
+
 def seq_bwd_declines(r: Region, bp: BwdPlan) -> str | None:
     """Why the seq backward cannot compute `r`'s gradients (None: it can)."""
     why = T.seq_declines(r, bp.fwd)
@@ -452,6 +478,7 @@ def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | No
     p.switch(post)
     sums: dict = {}                           # ("sum", term) or ("red", Reduce) -> accumulator
     plan_after: list = []                     # (g, terms summed across copies, terms after)
+    free_code: dict = {}                      # factor free of the register axis -> its code
 
     def accumulate(key, value: str, mask: str):
         if key in sums:                       # one term of several gradients: summed once
@@ -473,9 +500,12 @@ def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | No
             else:
                 post.extend([f"if NEED_{g.input}:", f"    acc{g.input}@s += {v}"])
         summed = [e for e in g.steps if kinds[e] == "sum"]
-        for e in summed:
-            if ("sum", e) not in sums:
-                accumulate(("sum", e), p.expr(e), "mn3")
+        for e in summed:                      # the factors free of the register axis multiply the sum
+            inner, free = split_free(e, r, reg)
+            if ("sum", inner) not in sums:
+                accumulate(("sum", inner), p.expr(inner), "mn3")
+            if free is not None and free not in free_code:
+                free_code[free] = p.expr(free)    # printed before the copies, once a chunk
         after = [e for e in g.steps if kinds[e] == "after"]
         for e in after:
             for x in _reduces(e):
@@ -488,11 +518,20 @@ def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | No
     for (kind, x), name in sums.items():
         if kind == "red":
             p.memoize(x, f"tl.expand_dims(_sum({name}, 1), 1)")
+    lane_sums: dict = {}                      # (copies' sum, free factor) -> its sum over the row's lanes
     for g, keep, summed, after in plan_after:
         outer_post.append(f"# d/d in{g.input}[{', '.join(map(str, g.index))}]")
         vals = []
         for e in summed:
-            lanes = em.temp(f"tl.expand_dims(_sum({sums[('sum', e)]}, 1), 1)", outer_post)   # masked when summed
+            inner, free = split_free(e, r, reg)
+            # masked when summed; the free factor multiplies the copies' sum before the lanes'
+            # (so it keeps the layout the copies' values had: a product of the lanes' sum
+            # recomputed the factor in the sum's layout, 4x the exps at seq4 BLOCK_D 8 CHUNK 4)
+            key = (sums[("sum", inner)], None if free is None else free_code[free])
+            if key not in lane_sums:
+                x = key[0] if free is None else f"{key[0]} * {key[1]}"
+                lane_sums[key] = em.temp(f"tl.expand_dims(_sum({x}, 1), 1)", outer_post)
+            lanes = lane_sums[key]
             vals.append(em.summed(lanes, value_axes(e, r) - {reg}, keep, outer_post, after_dims))
         for e in after:
             vals.append(em.summed(p.expr(e), value_axes(e, r), keep, outer_post, after_dims))
@@ -612,12 +651,14 @@ class BackwardKernel(T.TritonKernel):
         return self._seq_why
 
     def constexprs(self, call, config) -> dict:
-        sizes, _ = self.sizes(call)
+        sizes, L = self.sizes(call)
         bn = T._pow2(sizes[self.plan.reg]) if self.plan.reg else 1
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": bn,
               "CHUNK": config["CHUNK"], "DETERMINISTIC": self.deterministic}
         if T._seq_states(config):
             cx["EVEN_N"] = bn == sizes[self.plan.reg]
+            cx["EVEN_L"] = L % config["CHUNK"] == 0
+            cx["EVEN_D"] = (sizes[self.plan.block] if self.plan.block else 1) % config["BLOCK_D"] == 0
             cx["SEG"] = _seg(config)
         for i in self.plan.grad_inputs(self.region):
             cx[f"NEED_{i}"] = bool(call.needs[i])
@@ -749,9 +790,10 @@ class BackwardKernel(T.TritonKernel):
                 out[i] = torch.zeros_like(x)      # read only where it has no derivative
         return out
 
-    def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None):
+    def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None, even_l: bool = True):
         """(jit function, signature, constexprs) for a compile-only ``triton.compile``; every
-        gradient needed."""
+        gradient needed; `even_l`: every chunk and channel block whole (the seq variant's masks
+        along time and channels constant)."""
         r, bp = self.region, self.plan
         dts = [ir.to_dtype(s.dtype) for s in r.inputs]
         for i, dt in (dtypes or {}).items():
@@ -776,6 +818,7 @@ class BackwardKernel(T.TritonKernel):
               "DETERMINISTIC": self.deterministic}
         if T._seq_states(config):
             cx["EVEN_N"] = True
+            cx["EVEN_L"] = cx["EVEN_D"] = even_l
             cx["SEG"] = _seg(config)
         cx.update({f"NEED_{i}": True for i in bp.grad_inputs(r)})
         sig.update({k: "constexpr" for k in cx})
