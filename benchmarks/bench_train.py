@@ -267,6 +267,19 @@ def run_mamba2(res, L, targets, baseline, check_L=None, profile=False):
     res[f"mamba2_b8_L{L}_h24_p64_n128_bf16_fwd_bwd"] = rows
 
 
+def only_variants(names):
+    """Cut the selective-scan forward and backward config tables to the entries of `names`
+    (an entry without "variant" is the table's default family: "scan" in the backward's, as
+    written in the forward's). Every arch keeps at least its first entry."""
+    from ssmc.targets import triton as T, triton_bwd as TB
+    for mod, default in ((T, None), (TB, "scan")):
+        table = mod.load_configs()
+        cut = {k: ([c for c in v if c.get("variant", default) in names] or v[:1]) if isinstance(v, list) else v
+               for k, v in table.items()}
+        mod.load_configs = lambda cut=cut: cut
+        print(f"[bench_train] {mod.__name__} configs: { {k: len(v) for k, v in cut.items() if isinstance(v, list)} }", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -282,7 +295,11 @@ def main():
                     "cudaProfilerStart/Stop (ncu --profile-from-start off)")
     ap.add_argument("--core-config", default="", help='JSON merged into ssd_core.CONFIG per kernel, '
                     'e.g. \'{"core": {"CHUNK": 128}, "bwd_dbc": {"heads": "atomic"}}\'')
+    ap.add_argument("--m1-variants", default="", help="only these variants of the Mamba-1 forward and "
+                    "backward config tables (e.g. seq4: fewer compiles in a short GPU call)")
     args = ap.parse_args()
+    if args.m1_variants:
+        only_variants(args.m1_variants.split(","))
     from ssmc.targets import ssd_core
     with ssd_core.overridden(json.loads(args.core_config or "{}")):
         run_all(args)
