@@ -52,7 +52,7 @@ if [[ $STEPS == *ssdseg* ]]; then    # per table config, each count in its own p
     --shape '{"b": 4, "h": 24, "p": 64, "n": 128, "L": 16384}' --segments "${SSMC_SEGMENTS:-auto,1,2,3,4}" \
     --baseline >> "$LOG" 2>&1
 fi
-if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while the GPU tests run
+if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while the GPU tests run; SSMC_TRAIN_CONFIGS= (empty): no per-config backward timing
   BUILD=
   if [[ ${SSMC_TRAIN_WORKLOADS:-mamba1} == *mamba1* ]]; then   # Mamba-2's baseline is Triton: no build
     python -c "from benchmarks import baselines as B; B.build_selective_scan_fwd(backward=('bf16_real', 'fp32_real'))" \
@@ -61,12 +61,7 @@ if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while t
   echo "== tests/test_triton_bwd.py" >> "$LOG"
   timeout ${SSMC_TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_triton_bwd.py \
     -k "${SSMC_TRAIN_K:-gpu}" 2>&1 | tail -15 >> "$LOG"
-  if [[ -n $BUILD ]]; then            # the build comes back (under 16 MiB) to be carried as .carry/mamba_build/
-    wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"
-    for so in /tmp/ssmc_mamba_build/*.so; do
-      [[ -f $so && $(stat -c %s "$so") -lt 16000000 ]] && cp "$so" "$OUT/"
-    done
-  fi
+  if [[ -n $BUILD ]]; then wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"; fi
   timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline ${SSMC_TRAIN_CONFIGS---configs} \
     --workloads "${SSMC_TRAIN_WORKLOADS:-mamba1,mamba2}" --targets "${SSMC_TRAIN_TARGETS:-triton,auto}" ${SSMC_TRAIN_FLAGS:-} >> "$LOG" 2>&1
 fi

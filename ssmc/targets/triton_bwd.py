@@ -42,7 +42,7 @@ import threading
 import torch
 
 from ssmc import ir
-from ssmc.autodiff import GRAD_A, GRAD_B, Adjoint, region_adjoint
+from ssmc.autodiff import GRAD_A, GRAD_B, Adjoint, mul, region_adjoint
 from ssmc.ir import InputSpec, Load, Reduce, Region
 
 from . import triton as T
@@ -392,13 +392,7 @@ def split_free(e, r: Region, axis: str):
     free = [f for f in factors if axis not in value_axes(f, r)]
     if not dep or not free:
         return e, None
-
-    def prod(fs):
-        out = fs[0]
-        for f in fs[1:]:
-            out = ir.Op("mul", (out, f))
-        return out
-    return prod(dep), prod(free)
+    return functools.reduce(mul, dep), functools.reduce(mul, free)
 
 
 def seq_bwd_declines(r: Region, bp: BwdPlan) -> str | None:
@@ -790,9 +784,9 @@ class BackwardKernel(T.TritonKernel):
                 out[i] = torch.zeros_like(x)      # read only where it has no derivative
         return out
 
-    def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None, even_l: bool = True):
+    def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None, even: bool = True):
         """(jit function, signature, constexprs) for a compile-only ``triton.compile``; every
-        gradient needed; `even_l`: every chunk and channel block whole (the seq variant's masks
+        gradient needed; `even`: every chunk and channel block whole (the seq variant's masks
         along time and channels constant)."""
         r, bp = self.region, self.plan
         dts = [ir.to_dtype(s.dtype) for s in r.inputs]
@@ -818,7 +812,7 @@ class BackwardKernel(T.TritonKernel):
               "DETERMINISTIC": self.deterministic}
         if T._seq_states(config):
             cx["EVEN_N"] = True
-            cx["EVEN_L"] = cx["EVEN_D"] = even_l
+            cx["EVEN_L"] = cx["EVEN_D"] = even
             cx["SEG"] = _seg(config)
         cx.update({f"NEED_{i}": True for i in bp.grad_inputs(r)})
         sig.update({k: "constexpr" for k in cx})
