@@ -4,6 +4,11 @@ The graph holds only a key; the key names a `Compiled` entry (region IR + the ta
 registered at compile time. The fake implementation gives output shapes from the region IR, so
 AOTAutograd and Inductor can trace around the op; the backward is a second op,
 ``ssmc.region_bwd``, that the target implements from the same IR.
+
+Training calls (an input needs a gradient) go through ``ssmc.region_train`` where the kernel
+keeps a residual for its backward (`Compiled.residual_specs`: the Triton seq kernels'
+checkpoints, so the backward need not run the forward recurrence again): the region's outputs,
+then the residual, which autograd saves beside the inputs.
 """
 from __future__ import annotations
 
@@ -38,6 +43,14 @@ class Compiled:
         dev = inputs[0].device
         return [torch.empty(s, dtype=to_dtype(o.dtype), device=dev)
                 for s, o in zip(self.output_shapes(inputs), self.region.outputs)]
+
+    def residual_specs(self, inputs) -> list[tuple]:
+        """[(shape, dtype)] of what a training forward keeps for the backward ([]: nothing);
+        the compiled kernel's, fixed when it was made: a kernel that later falls back to the
+        reference still returns tensors of these shapes (with a flag that says they are empty)."""
+        if "_residual" not in self.__dict__:
+            self._residual = getattr(self.kernel, "residual_specs", None)
+        return self._residual(inputs) if self._residual is not None else []
 
 
 def register(entry: Compiled) -> str:
@@ -115,6 +128,8 @@ def _run(entry: Compiled, method: str, *args):
             entry.target, entry.region.name, type(e).__name__, e)
         entry.failure = f"{entry.target} kernel failed at run time: {type(e).__name__}: {e}"
         entry.kernel, entry.target = ReferenceKernel(entry.region), "torch"
+        if method == "backward":
+            args = args[:3]                  # the reference keeps no residual
         return getattr(entry.kernel, method)(*args)
 
 
@@ -122,6 +137,23 @@ def _forward(key: str, inputs) -> list[torch.Tensor]:
     entry = lookup(key)
     check_inputs(entry, inputs)
     return list(_run(entry, "forward", list(inputs)))
+
+
+def _forward_train(key: str, inputs) -> list[torch.Tensor]:
+    """The outputs, then the residual (`Compiled.residual_specs`): from the kernel's
+    forward_train, or zeros (its flag 0: nothing kept) where the reference runs instead."""
+    entry = lookup(key)
+    check_inputs(entry, inputs)
+    inputs = list(inputs)
+    if hasattr(entry.kernel, "forward_train"):
+        try:
+            outs, res = entry.kernel.forward_train(inputs)
+            return list(outs) + list(res)
+        except Exception:
+            pass                         # _run below logs the failure and falls back
+    outs = _run(entry, "forward", inputs)
+    dev = inputs[0].device
+    return list(outs) + [torch.zeros(s, dtype=dt, device=dev) for s, dt in entry.residual_specs(inputs)]
 
 
 @torch.library.custom_op("ssmc::region", mutates_args=())
@@ -133,10 +165,15 @@ def call_region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """How an eagerly run graph calls a region (the backend puts this in place of the op): the
     kernel straight away when the op's machinery has nothing to do, that is no input needs a
     gradient, no tracing, mode or profiler is active and the inputs are plain tensors; the
-    custom op otherwise. The op's dispatch (autograd wrapper, redispatch, aliasing checks) costs
-    tens of microseconds a call, most of a decode step's time."""
+    custom op otherwise (``region_train`` when an input needs a gradient and the kernel keeps a
+    residual). The op's dispatch (autograd wrapper, redispatch, aliasing checks) costs tens of
+    microseconds a call, most of a decode step's time."""
     if _plain(inputs):
         return _forward(key, inputs)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        entry = lookup(key)
+        if entry.residual_specs(inputs):
+            return torch.ops.ssmc.region_train.default(key, inputs)[:len(entry.region.outputs)]
     return torch.ops.ssmc.region.default(key, inputs)
 
 
@@ -154,11 +191,27 @@ def _region_fake(key, inputs):
     return lookup(key).empty_outputs(inputs)
 
 
+@torch.library.custom_op("ssmc::region_train", mutates_args=())
+def region_train(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _forward_train(key, inputs)
+
+
+@region_train.register_fake
+def _region_train_fake(key, inputs):
+    entry = lookup(key)
+    dev = inputs[0].device
+    return entry.empty_outputs(inputs) + [torch.empty(s, dtype=dt, device=dev) for s, dt in entry.residual_specs(inputs)]
+
+
 @torch.library.custom_op("ssmc::region_bwd", mutates_args=())
 def region_bwd(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor],
-               needs: list[bool]) -> list[torch.Tensor]:
+               needs: list[bool], residual: list[torch.Tensor]) -> list[torch.Tensor]:
     entry = lookup(key)
-    out = _run(entry, "backward", list(inputs), list(grads), list(needs))
+    args = [list(inputs), list(grads), list(needs)]
+    if residual and entry.target != "torch":      # a kernel that fell back ignores it
+        out = _run(entry, "backward", *args, list(residual))
+    else:
+        out = _run(entry, "backward", *args)
     return _grads_out(out, inputs, needs)
 
 
@@ -174,7 +227,7 @@ def _grads_fake(inputs, needs):
 
 
 @region_bwd.register_fake
-def _region_bwd_fake(key, inputs, grads, needs):
+def _region_bwd_fake(key, inputs, grads, needs, residual):
     return _grads_fake(inputs, needs)
 
 
@@ -182,17 +235,30 @@ def _setup(ctx, inputs, output):
     key, xs = inputs
     ctx.key = key
     ctx.needs = [bool(x.requires_grad) and x.is_floating_point() for x in xs]
+    ctx.n_inputs = len(xs)
     ctx.save_for_backward(*xs)
 
 
+def _setup_train(ctx, inputs, output):
+    key, xs = inputs
+    ctx.key = key
+    ctx.needs = [bool(x.requires_grad) and x.is_floating_point() for x in xs]
+    ctx.n_inputs = len(xs)
+    ctx.n_outputs = len(lookup(key).region.outputs)
+    ctx.save_for_backward(*xs, *output[ctx.n_outputs:])
+
+
 def _backward(ctx, grads):
-    xs = list(ctx.saved_tensors)
+    saved = list(ctx.saved_tensors)
+    xs, residual = saved[:ctx.n_inputs], saved[ctx.n_inputs:]
+    grads = grads[:getattr(ctx, "n_outputs", len(grads))]      # none for the residual
     gs = [g if g is not None else xs[0].new_empty(0) for g in grads]
-    out = torch.ops.ssmc.region_bwd(ctx.key, xs, gs, ctx.needs)
+    out = torch.ops.ssmc.region_bwd(ctx.key, xs, gs, ctx.needs, residual)
     return None, [g if need else None for g, need in zip(out, ctx.needs)]
 
 
 region.register_autograd(_backward, setup_context=_setup)
+region_train.register_autograd(_backward, setup_context=_setup_train)
 
 
 # -- grouped regions (mixtures of experts, passes/moe_grouping.py) --------------------------------

@@ -88,11 +88,11 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
     if greport.rest == "inductor" and n_regions and _only_regions(gm):
         greport.rest = "eager"
         log.info("ssmc: nothing outside the regions for Inductor; the graph runs eagerly")
+    if n_regions:
+        _direct_calls(gm)
     if greport.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, example_inputs)
-    if n_regions:
-        _direct_calls(gm)
     if not n_regions and greport.nodes_in > 2000:
         log.info("ssmc: no region found; running the captured graph of %d nodes eagerly", greport.nodes_in)
     return gm.forward
@@ -107,8 +107,10 @@ def _only_regions(gm: fx.GraphModule) -> bool:
 
 
 def _direct_calls(gm: fx.GraphModule) -> None:
-    """An eagerly run graph calls its regions through `call_region`, which skips the custom
-    op's dispatch when nothing needs it (inference); traced again, it records the op."""
+    """The graph calls its regions through `call_region`: run eagerly, it skips the custom
+    op's dispatch when nothing needs it (inference); traced again (AOTAutograd under
+    Inductor), it records the op, ``region_train`` where an input needs a gradient (the
+    kernel's residual then becomes a saved tensor of the joint graph)."""
     from ssmc.runtime.op import call_region
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is torch.ops.ssmc.region.default:

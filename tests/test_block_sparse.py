@@ -471,7 +471,7 @@ def test_grad_of_transposed_input_under_inductor(monkeypatch):
     # the op itself: real outputs contiguous, as the fake says, for a transposed input
     from ssmc.runtime.op import _region_bwd_fake
     xs = [ins[0], ins[2].T]
-    fake = _region_bwd_fake("unused", xs, [], [True, True])
+    fake = _region_bwd_fake("unused", xs, [], [True, True], [])
     assert all(f.is_contiguous() for f in fake)
 
 

@@ -189,6 +189,102 @@ def test_seq_backward_matches_the_reference_adjoint(case, variant, interp, monke
     assert kern.bwd.config == cfg
 
 
+def _checkpoint_tables(monkeypatch, fwd="seq2", chunk=2):
+    """Tiny shapes: checkpoints every 4 steps, a forward seq config that writes them and a
+    backward seq config that reads them (CHUNK 2 * SEG 2)."""
+    monkeypatch.setattr(T, "CKPT_EVERY", 4)
+    ft = dict(T.load_configs())
+    ft["interpreter"] = [{"variant": fwd, "BLOCK_D": 2, "CHUNK": chunk, "num_warps": 1, "num_stages": 1}]
+    monkeypatch.setattr(T, "load_configs", lambda: ft)
+    bt = dict(B.load_configs())
+    bt["interpreter"] = [{"variant": "seq2", "BLOCK_D": 4, "CHUNK": 2, "SEG": 2, "num_warps": 1, "num_stages": 1}]
+    monkeypatch.setattr(B, "load_configs", lambda: bt)
+
+
+@pytest.mark.parametrize("fwd", ["seq2", "seq4"])
+@pytest.mark.parametrize("case", ["mamba1_n3", "mamba1_final_state", "mamba1_h0", "s4d"])
+def test_training_forward_checkpoints_feed_the_seq_backward(case, fwd, interp, monkeypatch):
+    """A training forward (forward_train) writes the state every CKPT_EVERY steps and sets the
+    flag; the seq backward whose CHUNK * SEG is that interval reads them instead of running the
+    forward recurrence: the same checkpoints its own pass writes (another BLOCK_D and S than
+    the forward's), float64 gradients equal to the reference adjoint; poisoned checkpoints
+    with the flag set reach the gradients (they are read), with the flag clear they do not."""
+    from ssmc.targets.reference import adjoint_run
+    fn, make = SEQ_CASES[case]
+    region, rin, kern, _, _ = captured(fn, make())
+    _checkpoint_tables(monkeypatch, fwd, chunk=4 if fwd == "seq4" else 2)
+    xs = [x.double() if x.is_floating_point() else x for x in rin]
+    if region.init is not None:
+        xs[region.init] = torch.randn(xs[region.init].shape, generator=torch.Generator().manual_seed(3),
+                                      dtype=torch.float64)
+    (nck,), dt = kern.residual_specs(xs)[0]
+    outs, res = kern.forward_train(xs)
+    assert res[1].item() == 1 and res[0].shape == (nck,) and res[0].dtype == dt == torch.float64
+    assert kern.config["variant"] == fwd
+    for o, w in zip(outs, kern._reference().forward(xs)):
+        assert rel_err(o, w) < 1e-12
+    grads = fresh_grads(outs)
+    needs = [x.is_floating_point() for x in xs]
+    want = adjoint_run(region, xs, grads, needs, chunk=3)
+
+    def run(ck, flag):
+        got = kern.backward(xs, grads, needs, [ck, flag])
+        assert_kernel_ran(kern)
+        assert kern.bwd.given
+        return got
+    for g, w in zip(run(*res), want):
+        if w is not None:
+            assert rel_err(g, w) < 1e-10
+    assert "read the forward's checkpoints (every 4 steps)" in kern.backward_note()
+    own = torch.full_like(res[0], float("nan"))          # flag clear: the backward fills ck itself
+    for g, w in zip(run(own, torch.zeros_like(res[1])), want):
+        if w is not None:
+            assert rel_err(g, w) < 1e-10
+    assert torch.allclose(own, res[0], rtol=1e-12, atol=1e-14)
+    got = run(torch.full_like(res[0], float("nan")), res[1])
+    assert any(g is not None and torch.isnan(g).any() for g in got)
+
+
+def test_training_through_torch_compile_keeps_the_forward_checkpoints(interp, monkeypatch):
+    """torch.compile training, the graph run eagerly and through Inductor (AOTAutograd traces
+    ``region_train`` and saves its residual): the forward writes the checkpoints, the backward
+    reads them, gradients of every input equal eager autograd of the naive loop in float64.
+    Inference calls keep nothing (the plain region op)."""
+    import ssmc.runtime.op as op
+    _checkpoint_tables(monkeypatch)
+    calls = []
+    orig = op._forward_train
+    monkeypatch.setattr(op, "_forward_train", lambda k, i: (calls.append(k), orig(k, i))[1])
+    fn = P.mamba1("stack")
+    inputs = P.mamba1_inputs(b=2, L=9, d=5, n=3, seed=21)
+    x64 = [x.detach().double().requires_grad_(True) for x in inputs]
+    loss = sum((o ** 2).sum() for o in as_tuple(fn(*x64)))
+    want = torch.autograd.grad(loss, x64)
+    for rest in ("eager", "inductor"):
+        xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+        n0 = len(calls)
+        out, rep = ssmc_run(fn, xs, target="triton", rest=rest)
+        assert rep.graphs[0].rest == rest and len(calls) == n0 + 1
+        loss = sum((o.double() ** 2).sum() for o in as_tuple(out))
+        got = torch.autograd.grad(loss, xs)
+        kern = lookup(rep.regions[0].key).kernel
+        assert kern.bwd.given, kern.backward_note()
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert rel_err(a, b) < 1e-5, f"{rest}: input {i}: rel err {rel_err(a, b):.3g}"
+    with torch.no_grad():
+        torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, options={"target": "triton"}))(*inputs)
+    assert len(calls) == 2
+
+
+def test_residual_only_where_a_seq_backward_reads_it(interp):
+    """No residual for a region the seq kernels decline (no register axis: the gated
+    recurrence); Mamba-1's: the state every CKPT_EVERY steps of every (b, d, n padded)."""
+    _, rin, kern, _, _ = captured(P.gated(), P.gated_inputs(b=2, L=7, d=5, seed=27))
+    assert kern.residual_specs(rin) == []
+    _, rin, kern, _, _ = captured(P.mamba1("stack"), P.mamba1_inputs(b=2, L=70, d=5, n=3, seed=21))
+    assert kern.residual_specs(rin) == [((2 * 2 * 5 * 4,), torch.float32), ((1,), torch.int32)]
+
+
 def _mamba1_backward_call(b, L, d, n):
     """The backward kernel of Mamba-1 (captured at L6) and a call of it at (b, L, d, n)."""
     from test_triton import region_inputs

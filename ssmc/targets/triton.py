@@ -63,6 +63,10 @@ TEMPLATE = "triton/selective_scan_fwd.py.j2"
 CONFIGS = "triton/selective_scan_fwd.configs.json"
 STRATEGIES = ("chunked_scan", "chunked_ssd", "step", "block_sparse")
 MAX_BLOCK_N = 1024          # the register axis must fit in registers
+# Steps between the training checkpoints the forward's seq kernels write for the backward: the
+# state every CKPT_EVERY steps (b8 d1536 n16 L2048 fp32: 25 MB). The seq backward configs whose
+# CHUNK * SEG equals it read them instead of re-running the forward recurrence (its pass 1).
+CKPT_EVERY = 64
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -796,6 +800,68 @@ class TritonKernel:
         """Fresh output tensors, one per (shape, dtype): every launch's outputs, replays' too."""
         return [torch.empty(s, dtype=d, device=dev) for s, d in specs]
 
+    def _checkpointing(self, config) -> bool:
+        """Whether this config's kernel takes the checkpoint arguments (the seq variants of the
+        selective-scan template)."""
+        return bool(_seq_states(config)) and self.template == TEMPLATE
+
+    def call_args(self, inputs, outs, config, residual=None) -> tuple[list, dict]:
+        """(arguments, constexprs) of a launch; `residual` (training): the checkpoint buffer
+        and flag the seq kernels fill (`residual_specs`), else a placeholder pointer and CKPT 0."""
+        args = self.launch_args(inputs, outs)
+        cx = self.constexprs(inputs, config)
+        if self._checkpointing(config):
+            args += list(residual) if residual else [outs[0], outs[0]]
+            cx["CKPT"] = CKPT_EVERY if residual else 0
+        return args, cx
+
+    def residual_specs(self, inputs) -> list[tuple]:
+        """What a training forward keeps for the backward besides the inputs: [(shape, dtype)]
+        of the checkpoint buffer (the state every CKPT_EVERY steps, macros.checkpoints' layout)
+        and of its flag (int32, set by a kernel that wrote them); [] where no seq backward could
+        read them (another template, a region the seq kernels decline). Shapes only: the same
+        whichever config then runs, so a traced graph's fake outputs hold."""
+        if self.template != TEMPLATE or not self._reads_checkpoints():
+            return []
+        sizes, L = self.sizes(inputs)
+        p = self.plan
+        d = sizes[p.block] if p.block else 1
+        cdt = torch.float64 if self._cdt(inputs) == "tl.float64" else torch.float32
+        n = -(-L // CKPT_EVERY) * math.prod(sizes[a] for a in p.scalars) * d * _pow2(sizes[p.reg])
+        return [((n,), cdt), ((1,), torch.int32)]
+
+    def _reads_checkpoints(self) -> bool:
+        if not hasattr(self, "_reads_ck"):
+            from .triton_bwd import BackwardKernel, backward_kernel
+            ok = self.plan.reg is not None and seq_declines(self.region, self.plan) is None
+            if ok:
+                bk = backward_kernel(self)
+                ok = isinstance(bk, BackwardKernel) and bk.seq_declines() is None
+            self._reads_ck = ok
+        return self._reads_ck
+
+    def forward_train(self, inputs) -> tuple[list, list]:
+        """The forward of a call whose backward will run: (outputs, residual). A seq config
+        writes the checkpoints and sets the flag; any other config, or the reference, leaves the
+        flag 0 and the backward runs its own forward pass."""
+        specs = self.residual_specs(inputs)
+        if not specs:
+            return self.forward(inputs), []
+        dev = inputs[0].device
+        res = [torch.empty(specs[0][0], dtype=specs[0][1], device=dev), torch.zeros(1, dtype=torch.int32, device=dev)]
+        sizes, L = self.sizes(inputs)
+        if self._why_not(inputs, sizes, L) is None:
+            arch = _arch(dev) if dev.type == "cuda" else None
+            config = self._config(inputs, arch)
+            if config is not None and self._checkpointing(config) and CKPT_EVERY % config["CHUNK"] == 0:
+                self.config = config
+                try:
+                    return self.launch(inputs, config, residual=res), res
+                except Exception as e:
+                    raise RuntimeError(f"Triton kernel {self.path} with config {config} failed: "
+                                       f"{type(e).__name__}: {e}") from e
+        return self.forward(inputs), res
+
     def launch_args(self, inputs, outs) -> list:
         p = self.plan
         sizes, L = self.sizes(inputs)
@@ -839,10 +905,13 @@ class TritonKernel:
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n if p.reg else 1, "CHUNK": config["CHUNK"]}
         if config["variant"] == "rows":
             cx.update(_rows_constexprs(config, cx["BLOCK_N"], cx["BLOCK_N"]))
+        cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
         if _seq_states(config):
             cx["EVEN_N"] = True
+        if self._checkpointing(config):     # compiled as a training forward: with its checkpoints
+            sig["ck_ptr"], sig["flag_ptr"] = "*fp64" if cdt == "tl.float64" else "*fp32", "*i32"
+            cx["CKPT"] = CKPT_EVERY
         sig.update({k: "constexpr" for k in cx})
-        cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
         return self._fn(self._module(cdt), config["variant"]), sig, cx
 
     def _flavor(self, dtypes) -> str:
@@ -865,13 +934,13 @@ class TritonKernel:
         """A line for the kernel source header about how calls are launched (None: nothing to add)."""
         return None
 
-    def launch(self, inputs, config, outs=None) -> list[torch.Tensor]:
-        """Run one config (tests use this to check every variant)."""
+    def launch(self, inputs, config, outs=None, residual=None) -> list[torch.Tensor]:
+        """Run one config (tests use this to check every variant); `residual`: as in call_args."""
         outs = self.outputs(inputs) if outs is None else outs
         fn = self._fn(self._module(self._cdt(inputs)), config["variant"])
         extra = launch_options(config, inputs[0].device)
-        fn[self.grid(inputs, config)](*self.launch_args(inputs, outs),
-                                      **self.constexprs(inputs, config), **extra)
+        args, cx = self.call_args(inputs, outs, config, residual)
+        fn[self.grid(inputs, config)](*args, **cx, **extra)
         return outs
 
     def _why_not(self, inputs, sizes: dict, L: int) -> str | None:
@@ -940,7 +1009,7 @@ class TritonKernel:
         lookup, as long as the inputs keep the 16-byte alignment the kernel was specialized on."""
         fn = self._fn(self._module(self._cdt(inputs)), config["variant"])
         extra = launch_options(config, inputs[0].device)
-        args = self.launch_args(inputs, outs)
+        args, cx = self.call_args(inputs, outs, config)
         slots = {}                                  # argument position -> (is_output, index)
         for k, a in enumerate(args):
             if isinstance(a, torch.Tensor):
@@ -949,7 +1018,7 @@ class TritonKernel:
         template = [None if k in slots else a for k, a in enumerate(args)]   # holds no tensor
         grid = self.grid(inputs, config)
         kern = fn[grid]
-        kw = {**self.constexprs(inputs, config), **extra}
+        kw = {**cx, **extra}
         shapes = [(tuple(o.shape), o.dtype) for o in outs]
         dev = inputs[0].device
         direct = Direct(fn, grid, len(args), kw, [i for k, (out, i) in slots.items() if not out])
@@ -1076,11 +1145,11 @@ class TritonKernel:
         torch.cuda.synchronize()
         return t0.elapsed_time(t1) / reps
 
-    def backward(self, inputs, grads, needs):
+    def backward(self, inputs, grads, needs, residual=()):
         """The generated backward kernel (triton_bwd.py); the torch reference for what it
-        declines (``bwd_fallback`` says why)."""
+        declines (``bwd_fallback`` says why). `residual`: forward_train's."""
         from .triton_bwd import backward
-        return backward(self, inputs, grads, needs)
+        return backward(self, inputs, grads, needs, residual)
 
     def backward_note(self) -> str | None:
         """Which backward ran (None before the first one)."""
@@ -1088,7 +1157,9 @@ class TritonKernel:
             return None
         if self.bwd_fallback is None:
             why = "".join(f"; picked {w}" for w in self.bwd.picked.values())
-            return f"backward: generated Triton kernel {self.bwd.path}{why}"
+            ck = (f"; read the forward's checkpoints (every {CKPT_EVERY} steps)" if self.bwd.given
+                  else "; ran the forward recurrence for its checkpoints")
+            return f"backward: generated Triton kernel {self.bwd.path}{ck}{why}"
         return f"backward: torch reference ({self.bwd_fallback})"
 
 

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import importlib.resources
 import json
+import re
 import logging
 import math
 import threading
@@ -550,6 +551,7 @@ def render_bwd_seq(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict | No
                 end += em.write(g, f"acc{g.input}", pre_f.codes, atomic_ok=False)
     return dict(prelude=list(p.prelude), pre_copy=list(p.copy_prelude), init=init, fwd_outer=fwd_outer, fwd_pre=fwd_pre, fwd_a=fwd_a,
                 fwd_b=fwd_b, final_outer=final_outer, final=final, mu_final=mu_final,
+                final_state=any(re.search(r"\bhc\b", x) for x in [mu_final or "", *final_outer, *final]),
                 acc_init=[x for c, x in acc_init if not c], acc_init_copy=[x for c, x in acc_init if c],
                 outer=outer, pre=pre, a=a, b=b, mid=mid, direct=direct, post=post, post_first=post_first,
                 outer_post=outer_post, accs=list(sums.values()), end_copy=end_copy, end=end)
@@ -564,11 +566,13 @@ def load_configs() -> dict:
 
 class _Call(list):
     """A backward call as the forward kernel's tuning machinery sees it: the region inputs (a
-    list), with the output gradients and the needs along."""
+    list), with the output gradients, the needs and the forward's residual (its checkpoint
+    buffer and flag, TritonKernel.residual_specs; [] when there is none) along."""
 
-    def __init__(self, inputs, grads, needs):
+    def __init__(self, inputs, grads, needs, residual=()):
         super().__init__(inputs)
         self.grads, self.needs = list(grads), [bool(n) for n in needs]
+        self.residual = list(residual)
 
 
 @dataclasses.dataclass
@@ -581,8 +585,11 @@ class _Buffers:
 class BackwardKernel(T.TritonKernel):
     """The backward kernel of one region (its forward kernel's `backward` calls `run`).
 
-    ``config``: the config of the last launch; ``fallback``: why the last call ran the torch
-    reference instead. Tuning and caching are the forward kernel's (per shape bucket, on disk)."""
+    ``config``: the config of the last launch; ``given``: whether it read the training
+    forward's checkpoints (else it ran the forward recurrence itself first); ``fallback``: why
+    the last call ran the torch reference instead. Tuning and caching are the forward kernel's
+    (per shape bucket, on disk)."""
+    given = False
     kind = "selective scan backward"
     template = TEMPLATE
     configs_file = CONFIGS
@@ -611,7 +618,7 @@ class BackwardKernel(T.TritonKernel):
     # -- shapes and configs --------------------------------------------------------------------
     def bucket(self, call) -> tuple:
         grads = tuple("none" if g is None or not g.numel() else ir.dtype_name(g.dtype) for g in call.grads)
-        return super().bucket(call) + (grads, tuple(call.needs), self.deterministic)
+        return super().bucket(call) + (grads, tuple(call.needs), self.deterministic, bool(call.residual))
 
     def candidates(self, call, arch) -> list[dict]:
         table = load_configs()
@@ -672,8 +679,15 @@ class BackwardKernel(T.TritonKernel):
         return all((shape[d] == 1) if isinstance(ix, int) else shape[d] == full[ix]
                    for d, ix in enumerate(index))
 
+    def _given(self, call, config) -> bool:
+        """Whether this config reads the forward's checkpoints (a seq config whose interval,
+        CHUNK * SEG, is theirs) instead of writing its own."""
+        return bool(call.residual) and bool(T._seq_states(config)) and \
+            config["CHUNK"] * _seg(config) == T.CKPT_EVERY
+
     def _scratch(self, call, config) -> tuple[int, int, torch.dtype]:
-        """Elements of the checkpoints (a state tile every SEG chunks a program) and of the
+        """Elements of the checkpoints (the state every SEG chunks: a tile a program, or for
+        the seq variant macros.checkpoints' layout; 1 when the forward's are read) and of the
         segment scratch (SEG tiles a program, when SEG > 1) a launch of config takes, and their
         dtype."""
         sizes, L = self.sizes(call)
@@ -681,7 +695,15 @@ class BackwardKernel(T.TritonKernel):
         bn = T._pow2(sizes[self.plan.reg]) if self.plan.reg else 1
         tile = self.grid(call, config)[0] * config["BLOCK_D"] * bn
         seg = _seg(config)
-        return triton_cdiv(triton_cdiv(L, config["CHUNK"]), seg) * tile, seg * tile if seg > 1 else 1, cdt
+        nck = triton_cdiv(triton_cdiv(L, config["CHUNK"]), seg)
+        if self._given(call, config):
+            ck = 1
+        elif T._seq_states(config):
+            bp = self.plan
+            ck = nck * math.prod(sizes[a] for a in bp.scalars) * (sizes[bp.block] if bp.block else 1) * bn
+        else:
+            ck = nck * tile
+        return ck, seg * tile if seg > 1 else 1, cdt
 
     def scratch_bytes(self, call, config) -> int:
         """Bytes of the checkpoints and the segment scratch: what sets a training step's peak
@@ -747,7 +769,8 @@ class BackwardKernel(T.TritonKernel):
             if g is None or not g.numel():        # not needed: a zero read through stride 0
                 g = torch.zeros((1,) * len(o.index), dtype=ir.to_dtype(o.dtype), device=dev)
             grads.append(g)
-        args = [call[i] for i in bp.inputs] + grads + [bufs.ck, bufs.sk] + [b for _, b, _ in bufs.grads]
+        ck = call.residual[0] if self._given(call, config) else bufs.ck
+        args = [call[i] for i in bp.inputs] + grads + [ck, bufs.sk] + [b for _, b, _ in bufs.grads]
         for i in bp.inputs:
             x = call[i]
             args += [0 if x.shape[d] == 1 else x.stride(d) for d in range(x.dim())]
@@ -763,6 +786,9 @@ class BackwardKernel(T.TritonKernel):
         args += [slot_of[g.input] for g in bp.grads if g.shared]
         args += [sizes[a] for a in bp.scalars]
         args += [sizes[bp.block] if bp.block else 1, sizes[bp.reg] if bp.reg else 1, L]
+        self.given = self._given(call, config)
+        if T._seq_states(config):                 # set: ck holds the forward's checkpoints
+            args.append(call.residual[1] if self.given else _zero_flag(dev))
         fn = self._fn(self._module(self._cdt(call)), config.get("variant", "scan"))
         extra = T.launch_options(config, dev)
         fn[self.grid(call, config)](*args, **self.constexprs(call, config), **extra)
@@ -811,6 +837,7 @@ class BackwardKernel(T.TritonKernel):
         cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n if bp.reg else 1, "CHUNK": config["CHUNK"],
               "DETERMINISTIC": self.deterministic}
         if T._seq_states(config):
+            sig["flag_ptr"] = "*i32"
             cx["EVEN_N"] = True
             cx["EVEN_L"] = cx["EVEN_D"] = even
             cx["SEG"] = _seg(config)
@@ -829,9 +856,9 @@ class BackwardKernel(T.TritonKernel):
                 return "an output gradient of more than 2**31 elements (32-bit offsets)"
         return None
 
-    def run(self, inputs, grads, needs) -> list | None:
+    def run(self, inputs, grads, needs, residual=()) -> list | None:
         """The gradients, or None when this call must run the reference (``fallback`` says why)."""
-        call = _Call(inputs, grads, needs)
+        call = _Call(inputs, grads, needs, residual)
         sizes, L = self.sizes(call)
         why = self._why_not(call, sizes, L)
         if why is not None:
@@ -844,6 +871,17 @@ class BackwardKernel(T.TritonKernel):
         self.config = config
         self.fallback = None
         return self.launch(call, config)
+
+
+_ZERO_FLAGS: dict = {}
+
+
+def _zero_flag(dev) -> torch.Tensor:
+    """A checkpoint flag that says none were given (never written by a kernel), one a device."""
+    got = _ZERO_FLAGS.get(dev)
+    if got is None:
+        got = _ZERO_FLAGS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return got
 
 
 def _seg(config: dict) -> int:
@@ -883,14 +921,14 @@ def backward_kernel(kernel) -> BackwardKernel | str:
     return got
 
 
-def backward(kernel, inputs, grads, needs) -> list:
+def backward(kernel, inputs, grads, needs, residual=()) -> list:
     """Gradients of every input of `kernel`'s region: the generated kernel when it computes the
     region and these shapes, else the torch reference, with the reason in
-    ``kernel.bwd_fallback``."""
+    ``kernel.bwd_fallback``. `residual`: what the training forward kept (forward_train)."""
     bk = backward_kernel(kernel)
     if isinstance(bk, BackwardKernel):
         try:
-            got = bk.run(inputs, grads, needs)
+            got = bk.run(inputs, grads, needs, residual)
         except Exception as e:
             bk.fallback = (f"Triton backward kernel {bk.path} with config {bk.config} failed: "
                            f"{type(e).__name__}: {e}")
