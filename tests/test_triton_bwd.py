@@ -520,10 +520,10 @@ def test_gpu_gradients(name, dtype, deterministic, monkeypatch, tmp_path):
     xs = region_inputs(region, fn, tuple(x.cuda() for x in make(L, dtype)))
     if region.init is not None:
         xs[region.init] = torch.randn_like(xs[region.init]) * 0.1
-    outs = kern.forward(xs)
+    outs, res = kern.forward_train(xs)             # with the checkpoints where a seq backward reads them
     grads = [(torch.randn(o.shape, device="cuda", dtype=torch.float64) / 16).to(o.dtype) for o in outs]
     needs = [x.is_floating_point() for x in xs]
-    got = kern.backward(xs, grads, needs)
+    got = kern.backward(xs, grads, needs, res)
     torch.cuda.synchronize()
     assert_kernel_ran(kern)
     x64 = [x.double() for x in xs]
@@ -536,12 +536,15 @@ def test_gpu_gradients(name, dtype, deterministic, monkeypatch, tmp_path):
         err = rel_err(g, w)
         assert err <= tol, f"{name} {dtype} input {i} ({region.inputs[i].name}): rel err {err:.3g}, config {kern.bwd.config}"
     if deterministic:
-        again = kern.backward(xs, grads, needs)
+        again = kern.backward(xs, grads, needs, res)
         assert all(a is None or torch.equal(a, b) for a, b in zip(got, again))
     for cfg in kern.bwd.candidates(B._Call(xs, grads, needs), kern.bwd.arch):   # every config
-        for i, (g, w) in enumerate(zip(kern.bwd.launch(B._Call(xs, grads, needs), cfg), want)):
-            if w is not None:
-                assert rel_err(g, w) <= tol, f"config {cfg} input {i}: rel err {rel_err(g, w):.3g}"
+        for residual in ((), res) if res else ((),):
+            call = B._Call(xs, grads, needs, residual)
+            for i, (g, w) in enumerate(zip(kern.bwd.launch(call, cfg), want)):
+                if w is not None:
+                    assert rel_err(g, w) <= tol, (f"config {cfg} (forward's checkpoints: {kern.bwd.given}) "
+                                                  f"input {i}: rel err {rel_err(g, w):.3g}")
 
 
 @pytest.mark.gpu
