@@ -104,7 +104,7 @@ def mamba_ssm_calls(ext, ins, dout):
     return fwd, step
 
 
-def run_mamba1(res, L, targets, baseline, configs, ncu_once=False):
+def run_mamba1(res, L, targets, baseline, configs, ncu_once=False, profile=False, no_ckpt=False):
     dtype = torch.bfloat16
     small = mamba1_inputs(M1, 16, dtype, DEV, seed=0)
     graphs = {t: lowered_graph(mamba1_loop, small, target=t) for t in targets}
@@ -122,11 +122,21 @@ def run_mamba1(res, L, targets, baseline, configs, ncu_once=False):
             add_timing(row, step)
             row["fwd_ms"] = bench(fwd, warmup=5, rep=50)
             print(f"mamba-ssm: {row}", flush=True)
+            if profile and DEV == "cuda":
+                res.setdefault("profiles", {})["mamba1 mamba_ssm_cuda"] = table = profile_table(step)
+                print(table, flush=True)
         except Exception as e:
             rows["mamba_ssm_cuda"] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print("mamba-ssm failed:", rows["mamba_ssm_cuda"]["error"], flush=True)
-    for t, (gm, rep) in graphs.items():
-        row = rows[t] = {"target_used": rep.regions[0].target if rep.regions else None}
+    from ssmc.targets import triton as T
+    every = T.CKPT_EVERY
+    runs = [(t, g, every) for t, g in graphs.items()]
+    if no_ckpt:                          # the same graphs, the training forward keeping no checkpoints
+        runs += [(f"{t}_no_forward_checkpoints", g, 0) for t, g in graphs.items()]
+    for t, (gm, rep), k in runs:
+        T.CKPT_EVERY = k
+        row = rows[t] = {"target_used": rep.regions[0].target if rep.regions else None,
+                         "forward_checkpoints_every": k}
         step = fwd_bwd(gm, ins, dout)
         errs = grad_errors(step(), want)
         row["grad_rel_err"] = dict(zip(M1_NAMES, errs))
@@ -134,6 +144,10 @@ def run_mamba1(res, L, targets, baseline, configs, ncu_once=False):
         if ok:
             add_timing(row, step)
             row["fwd_ms"] = bench(lambda: gm(*ins), warmup=5, rep=50)
+            if profile and DEV == "cuda":
+                table = profile_table(step)
+                res.setdefault("profiles", {})[f"mamba1 {t}"] = table
+                print(table, flush=True)
         if rep.regions:
             entry = lookup(rep.regions[0].key)
             note = getattr(entry.kernel, "backward_note", lambda: None)()
@@ -149,9 +163,10 @@ def run_mamba1(res, L, targets, baseline, configs, ncu_once=False):
             step()
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
+    T.CKPT_EVERY = every
     base = rows.get("mamba_ssm_cuda", {}).get("ms")
-    for t in targets:
-        if base and rows[t].get("ms"):
+    for t in rows:
+        if base and t != "mamba_ssm_cuda" and rows[t].get("ms"):
             rows[t]["speedup_vs_mamba_ssm"] = base / rows[t]["ms"]
     res[f"mamba1_b8_d1536_n16_L{L}_bf16_fwd_bwd"] = rows
     if configs and "triton" in graphs:
@@ -291,7 +306,9 @@ def main():
     ap.add_argument("--configs", action="store_true")
     ap.add_argument("--m1-length", type=int, default=2048)
     ap.add_argument("--m2-length", type=int, default=4096)
-    ap.add_argument("--profile", action="store_true", help="a torch.profiler table of one mamba2 fwd+bwd")
+    ap.add_argument("--profile", action="store_true", help="a torch.profiler table of one fwd+bwd per row")
+    ap.add_argument("--m1-no-ckpt", action="store_true", help="Mamba-1 rows again with the training forward "
+                    "keeping no checkpoints (the backward runs the forward recurrence itself)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
     ap.add_argument("--ncu-once", action="store_true", help="one more mamba1 fwd+bwd per target between "
                     "cudaProfilerStart/Stop (ncu --profile-from-start off)")
@@ -319,7 +336,8 @@ def run_all(args):
     for w in args.workloads.split(","):
         try:
             if w == "mamba1":
-                run_mamba1(res, args.m1_length, targets, args.baseline, args.configs, args.ncu_once)
+                run_mamba1(res, args.m1_length, targets, args.baseline, args.configs, args.ncu_once,
+                           profile=args.profile, no_ckpt=args.m1_no_ckpt)
             elif w == "mamba2":
                 run_mamba2(res, args.m2_length, targets, args.baseline, profile=args.profile)
         except Exception as e:

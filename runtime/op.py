@@ -149,8 +149,11 @@ def _forward_train(key: str, inputs) -> list[torch.Tensor]:
         try:
             outs, res = entry.kernel.forward_train(inputs)
             return list(outs) + list(res)
-        except Exception:
-            pass                         # _run below logs the failure and falls back
+        except Exception as e:           # the plain forward (or its fallback) runs instead
+            import logging
+            logging.getLogger("ssmc").warning(
+                "ssmc: training forward of region %s failed (%s: %s); the forward runs without "
+                "checkpoints", entry.region.name, type(e).__name__, e)
     outs = _run(entry, "forward", inputs)
     dev = inputs[0].device
     return list(outs) + [torch.zeros(s, dtype=dt, device=dev) for s, dt in entry.residual_specs(inputs)]
@@ -245,7 +248,10 @@ def _setup_train(ctx, inputs, output):
     ctx.needs = [bool(x.requires_grad) and x.is_floating_point() for x in xs]
     ctx.n_inputs = len(xs)
     ctx.n_outputs = len(lookup(key).region.outputs)
-    ctx.save_for_backward(*xs, *output[ctx.n_outputs:])
+    residual = output[ctx.n_outputs:]
+    ctx.save_for_backward(*xs, *residual)
+    ctx.mark_non_differentiable(*residual)
+    ctx.set_materialize_grads(False)     # no zeros of the residual's size for its (absent) gradient
 
 
 def _backward(ctx, grads):

@@ -66,6 +66,7 @@ MAX_BLOCK_N = 1024          # the register axis must fit in registers
 # Steps between the training checkpoints the forward's seq kernels write for the backward: the
 # state every CKPT_EVERY steps (b8 d1536 n16 L2048 fp32: 25 MB). The seq backward configs whose
 # CHUNK * SEG equals it read them instead of re-running the forward recurrence (its pass 1).
+# 0: no checkpoints (training calls keep nothing but the inputs; benchmarks compare).
 CKPT_EVERY = 64
 _INT32_MAX = 2 ** 31 - 1
 
@@ -821,7 +822,7 @@ class TritonKernel:
         and of its flag (int32, set by a kernel that wrote them); [] where no seq backward could
         read them (another template, a region the seq kernels decline). Shapes only: the same
         whichever config then runs, so a traced graph's fake outputs hold."""
-        if self.template != TEMPLATE or not self._reads_checkpoints():
+        if self.template != TEMPLATE or not CKPT_EVERY or not self._reads_checkpoints():
             return []
         sizes, L = self.sizes(inputs)
         p = self.plan
@@ -849,6 +850,7 @@ class TritonKernel:
             return self.forward(inputs), []
         dev = inputs[0].device
         res = [torch.empty(specs[0][0], dtype=specs[0][1], device=dev), torch.zeros(1, dtype=torch.int32, device=dev)]
+        self.wrote_checkpoints = False
         sizes, L = self.sizes(inputs)
         if self._why_not(inputs, sizes, L) is None:
             arch = _arch(dev) if dev.type == "cuda" else None
@@ -856,7 +858,9 @@ class TritonKernel:
             if config is not None and self._checkpointing(config) and CKPT_EVERY % config["CHUNK"] == 0:
                 self.config = config
                 try:
-                    return self.launch(inputs, config, residual=res), res
+                    outs = self.launch(inputs, config, residual=res)
+                    self.wrote_checkpoints = True
+                    return outs, res
                 except Exception as e:
                     raise RuntimeError(f"Triton kernel {self.path} with config {config} failed: "
                                        f"{type(e).__name__}: {e}") from e
@@ -1157,7 +1161,8 @@ class TritonKernel:
             return None
         if self.bwd_fallback is None:
             why = "".join(f"; picked {w}" for w in self.bwd.picked.values())
-            ck = (f"; read the forward's checkpoints (every {CKPT_EVERY} steps)" if self.bwd.given
+            ck = (f"; read the forward's checkpoints (every {CKPT_EVERY} steps)"
+                  if self.bwd.given and getattr(self, "wrote_checkpoints", False)
                   else "; ran the forward recurrence for its checkpoints")
             return f"backward: generated Triton kernel {self.bwd.path}{ck}{why}"
         return f"backward: torch reference ({self.bwd_fallback})"
