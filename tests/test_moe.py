@@ -8,6 +8,9 @@
 - routing inside the graph (``nonzero``) with capture_dynamic_output_shape_ops;
 - the grouped Triton kernel under TRITON_INTERPRET=1 (one launch for all experts), every
   config of each variant (sequential loop, chunked associative scan) pinned in turn;
+- the grouped Triton backward under TRITON_INTERPRET=1: one launch for all experts (launches
+  counted), float64 gradients of every input against eager autograd of the loop, the scan and
+  seq bodies; what it declines runs per group with the reason; compile-only for sm_80 / sm_90;
 - the benchmark in tiny mode; on a GPU (marker gpu): bf16 and fp32 against float64.
 """
 from __future__ import annotations
@@ -346,6 +349,198 @@ def test_grouped_kernel_compiles_for_sm90_without_gpu(variant, monkeypatch, tmp_
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constants=cx)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]})
     assert ".target sm_90" in ck.asm["ptx"]
+
+
+def leaf_grads(f, x, dt, idxs, params):
+    """Gradients of every input (x, dt, each expert's parameters) of f's output weighted by a ramp."""
+    leaves = [x.clone().requires_grad_(), dt.clone().requires_grad_()]
+    ps = [tuple(p.clone().requires_grad_() for p in ps) for ps in params]
+    out = f(leaves[0], leaves[1], idxs, ps)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    return [t.grad for t in leaves] + [p.grad for ps_ in ps for p in ps_]
+
+
+def pin_backward(monkeypatch, configs):
+    """The single-region backward's interpreter configs (the grouped backward takes its own from them)."""
+    from ssmc.targets import triton_bwd as B
+    table = dict(B.load_configs())
+    table["interpreter"] = configs
+    monkeypatch.setattr(B, "load_configs", lambda: table)
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """The names of the Triton kernels launched (interpreted), in order."""
+    from triton.runtime.interpreter import InterpretedFunction
+    names = []
+    orig = InterpretedFunction.run
+
+    def run(self, *a, **k):
+        names.append(self.fn.__name__)
+        return orig(self, *a, **k)
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    return names
+
+
+SCAN_BWD = {"BLOCK_D": 2, "CHUNK": 4, "num_warps": 1, "num_stages": 1}
+
+
+@pytest.mark.parametrize("bodies", ["scan", "seq2", "seq4/SEG2"])
+def test_triton_grouped_backward_is_one_launch_interpreted(bodies, monkeypatch, tmp_path, kernel_launches):
+    """Experts of states 2, 3, 4 and 8 (tiles 2, 4, 4, 8), random routings with experts that
+    get no sequence, one or all of them: the backward of all experts is one launch of the
+    grouped kernel, and every input's float64 gradient equals eager autograd of the loop. The
+    bodies: the scan layout at every tile; seq2 at every tile; seq4 (SEG 2: segments
+    recomputed) at tiles 4 and 8 and the scan layout at tile 2 (S must divide the tile), in one
+    launch. A length (7) not a multiple of the chunk, channels (3) not of the block."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    pytest.importorskip("triton")
+    name, _, seg = bodies.partition("/SEG")
+    seq = [] if name == "scan" else [{"variant": name, "BLOCK_D": 2, "CHUNK": 2, "num_warps": 1, "num_stages": 1,
+                                      **({"SEG": int(seg)} if seg else {})}]
+    pin_backward(monkeypatch, seq + [SCAN_BWD])
+    x, dt, params = inputs(b=5, L=7, d=3, states=(2, 3, 4, 8), seed=31)
+    fn = moe()
+    gen = torch.Generator().manual_seed(6)
+    routes = [[1, 0, 1, 1, 3], [2, 2, 2, 2, 2]] + [torch.randint(0, 4, (5,), generator=gen).tolist() for _ in range(2)]
+    assert sorted(len(i) for i in split(routes[0], 4)) == [0, 1, 1, 3]        # empty and single
+    for route in routes:
+        idxs = split(route, 4)
+        want = leaf_grads(fn, x, dt, idxs, params)
+        report = ssmc.Report()
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(
+            gm, ex, options={"target": "triton"}, _report=report))
+        kernel_launches.clear()
+        got = leaf_grads(compiled, x, dt, idxs, params)
+        (grp,) = report.groups
+        entry = lookup(grp.key)
+        kern = entry.kernel
+        assert entry.failure is None and kern.bwd_fallback is None, (entry.failure, kern.describe())
+        bwd = [n for n in kernel_launches if "_bwd" in n]
+        assert bwd == [kern.bwd_entry()] and kern.bwd_launches == 1, kernel_launches
+        tiles = {1 << (params[e][0].shape[1] - 1).bit_length() for e in range(4) if len(idxs[e])}
+        assert set(kern.bwd_configs) == tiles
+        for t, c in kern.bwd_configs.items():
+            assert c.get("variant", "scan") == (name if name != "scan" and t % int(name[3:]) == 0 else "scan"), c
+        assert "backward: one Triton launch" in kern.describe()
+        for g, w in zip(got, want):
+            if w is None or not w.abs().sum():
+                assert g is None or not g.abs().sum()
+            else:
+                check(g, w, 1e-9)
+
+
+def test_triton_grouped_backward_deterministic_interpreted(monkeypatch, tmp_path):
+    """Deterministic mode: the gradients shared across programs (A, D, dt bias over sequences;
+    B and C over channels) go to per-program slots summed by torch, not atomics; channels (5)
+    in three blocks, so B's and C's slots are several per group. One launch, float64 gradients
+    equal to eager autograd, in both modes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    pytest.importorskip("triton")
+    pin_backward(monkeypatch, [SCAN_BWD])
+    x, dt, params = inputs(b=5, L=6, d=5, states=(2, 3, 8), seed=33)
+    idxs = split([0, 2, 2, 0, 2], 3)
+    fn = moe()
+    want = leaf_grads(fn, x, dt, idxs, params)
+    for det in (True, False):
+        report = ssmc.Report()
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(
+            gm, ex, options={"target": "triton", "deterministic": det}, _report=report))
+        got = leaf_grads(compiled, x, dt, idxs, params)
+        kern = lookup(report.groups[0].key).kernel
+        assert kern.bwd_launches == 1 and kern.bwd_fallback is None and kern.bwd_kernel().deterministic == det
+        for g, w in zip(got, want):
+            if w is None or not w.abs().sum():
+                assert g is None or not g.abs().sum()
+            else:
+                check(g, w, 1e-9)
+
+
+def test_triton_grouped_backward_falls_back_per_group_with_the_reason(monkeypatch, tmp_path):
+    """What the grouped backward declines runs the member's backward per group, the reason in
+    `bwd_fallback` and describe(), the gradients still right: output gradients of two element
+    types (no one base pointer for them); a region without a Triton backward (an input read at
+    two index patterns)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    pytest.importorskip("triton")
+    from ssmc.targets.moe import GroupedTritonKernel
+    from ssmc.targets.reference import ReferenceKernel
+    from ssmc.targets.triton import TritonTarget
+    from test_triton_bwd import _two_patterns_region
+    pin_backward(monkeypatch, [SCAN_BWD])
+    seen = []
+    orig = GroupedTritonKernel.backward
+
+    def spy(self, groups, grads, needs):      # what the grouped op passes
+        seen.append((self, groups, grads, needs))
+        return orig(self, groups, grads, needs)
+    monkeypatch.setattr(GroupedTritonKernel, "backward", spy)
+    x, dt, params = inputs(states=(2, 4, 3), seed=35)
+    idxs = split([0, 1, 1, 0, 0, 1], 3)                       # expert 2 gets nothing
+    report = ssmc.Report()
+    torch._dynamo.reset()
+    leaf_grads(torch.compile(moe(), backend=lambda gm, ex: ssmc.ssmc_backend(
+        gm, ex, options={"target": "triton"}, _report=report)), x, dt, idxs, params)
+    (moe_kern, groups, grads, needs), = seen
+    assert moe_kern.bwd_launches == 1 and moe_kern.bwd_fallback is None
+    grads = [list(gs) for gs in grads]
+    grads[1] = [gr.float() for gr in grads[1]]
+    region = moe_kern.region
+    g = torch.Generator().manual_seed(2)
+    two = _two_patterns_region()
+    cases = [(region, moe_kern, groups, grads, needs, "not of one element type")]
+    groups2 = [[torch.randn(s, generator=g, dtype=torch.float64) for s in ((b, 5, 3), (3,))] for b in (2, 0, 1)]
+    outs2 = [ReferenceKernel(two).forward(ins) for ins in groups2]
+    grads2 = [[torch.randn(o.shape, generator=g, dtype=torch.float64) for o in os_] for os_ in outs2]
+    options = ssmc.make_options(cache_dir=str(tmp_path))
+    kern2 = GroupedTritonKernel(two, TritonTarget().compile(two, "chunked_scan", options), options)
+    cases.append((two, kern2, groups2, grads2, [[True, True]] * 3, "two index patterns"))
+    for r, kern, groups, grads, needs, why in cases:
+        got = kern.backward(groups, grads, needs)
+        assert why in kern.bwd_fallback and why in kern.describe(), kern.bwd_fallback
+        live = [i for i, ins in enumerate(groups) if ins[0].numel()]
+        assert kern.bwd_launches == len(live) < len(groups)
+        ref = ReferenceKernel(r)
+        for ins, gs, nd, gots in zip(groups, grads, needs, got):
+            want = ref.backward_autograd([x.double() for x in ins], [x.double() for x in gs], nd)
+            for a, b in zip(gots, want):
+                assert (a is None) == (b is None)
+                if b is not None and b.abs().sum():
+                    check(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("cc, bodies", [(90, ("seq4", "scan")), (80, ("scan", "scan")), (90, ("seq2", "seq2"))])
+def test_grouped_backward_compiles_without_gpu(cc, bodies, monkeypatch, tmp_path):
+    """The grouped backward kernel compiles for sm_90 and sm_80 (bf16 sequences, fp32
+    parameters): tiles 64 and 8, each with its own body and config."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from ssmc.targets.moe import GroupedTritonKernel
+    from ssmc.targets import triton_bwd as B
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, dt, params = inputs(dtype=torch.float32, seed=12)
+    report = ssmc.explain(moe(), x, dt, split(ROUTES["mixed"], 4), params)
+    region = report.groups[0].region
+    kern = GroupedTritonKernel(region, None, ssmc.make_options(cache_dir=str(tmp_path)))
+    seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if s.ndim >= 3 and i != region.init}
+    table = B.load_configs()[f"sm_{cc}"]
+    pick = lambda v: next(c for c in table if c.get("variant", "scan") == v and "SEG" not in c)
+    configs = {64: pick(bodies[0]), 8: pick(bodies[1])}
+    fn, sig, cx = kern.bwd_signature(configs, seq)
+    assert "*bf16" in sig.values() and sig["table_ptr"] == "*i64" and fn.__name__ == kern.bwd_entry()
+    try:
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx)
+    except TypeError:           # older Triton spelled it `constants`
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constants=cx)
+    ck = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": configs[64]["num_warps"]})
+    assert f".target sm_{cc}" in ck.asm["ptx"]
+    text = "".join(kern.bwd_sources.values())
+    assert all(f"_body_{v}(" in text for v in bodies)
 
 
 def test_benchmark_tiny(tmp_path):

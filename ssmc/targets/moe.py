@@ -11,8 +11,12 @@ config "variant" "loop" (sequential steps), "scan" (tl.associative_scan over chu
 steps), "seq<S>" (a row's steps in one thread's registers, S state elements a lane; every state
 tile gets TILE / tile channels a program, so all programs have the same lanes and work per
 step) or "seqn<Q>" (the same body with Q lanes a row at every tile), autotuned with the rest of
-the config. Backward runs the member kernel's backward per group (the generated Triton backward
-on a GPU, the IR adjoint on CPU).
+the config. `GroupedTritonKernel.backward` runs all groups in one launch of
+templates/triton/moe_scan_bwd.py.j2: the single-region backward kernel's bodies
+(ssmc/targets/triton_bwd.py; its seq layout where the region offers it, else its scan layout),
+one config per state tile, each group's scratch and gradient buffers (per-program slots of the
+gradients its programs share included) as that kernel's launch for the group would have them;
+what it declines runs the member kernel's backward per group (``bwd_fallback`` says why).
 
 `padding(stats)` is what ``ssmc.explain`` shows: per group its sequences, state size and tile,
 and the work computed on padding against the useful work.
@@ -31,6 +35,7 @@ from ssmc import ir
 from ssmc.ir import Region
 
 TEMPLATE = "triton/moe_scan_fwd.py.j2"
+BWD_TEMPLATE = "triton/moe_scan_bwd.py.j2"
 CONFIGS = "triton/moe_scan_fwd.configs.json"
 
 
@@ -96,6 +101,7 @@ class GroupedKernel:
         self.region, self.member = region, member
         self.stats: dict | None = None
         self.launches = 0
+        self.bwd_launches = 0                  # launches of the last backward
 
     def forward(self, groups):
         self.stats = padding(self.region, groups)
@@ -106,6 +112,7 @@ class GroupedKernel:
     def backward(self, groups, grads, needs):
         """Per group, the member kernel's backward (`needs`: one list per group)."""
         out = []
+        self.bwd_launches = sum(1 for g in groups if _rows(self.region, g))
         for ins, gs, nd in zip(groups, grads, needs):
             if _rows(self.region, ins):
                 out.append(self.member.backward(ins, gs, nd))
@@ -220,6 +227,10 @@ class GroupedTritonKernel(GroupedKernel):
         self.fields = self._fields()
         names = [n for n, _ in self.fields]
         self._size_n = names.index("SIZE_N") if "SIZE_N" in names else None
+        self._bwd = None                       # the single-region backward kernel, or why none
+        self.bwd_fallback: str | None = None   # why the last backward ran per group (None: one launch)
+        self.bwd_configs: dict = {}            # tile -> backward config of the last one-launch backward
+        self.bwd_sources: dict = {}            # (cdt, tiles, consts) -> source
         from .triton import _print_seq
         # the seq variants exist where the single-expert kernel has them (a register axis whose
         # sum is the readout, no per-step output indexing it)
@@ -466,13 +477,208 @@ class GroupedTritonKernel(GroupedKernel):
         self.chosen[bucket] = best
         return best
 
+    # -- backward ---------------------------------------------------------------------------------
+    def bwd_kernel(self):
+        """The single-region backward kernel (triton_bwd.BackwardKernel) whose bodies, configs
+        and buffers the grouped backward uses (made once), or why there is none."""
+        if self._bwd is None:
+            from .triton_bwd import BackwardKernel, make_bwd_plan
+            plan = make_bwd_plan(self.region)
+            if isinstance(plan, str):
+                self._bwd = plan
+            else:
+                try:
+                    self._bwd = BackwardKernel(self.region, getattr(self.member, "strategy", "chunked_scan"),
+                                               plan, self.options, self.arch)
+                except Exception as e:      # a render or import failure: per-group calls
+                    self._bwd = f"backward kernel failed to build: {type(e).__name__}: {e}"
+        return self._bwd
+
+    def _bwd_fields(self) -> list:
+        """The per-group table row after (first program, programs, tile): per argument of the
+        backward bodies (triton_bwd.kernel_args) its element offset (pointers) or its value."""
+        from .triton_bwd import kernel_args
+        return [(a, "offset" if a.endswith("_ptr") else "int") for a in kernel_args(self.region, self._bwd.plan)]
+
+    def render_bwd(self, cdt: str, tiles: tuple, consts: tuple = ()) -> str:
+        """The grouped backward's source; `tiles`: ((state tile, body variant), ...) present."""
+        from .triton import _env, kernel_name
+        from .triton_bwd import bwd_pieces, kernel_args
+        r, bp = self.region, self._bwd.plan
+        args = kernel_args(r, bp)
+        fields = self._bwd_fields()
+        return _env().get_template(BWD_TEMPLATE).render(**{
+            **bwd_pieces(r, bp, cdt), "kname": kernel_name(r) + "_moe", "tiles": list(tiles),
+            "body_variants": sorted({v for _, v in tiles}), "fields": fields, "row": 3 + len(fields),
+            "bases": [", ".join(a for a in args if a.endswith("_ptr")) + ","], "call": ", ".join(args),
+            "consts": dict(consts), "need_kw": "".join(f", NEED_{i}=NEED_{i}" for i in bp.grad_inputs(r))})
+
+    def bwd_module(self, cdt: str, tiles: tuple, consts: tuple = ()):
+        from ssmc.runtime.cache import cache_key, get_cache
+        from .triton import import_source
+        key = (cdt, tiles, consts)
+        if key not in self.bwd_sources:
+            self.bwd_sources[key] = self.render_bwd(cdt, tiles, consts)
+        src = self.bwd_sources[key]
+        return import_source(src, cache_key("triton-moe-bwd-source", src), get_cache(self.options.cache_dir))[0]
+
+    def bwd_entry(self) -> str:
+        from .triton import kernel_name
+        return f"{kernel_name(self.region)}_moe_grouped_bwd"
+
+    def bwd_signature(self, configs: dict, dtypes: dict | None = None, consts: tuple = ()):
+        """(jit function, signature, constexprs) of the grouped backward for a compile-only
+        ``triton.compile``: `configs` maps each state tile to its backward config; pointers
+        typed as BackwardKernel.signature types them (`dtypes`: input index -> torch dtype
+        overrides), every gradient needed, the seq bodies' masks constant."""
+        from .triton import _seq_states
+        from .triton_bwd import _seg
+        bk = self.bwd_kernel()
+        if isinstance(bk, str):
+            raise ValueError(f"grouped Triton backward: {bk}")
+        _, one, _ = bk.signature(next(iter(configs.values())), dtypes=dtypes)
+        sig = {n: one[n] for n, kind in self._bwd_fields() if kind == "offset"}
+        sig.update({"flag_ptr": "*i32", "table_ptr": "*i64", "G": "i32"})
+        cx = {}
+        for t, c in sorted(configs.items()):
+            cx[f"BD_{t}"], cx[f"CH_{t}"] = c["BLOCK_D"], c["CHUNK"]
+            if _seq_states(c):
+                cx.update({f"EVEN_N_{t}": True, f"EVEN_D_{t}": True, f"EVEN_L_{t}": True, f"SEG_{t}": _seg(c)})
+        cx["DETERMINISTIC"] = bk.deterministic
+        cx.update({f"NEED_{i}": True for i in bk.plan.grad_inputs(self.region)})
+        sig.update({k: "constexpr" for k in cx})
+        dts = [ir.to_dtype(x.dtype) for x in self.region.inputs] + list((dtypes or {}).values())
+        cdt = "tl.float64" if torch.float64 in dts else "tl.float32"
+        tiles = tuple((t, c.get("variant", "scan")) for t, c in sorted(configs.items()))
+        return getattr(self.bwd_module(cdt, tiles, tuple(consts)), self.bwd_entry()), sig, cx
+
+    def _why_not_bwd(self, groups, grads) -> str | None:
+        from .triton_bwd import _Call
+        why = self._why_not(groups)
+        if why is not None:
+            return why
+        bk = self.bwd_kernel()
+        if isinstance(bk, str):
+            return f"no Triton backward for the region: {bk}"
+        for ins, gs in zip(groups, grads):
+            if _rows(self.region, ins):
+                call = _Call(ins, gs, [False] * len(ins))
+                why = bk._why_not(call, *bk.sizes(call))
+                if why is not None:
+                    return why
+        return None
+
+    def _bwd_configs(self, bk, calls: dict, tile_of: dict, arch) -> dict:
+        """tile -> the backward config its groups run: the single-region kernel's first
+        candidate for the tile's largest group, a seq one where it offers one (its recurrences
+        run in a thread's registers), with the largest tile's num_warps where a candidate has
+        it (one launch compiles for one num_warps: another tile's config runs with it too)."""
+        from .triton import _seq_states
+        cands = {}
+        for t in sorted(set(tile_of.values())):
+            big = max((calls[i] for i in calls if tile_of[i] == t), key=lambda c: _rows(self.region, c))
+            got = bk.candidates(big, arch)
+            cands[t] = [c for c in got if _seq_states(c)] + [c for c in got if not _seq_states(c)]
+        warps = cands[max(cands)][0]["num_warps"]
+        return {t: next((c for c in cs if c["num_warps"] == warps), cs[0]) for t, cs in cands.items()}
+
+    def launch_bwd(self, groups, grads, needs) -> list:
+        """One launch of the grouped backward for every group with work; the gradients per
+        group (None where its `needs` is false). Raises _Declined where the groups' tensors
+        cannot share a base pointer."""
+        from .triton import _arch, _seq_states, launch_options
+        from .triton_bwd import _Call, _seg, _zero_flag
+        r, bk = self.region, self._bwd
+        bp = bk.plan
+        live = [i for i, g in enumerate(groups) if _rows(r, g)]
+        # NEED_<i> are constexprs of the launch: what any group needs (the rest dropped after)
+        need = [any(needs[i][k] for i in live) for k in range(len(r.inputs))]
+        calls = {i: _Call(groups[i], grads[i], need) for i in live}
+        tile_of = {i: _pow2(bk.sizes(calls[i])[0][bp.reg]) if bp.reg else 1 for i in live}
+        dev = groups[live[0]][0].device
+        cfg = self._bwd_configs(bk, calls, tile_of, _arch(dev) if dev.type == "cuda" else None)
+        fields = self._bwd_fields()
+        bases, bufs, rows, start = {}, {}, [], 0
+        for i in live:
+            call, c = calls[i], cfg[tile_of[i]]
+            bufs[i] = bk.buffers(call, c)
+            n = bk.grid(call, c)[0]
+            row = [start, n, tile_of[i]]
+            for (name, _), v in zip(fields, bk.launch_args(call, c, bufs[i])):
+                if isinstance(v, torch.Tensor):
+                    base = bases.setdefault(name, v)
+                    diff = v.data_ptr() - base.data_ptr()
+                    if v.dtype != base.dtype or diff % v.element_size():
+                        raise _Declined(f"the groups' {name} tensors are not of one element type")
+                    row.append(diff // v.element_size())
+                else:
+                    row.append(int(v))
+            rows.append(row)
+            start += n
+        consts = []
+        for j, (name, kind) in enumerate(fields):
+            col = [row[3 + j] for row in rows]
+            if kind == "offset":       # every group's tensor 16-byte aligned: wide loads stay possible
+                vec = 16 // bases[name].element_size()
+                if bases[name].data_ptr() % 16 == 0 and all(v % vec == 0 for v in col):
+                    consts.append((name, vec))
+            elif "_s" in name and col[0] in (0, 1) and all(v == col[0] for v in col):
+                consts.append((name, col[0]))          # unit or broadcast strides as literals
+        cx = {"DETERMINISTIC": bk.deterministic, **{f"NEED_{k}": need[k] for k in bp.grad_inputs(r)}}
+        for t, c in cfg.items():
+            cx[f"BD_{t}"], cx[f"CH_{t}"] = c["BLOCK_D"], c["CHUNK"]
+            if _seq_states(c):         # masks constant only where every group of the tile is whole
+                each = [bk.constexprs(calls[i], c) for i in live if tile_of[i] == t]
+                for k in ("EVEN_N", "EVEN_D", "EVEN_L"):
+                    cx[f"{k}_{t}"] = all(x[k] for x in each)
+                cx[f"SEG_{t}"] = _seg(c)
+        cdt = "tl.float64" if any(bk._cdt(c) == "tl.float64" for c in calls.values()) else "tl.float32"
+        tiles = tuple((t, c.get("variant", "scan")) for t, c in sorted(cfg.items()))
+        fn = getattr(self.bwd_module(cdt, tiles, tuple(consts)), self.bwd_entry())
+        table = torch.tensor(rows, dtype=torch.int64).to(dev)
+        ptrs = [bases[n] for n, kind in fields if kind == "offset"]
+        fn[(start,)](*ptrs, _zero_flag(dev), table, len(rows), **cx, **launch_options(cfg[max(cfg)], dev))
+        self.bwd_launches, self.bwd_configs = 1, cfg
+        out = []
+        for i, (ins, nd) in enumerate(zip(groups, needs)):
+            if i in calls:
+                out.append([g if n else None for g, n in zip(bk._finish(calls[i], bufs[i]), nd)])
+            else:
+                out.append([torch.zeros_like(x) if n else None for x, n in zip(ins, nd)])
+        return out
+
+    def backward(self, groups, grads, needs):
+        """Every group's gradients in one launch of the grouped backward; what it declines runs
+        the member kernel's backward per group (``bwd_fallback`` says why)."""
+        why = self._why_not_bwd(groups, grads)
+        if why is None:
+            try:
+                out = self.launch_bwd(groups, grads, needs)
+            except _Declined as e:
+                why = str(e)
+            else:
+                self.bwd_fallback = None
+                return out
+        self.bwd_fallback = f"per-group calls on the last backward: {why}"
+        self.bwd_configs = {}
+        return super().backward(groups, grads, needs)
+
     def describe(self) -> str:
         text = super().describe()
         if self.config:
             text += f"; config {json.dumps(self.config, sort_keys=True)}"
         if self.fallback:
             text += f"; note: {self.fallback}"
+        if self.bwd_fallback:
+            text += f"; backward: {self.bwd_fallback}"
+        elif self.bwd_configs:
+            cfgs = ", ".join(f"tile {t}: {json.dumps(c, sort_keys=True)}" for t, c in sorted(self.bwd_configs.items()))
+            text += f"; backward: one Triton launch ({cfgs})"
         return text
+
+
+class _Declined(Exception):
+    """Why one grouped backward launch cannot take these groups (they run per group instead)."""
 
 
 def make_grouped(region: Region, member, target: str, options, device_type: str, arch=None):

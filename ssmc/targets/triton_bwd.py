@@ -288,6 +288,12 @@ def kernel_args(r: Region, bp: BwdPlan) -> list[str]:
 
 
 def render_bwd(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> str:
+    return T._env().get_template(TEMPLATE).render(**bwd_pieces(r, bp, cdt))
+
+
+def bwd_pieces(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> dict:
+    """What the kernel bodies (bwd_bodies.py.j2) read: the printed adjoint of both layouts, the
+    arguments, names; the single-region and the grouped templates render them alike."""
     p = AdjointPrinter(with_grad_inputs(r), cdt)
     em = _Emitter(r, bp, p)
     pre_f, body_f, final_f = T._frames(bp.fwd, True)
@@ -337,7 +343,7 @@ def render_bwd(r: Region, bp: BwdPlan, cdt: str = "tl.float32") -> str:
             end += em.write(g, f"acc{g.input}", pre_f.codes, atomic_ok=False)
     slots = [_slot_line(g.input, g.missing, bp.block) for g in bp.grads if g.shared]
     needs = [f"NEED_{i}: tl.constexpr" for i in bp.grad_inputs(r)]
-    return T._env().get_template(TEMPLATE).render(
+    return dict(
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
         plan=bp.fwd, args=T.arg_lines(kernel_args(r, bp)), needs=needs, slots=slots,
         prelude=list(p.prelude), init=init, fwd_pre=fwd_pre, fwd_a=fwd_a, fwd_b=fwd_b,
@@ -760,8 +766,21 @@ class BackwardKernel(T.TritonKernel):
 
     def launch(self, call, config, outs=None) -> list:
         """Run one config; returns the gradient of every input (None where not needed)."""
-        r, bp = self.region, self.plan
         bufs = outs if isinstance(outs, _Buffers) else self.buffers(call, config)
+        dev = call[0].device
+        args = self.launch_args(call, config, bufs)
+        self.given = self._given(call, config)
+        if T._seq_states(config):                 # set: ck holds the forward's checkpoints
+            args.append(call.residual[1] if self.given else _zero_flag(dev))
+        fn = self._fn(self._module(self._cdt(call)), config.get("variant", "scan"))
+        extra = T.launch_options(config, dev)
+        fn[self.grid(call, config)](*args, **self.constexprs(call, config), **extra)
+        return self._finish(call, bufs)
+
+    def launch_args(self, call, config, bufs: _Buffers) -> list:
+        """The kernel's runtime arguments of `kernel_args`, in its order (tensors, then ints;
+        the seq kernels' flag_ptr not among them)."""
+        r, bp = self.region, self.plan
         sizes, L = self.sizes(call)
         dev = call[0].device
         grads = []
@@ -786,13 +805,7 @@ class BackwardKernel(T.TritonKernel):
         args += [slot_of[g.input] for g in bp.grads if g.shared]
         args += [sizes[a] for a in bp.scalars]
         args += [sizes[bp.block] if bp.block else 1, sizes[bp.reg] if bp.reg else 1, L]
-        self.given = self._given(call, config)
-        if T._seq_states(config):                 # set: ck holds the forward's checkpoints
-            args.append(call.residual[1] if self.given else _zero_flag(dev))
-        fn = self._fn(self._module(self._cdt(call)), config.get("variant", "scan"))
-        extra = T.launch_options(config, dev)
-        fn[self.grid(call, config)](*args, **self.constexprs(call, config), **extra)
-        return self._finish(call, bufs)
+        return args
 
     def _finish(self, call, bufs: _Buffers) -> list:
         out = [None] * len(call)
