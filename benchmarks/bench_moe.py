@@ -19,7 +19,9 @@ Per routing, in this order (a failing row records its error and the next row run
    same inputs (what ssmc runs with moe_grouping switched off);
 4. layer_grouped / layer_per_expert: the whole compiled layer (gathers, projections, scatters
    included) with moe_grouping on / off (``disable_passes``);
-5. eager: the eager layer at --eager-L (the loop is slow), for reference.
+5. ssm_grouped_bwd / ssm_per_expert_bwd: the backward of the grouped kernel (one launch) and of
+   the member kernel once per expert, on the same output gradients (their gradients compared);
+6. eager: the eager layer at --eager-L (the loop is slow), for reference.
 Times are medians of triton.testing.do_bench on a GPU (of repeated perf_counter runs on CPU).
 The padded work / useful work of the grouped launch is recorded with each row.
 """
@@ -215,6 +217,31 @@ def run(args) -> dict:
                 except Exception as e:
                     row[f"{name}_error"] = f"{type(e).__name__}: {e}"
                     print(f"[bench_moe]   {name} FAILED: {e}", flush=True)
+            if "bwd" not in args.skip:        # the backward: one grouped launch against per expert
+                live = [i for i, g in enumerate(groups) if _rows(entry.region, g)]
+                outs = entry.kernel.forward(groups)
+                gen = torch.Generator(device=device).manual_seed(5)
+                grads = [[torch.randn(o.shape, device=device, generator=gen).to(o.dtype) / 16 for o in os_]
+                         for os_ in outs]
+                needs = [[x.is_floating_point() for x in g] for g in groups]
+                try:
+                    got = entry.kernel.backward(groups, grads, needs)
+                    row["grouped_bwd"] = entry.kernel.describe()
+                    per = [member.backward(groups[i], grads[i], needs[i]) for i in live]
+                    row["bwd_rel_err_grouped_vs_per_expert"] = max(
+                        rel_err(a, b) for i, p_ in zip(live, per) for a, b in zip(got[i], p_) if b is not None)
+                    print(f"[bench_moe]   backward: {row['grouped_bwd']}; grouped against per expert "
+                          f"{row['bwd_rel_err_grouped_vs_per_expert']:.2e}", flush=True)
+                    for name, fn in (("ssm_grouped_bwd", lambda: entry.kernel.backward(groups, grads, needs)),
+                                     ("ssm_per_expert_bwd", lambda: [member.backward(groups[i], grads[i], needs[i])
+                                                                     for i in live])):
+                        times[name] = bench(fn, gpu, args.reps)
+                        print(f"[bench_moe]   {name}: {times[name]:.3f} ms", flush=True)
+                except Exception as e:
+                    row["bwd_error"] = f"{type(e).__name__}: {e}"[:500]
+                    print(f"[bench_moe]   backward FAILED: {e}", flush=True)
+                if "ssm_grouped_bwd" in times and "ssm_per_expert_bwd" in times:
+                    row["speedup_ssm_bwd"] = times["ssm_per_expert_bwd"] / times["ssm_grouped_bwd"]
             row["ms"] = times
             if "ssm_grouped" in times and "ssm_per_expert" in times:
                 row["speedup_ssm"] = times["ssm_per_expert"] / times["ssm_grouped"]
@@ -277,7 +304,7 @@ def main(argv=None):
                     help="expert written with torch's scan op (default) or as a Python loop (default with --tiny)")
     ap.add_argument("--rest", default="eager", help="how the rest of the layer runs: eager | inductor | auto")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per row on CPU")
-    ap.add_argument("--skip", default="", help="rows to leave out: layer_grouped,layer_per_expert,eager")
+    ap.add_argument("--skip", default="", help="rows to leave out: layer_grouped,layer_per_expert,eager,bwd")
     ap.add_argument("--variant", default=None,
                     help="only the grouped kernel's configs of these variants, comma-separated (those "
                          "of templates/triton/moe_scan_fwd.configs.json; default: all, autotuned)")

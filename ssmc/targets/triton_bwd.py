@@ -736,12 +736,21 @@ class BackwardKernel(T.TritonKernel):
         return json.loads(pick)
 
     def buffers(self, call, config) -> _Buffers:
+        return self.allocate_buffers(self.buffer_specs(call, config), call[0].device)
+
+    @staticmethod
+    def allocate_buffers(specs, dev) -> _Buffers:
+        (n_ck, n_sk, cdt), grads = specs
+        return _Buffers(torch.empty(n_ck, dtype=cdt, device=dev), torch.empty(n_sk, dtype=cdt, device=dev),
+                        [(i, (torch.zeros if zero else torch.empty)(shape, dtype=dt, device=dev), slots)
+                         for i, shape, dt, zero, slots in grads])
+
+    def buffer_specs(self, call, config) -> tuple:
+        """What `buffers` allocates: the scratch ((elements of ck, of sk, dtype)) and per
+        gradient input (input index, shape, dtype, zero-filled, slots)."""
         r, bp = self.region, self.plan
         sizes, L = self.sizes(call)
-        dev = call[0].device
         n_ck, n_sk, cdt = self._scratch(call, config)
-        ck = torch.empty(n_ck, dtype=cdt, device=dev)
-        sk = torch.empty(n_sk, dtype=cdt, device=dev)
         nblk = triton_cdiv(sizes[bp.block], config["BLOCK_D"]) if bp.block else 1
         out = []
         items = [(g.input, g.index, g) for g in bp.grads]
@@ -749,7 +758,7 @@ class BackwardKernel(T.TritonKernel):
             items.append((r.init, tuple(r.axes), None))
         for i, index, g in items:
             if not call.needs[i]:
-                out.append((i, torch.zeros(1, dtype=cdt, device=dev), 1))
+                out.append((i, (1,), cdt, True, 1))
                 continue
             shape = self._dense_shape(call[i], index, sizes, L)
             slots = 1
@@ -757,25 +766,68 @@ class BackwardKernel(T.TritonKernel):
                 slots = math.prod(sizes[a] if a != bp.block else nblk for a in g.missing)
             atomic = g is not None and g.shared and g.timed and not self.deterministic
             zero = atomic or not self._covered(shape, index, sizes, L)
-            make = torch.zeros if zero else torch.empty
             # owned elements are written once, in the input's dtype; partial sums in cdt
             direct = (g is None or not g.shared) and list(shape) == list(call[i].shape)
             dt = call[i].dtype if direct else cdt
-            out.append((i, make([slots, *shape], dtype=dt, device=dev), slots))
-        return _Buffers(ck, sk, out)
+            out.append((i, (slots, *shape), dt, zero, slots))
+        return (n_ck, n_sk, cdt), out
 
     def launch(self, call, config, outs=None) -> list:
         """Run one config; returns the gradient of every input (None where not needed)."""
         bufs = outs if isinstance(outs, _Buffers) else self.buffers(call, config)
+        fn, args, kw = self._launch_parts(call, config, bufs)
+        fn[self.grid(call, config)](*args, **kw)
+        return self._finish(call, bufs)
+
+    def _launch_parts(self, call, config, bufs: _Buffers):
+        """(jit function, runtime arguments, constexprs and launch options) of one launch."""
         dev = call[0].device
         args = self.launch_args(call, config, bufs)
         self.given = self._given(call, config)
         if T._seq_states(config):                 # set: ck holds the forward's checkpoints
             args.append(call.residual[1] if self.given else _zero_flag(dev))
         fn = self._fn(self._module(self._cdt(call)), config.get("variant", "scan"))
-        extra = T.launch_options(config, dev)
-        fn[self.grid(call, config)](*args, **self.constexprs(call, config), **extra)
-        return self._finish(call, bufs)
+        return fn, args, {**self.constexprs(call, config), **T.launch_options(config, dev)}
+
+    def _prepare(self, call, config):
+        """The launch of this call with what depends only on the shapes, strides, dtypes,
+        needs and config bound once (as the forward's `_replay`): the buffers' specs, the
+        integer arguments, where each tensor argument comes from, the compiled kernel's
+        launcher once the first launch through the JIT has compiled it. A training step's
+        backward is one call; the Python between the op and the launch otherwise costs about
+        as much as a short kernel."""
+        dev = call[0].device
+        specs = self.buffer_specs(call, config)
+        bufs = self.allocate_buffers(specs, dev)
+        fn, args, kw = self._launch_parts(call, config, bufs)
+        ext = list(call) + list(call.grads) + list(call.residual)      # what each call brings
+        own = [("ck", bufs.ck), ("sk", bufs.sk)] + [(k, b) for k, (_, b, _) in enumerate(bufs.grads)]
+        slots = {}                                 # argument position -> ("ext" | "ck" | "sk" | k, index)
+        for p, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                e = next((j for j, x in enumerate(ext) if x is a), None)
+                hit = ("ext", e) if e is not None else next(((name, None) for name, b in own if b is a), None)
+                if hit is not None:                # else a constant (a zero read in place of a gradient)
+                    slots[p] = hit
+        template = [None if p in slots else a for p, a in enumerate(args)]
+        grid = self.grid(call, config)
+        kern = fn[grid]
+        direct = T.Direct(fn, grid, len(args), kw, sorted({e for kind, e in slots.values() if kind == "ext"}))
+        given = self.given
+
+        def replay(c: _Call) -> list:
+            b = self.allocate_buffers(specs, dev)
+            xs = list(c) + list(c.grads) + list(c.residual)
+            mine = {"ck": b.ck, "sk": b.sk}
+            a = list(template)
+            for p, (kind, e) in slots.items():
+                a[p] = xs[e] if kind == "ext" else mine[kind] if kind in mine else b.grads[kind][1]
+            if not direct(a, xs):
+                direct.keep(kern(*a, **kw), xs)
+            self.given = given
+            return self._finish(c, b)
+        replay.direct = direct
+        return replay
 
     def launch_args(self, call, config, bufs: _Buffers) -> list:
         """The kernel's runtime arguments of `kernel_args`, in its order (tensors, then ints;
@@ -877,13 +929,28 @@ class BackwardKernel(T.TritonKernel):
         if why is not None:
             self.fallback = why
             return None
+        key = _call_key(call)
+        replay = self._replays.get(key)
+        if replay is not None:                  # this exact call was prepared before
+            self.config, self.fallback = replay.config, None
+            return replay(call)
         arch = T._arch(call[0].device) if call[0].device.type == "cuda" else None
         config = self._config(call, arch)
         if config is None:
             return None
         self.config = config
         self.fallback = None
-        return self.launch(call, config)
+        replay = self._replays[key] = self._prepare(call, config)
+        replay.config = config
+        return replay(call)
+
+
+def _call_key(call: _Call) -> tuple:
+    """What a backward launch depends on besides the data (the forward's call_signature of
+    every tensor, the needs)."""
+    def sig(ts):
+        return T.call_signature([t for t in ts if t is not None]) + tuple(t is None for t in ts)
+    return sig(list(call)), sig(call.grads), tuple(call.needs), sig(call.residual)
 
 
 _ZERO_FLAGS: dict = {}
