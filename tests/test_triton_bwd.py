@@ -223,6 +223,9 @@ def test_training_forward_checkpoints_feed_the_seq_backward(case, fwd, interp, m
     assert kern.config["variant"] == fwd
     for o, w in zip(outs, kern._reference().forward(xs)):
         assert rel_err(o, w) < 1e-12
+    again, res2 = kern.forward_train(xs)                 # the prepared launch: fresh tensors, same values
+    assert len(kern._train_replays) == 1 and res2[0] is not res[0] and res2[1].item() == 1
+    assert torch.equal(res2[0], res[0]) and all(torch.equal(a, b) for a, b in zip(again, outs))
     grads = fresh_grads(outs)
     needs = [x.is_floating_point() for x in xs]
     want = adjoint_run(region, xs, grads, needs, chunk=3)
