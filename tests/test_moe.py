@@ -325,10 +325,9 @@ def test_failing_grouped_kernel_falls_back_to_the_reference(monkeypatch, tmp_pat
     assert "out of resources" in lookup(report.groups[0].key).failure
 
 
-@pytest.mark.parametrize("variant", ["loop", "scan", "seq4", "seqn4"])
-def test_grouped_kernel_compiles_for_sm90_without_gpu(variant, monkeypatch, tmp_path):
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
+def _grouped_for_compile(monkeypatch, tmp_path):
+    """A grouped kernel of the mixed routing's region for compile-only checks (no GPU, the
+    interpreter off), and the bf16 overrides of its per-sequence inputs."""
     from ssmc.targets.moe import GroupedTritonKernel
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x, dt, params = inputs(dtype=torch.float32, seed=12)
@@ -336,6 +335,14 @@ def test_grouped_kernel_compiles_for_sm90_without_gpu(variant, monkeypatch, tmp_
     region = report.groups[0].region
     kern = GroupedTritonKernel(region, None, ssmc.make_options(cache_dir=str(tmp_path)))
     seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if s.ndim >= 3 and i != region.init}
+    return kern, region, seq
+
+
+@pytest.mark.parametrize("variant", ["loop", "scan", "seq4", "seqn4"])
+def test_grouped_kernel_compiles_for_sm90_without_gpu(variant, monkeypatch, tmp_path):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    kern, region, seq = _grouped_for_compile(monkeypatch, tmp_path)
     cfg = next(c for c in json.loads(
         (importlib.resources.files("ssmc.templates") / "triton/moe_scan_fwd.configs.json").read_text())["sm_90"]
         if c["variant"] == variant)
@@ -520,14 +527,8 @@ def test_grouped_backward_compiles_without_gpu(cc, bodies, monkeypatch, tmp_path
     parameters): tiles 64 and 8, each with its own body and config."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
-    from ssmc.targets.moe import GroupedTritonKernel
     from ssmc.targets import triton_bwd as B
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    x, dt, params = inputs(dtype=torch.float32, seed=12)
-    report = ssmc.explain(moe(), x, dt, split(ROUTES["mixed"], 4), params)
-    region = report.groups[0].region
-    kern = GroupedTritonKernel(region, None, ssmc.make_options(cache_dir=str(tmp_path)))
-    seq = {i: torch.bfloat16 for i, s in enumerate(region.inputs) if s.ndim >= 3 and i != region.init}
+    kern, region, seq = _grouped_for_compile(monkeypatch, tmp_path)
     table = B.load_configs()[f"sm_{cc}"]
     pick = lambda v: next(c for c in table if c.get("variant", "scan") == v and "SEG" not in c)
     configs = {64: pick(bodies[0]), 8: pick(bodies[1])}
