@@ -462,10 +462,12 @@ def mamba1_states_out(x, dt, A, B, C, D, z, bias):
 SEQ = [
     {"variant": "seq2", "BLOCK_D": 2, "CHUNK": 4, "num_warps": 1, "num_stages": 1},
     {"variant": "seq4", "BLOCK_D": 4, "CHUNK": 2, "num_warps": 1, "num_stages": 1},
+    # the whole chunks in a loop over intervals of 4 steps (2 chunks an interval)
+    {"variant": "seq2", "BLOCK_D": 2, "CHUNK": 2, "NEST": 4, "num_warps": 1, "num_stages": 1},
 ]
 
 
-@pytest.mark.parametrize("cfg", SEQ, ids=["s2", "s4"])
+@pytest.mark.parametrize("cfg", SEQ, ids=["s2", "s4", "s2_nest"])
 def test_seq_variant(cfg, interp, monkeypatch):
     """The seq variant (the register axis split over lanes and unrolled copies, steps along a
     thread-local time axis) end to end against the reference: whole chunks and a partial one, a
@@ -476,6 +478,7 @@ def test_seq_variant(cfg, interp, monkeypatch):
     _, kern = check(P.mamba1("final"), P.mamba1_inputs(L=11, d=3, n=6, seed=90), cfg["variant"])
     body = _body(kern.source, cfg["variant"])
     assert "= _steps(a, b, hc" in body and "_sum(acc0, 1)" in body
+    assert kern.config == cfg                            # L11: NEST kept (more than one interval)
     check(P.mamba1("final"), P.mamba1_inputs(L=8, d=4, n=4, seed=91), cfg["variant"])
     check(P.mamba1_scan(), P.mamba1_inputs(L=3, seed=92), cfg["variant"])            # no whole chunk
     check(P.mamba1_bdl(), P.mamba1_inputs(L=9, layout="bdl", seed=93), cfg["variant"])

@@ -767,6 +767,8 @@ class TritonKernel:
                 c.pop("UNROLL", None)
             if c["variant"] != "rows" or not int(c.get("PREFETCH", 0)) or not self.rows_buffers():
                 c.pop("PREFETCH", None)                                 # nothing to double-buffer
+            if not S or int(c.get("NEST", 0)) % c["CHUNK"] or int(c.get("NEST", 0)) >= _pow2(L):
+                c.pop("NEST", None)                   # seq only, whole chunks an interval, > 1 interval
             sig = tuple(sorted(c.items()))
             if sig in seen:
                 continue
@@ -815,6 +817,7 @@ class TritonKernel:
         if self._checkpointing(config):
             args += list(residual) if residual else [outs[0], outs[0]]
             cx["CKPT"] = CKPT_EVERY if residual else 0
+            cx["NEST"] = CKPT_EVERY if residual else int(config.get("NEST", 0))
         return args, cx
 
     def residual_specs(self, inputs) -> list[tuple]:
@@ -922,7 +925,7 @@ class TritonKernel:
             cx["EVEN_N"] = True
         if self._checkpointing(config):     # compiled as a training forward: with its checkpoints
             sig["ck_ptr"], sig["flag_ptr"] = "*fp64" if cdt == "tl.float64" else "*fp32", "*i32"
-            cx["CKPT"] = CKPT_EVERY
+            cx["CKPT"] = cx["NEST"] = CKPT_EVERY
         sig.update({k: "constexpr" for k in cx})
         return self._fn(self._module(cdt), config["variant"]), sig, cx
 
