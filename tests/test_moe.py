@@ -73,6 +73,15 @@ def check(out, ref, tol):
     assert err < tol, err
 
 
+def check_grads(got, want):
+    """Every gradient within 1e-9 of float64 eager; where eager has none (or zero), none or zero."""
+    for g, w in zip(got, want):
+        if w is None or not w.abs().sum():
+            assert g is None or not g.abs().sum()
+        else:
+            check(g, w, 1e-9)
+
+
 @pytest.mark.parametrize("gather,scatter", [("getitem", "setitem"), ("index_select", "index_copy"),
                                             ("getitem", "index_add_")])
 def test_grouped_matches_the_naive_loop(gather, scatter):
@@ -122,11 +131,7 @@ def test_gradients_match_float64_autograd():
     got = grads(torch.compile(fn, backend="ssmc"))
     want = grads(fn)
     assert ssmc.backend.LAST_REPORT.groups[0].status.startswith("grouped")
-    for g, w in zip(got, want):
-        if w is None or not w.abs().sum():
-            assert g is None or not g.abs().sum()
-        else:
-            check(g, w, 1e-9)
+    check_grads(got, want)
 
 
 @pytest.fixture
@@ -432,11 +437,7 @@ def test_triton_grouped_backward_is_one_launch_interpreted(bodies, monkeypatch, 
         for t, c in kern.bwd_configs.items():
             assert c.get("variant", "scan") == (name if name != "scan" and t % int(name[3:]) == 0 else "scan"), c
         assert "backward: one Triton launch" in kern.describe()
-        for g, w in zip(got, want):
-            if w is None or not w.abs().sum():
-                assert g is None or not g.abs().sum()
-            else:
-                check(g, w, 1e-9)
+        check_grads(got, want)
 
 
 def test_triton_grouped_backward_deterministic_interpreted(monkeypatch, tmp_path):
@@ -460,11 +461,7 @@ def test_triton_grouped_backward_deterministic_interpreted(monkeypatch, tmp_path
         got = leaf_grads(compiled, x, dt, idxs, params)
         kern = lookup(report.groups[0].key).kernel
         assert kern.bwd_launches == 1 and kern.bwd_fallback is None and kern.bwd_kernel().deterministic == det
-        for g, w in zip(got, want):
-            if w is None or not w.abs().sum():
-                assert g is None or not g.abs().sum()
-            else:
-                check(g, w, 1e-9)
+        check_grads(got, want)
 
 
 def test_triton_grouped_backward_falls_back_per_group_with_the_reason(monkeypatch, tmp_path):
