@@ -154,7 +154,8 @@ def run_mamba1(res, L, targets, baseline, configs, ncu_once=False, profile=False
             row["backward"] = note
             bwd = getattr(entry.kernel, "bwd", None)
             row["bwd_config"] = getattr(bwd, "config", None)
-            row["bwd_timings_ms"] = {k: v for t in getattr(bwd, "timings", {}).values() for k, v in t.items()}
+            row["bwd_timings_ms"] = {cfg: ms for per_bucket in getattr(bwd, "timings", {}).values()
+                                     for cfg, ms in per_bucket.items()}
             row["fwd_config"] = getattr(entry.kernel, "config", None)
         print(f"ssmc {t}: {row}", flush=True)
         if ncu_once and ok:

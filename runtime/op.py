@@ -234,22 +234,18 @@ def _region_bwd_fake(key, inputs, grads, needs, residual):
     return _grads_fake(inputs, needs)
 
 
-def _setup(ctx, inputs, output):
+def _setup(ctx, inputs, output, residual=()):
     key, xs = inputs
     ctx.key = key
     ctx.needs = [bool(x.requires_grad) and x.is_floating_point() for x in xs]
     ctx.n_inputs = len(xs)
-    ctx.save_for_backward(*xs)
+    ctx.save_for_backward(*xs, *residual)
 
 
 def _setup_train(ctx, inputs, output):
-    key, xs = inputs
-    ctx.key = key
-    ctx.needs = [bool(x.requires_grad) and x.is_floating_point() for x in xs]
-    ctx.n_inputs = len(xs)
-    ctx.n_outputs = len(lookup(key).region.outputs)
+    ctx.n_outputs = len(lookup(inputs[0]).region.outputs)
     residual = output[ctx.n_outputs:]
-    ctx.save_for_backward(*xs, *residual)
+    _setup(ctx, inputs, output, residual)
     ctx.mark_non_differentiable(*residual)
     ctx.set_materialize_grads(False)     # no zeros of the residual's size for its (absent) gradient
 
