@@ -558,6 +558,92 @@ def _loads_of(r: Region, p: CudaBSPlan, k: int) -> list:
     return [ld for e in exprs for ld in ir.loads(e) if ld.input == k]
 
 
+ESIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+class _LanePrinter(_Printer):
+    """The lane kernel's printer. A per-step load along the mixed axis (stride 1) is one run of
+    16-byte chunks over the whole row, copied one step ahead into the thread's own slots of
+    shared memory (cp.async: no registers held while in flight) and read back as 16-byte words,
+    each element a bit operation on a word; other per-step loads are loaded one step ahead
+    into registers (`fetch`)."""
+
+    def __init__(self, r: Region, prefix: str, reg: str, n: int):
+        super().__init__(r, prefix)
+        self.unit, self.n = reg, n
+        self.runs: dict = {}          # run key -> (name, first slot, chunks, address at "{t}")
+        self.chunks: dict = {}        # (run, chunk) -> the word vector's name, this section
+
+    def section(self, lines: list) -> list:
+        self.runs, self.chunks = {}, {}
+        return super().section(lines)
+
+    def nslots(self) -> int:
+        return sum(c for (_, _, c, _) in self.runs.values())
+
+    def copies(self, t: str, slot: str) -> list[str]:
+        """cp.async of every run at time `t` into buffer `slot`."""
+        out = []
+        for name, first, chunks, addr in self.runs.values():
+            src = addr.replace("{t}", t)
+            out.append(f"{{ const ssmc_vec<16>* {name}g = reinterpret_cast<const ssmc_vec<16>*>(&{src});")
+            out += [f"  bsp_copy16(&bsp_buf[{slot}][{first + c}][threadIdx.x], {name}g + {c});" for c in range(chunks)]
+            out.append("}")
+        return out
+
+    def expr(self, e, env: dict) -> str:
+        reg = self.unit
+        if not (isinstance(e, Load) and reg in e.index and "t" in e.index and str(env.get(reg, "")).isdigit()
+                and vector_load(self.r, e)):
+            return super().expr(e, env)
+        key = self._key(e, env)
+        if key in self.memo:
+            return self.memo[key]
+        dt = self.r.inputs[e.input].dtype
+        per = 16 // ESIZE[dt]
+        el = int(env[reg])
+        rkey = (e.input, e.index, tuple(sorted((a, env[a]) for a in _idx(e) if a != reg and a in env)))
+        if rkey not in self.runs:
+            addr = self._load(e, {**env, reg: "0"})
+            self.runs[rkey] = (self.name(), self.nslots(), self.n // per, addr)
+        name, first, _, _ = self.runs[rkey]
+        ck = (name, el // per)
+        if ck not in self.chunks:
+            self.chunks[ck] = f"{name}_{el // per}"
+            self.lines.append(f"const ssmc_vec<16> {self.chunks[ck]} = bsp_buf[t & 1][{first + el // per}][threadIdx.x];")
+        word = f"{self.chunks[ck]}.w[{(el % per) * ESIZE[dt] // 4}]"
+        if dt == "bfloat16":
+            code = f"ssmc_t(__int_as_float(int({'(' + word + ' & 0xffff0000u)' if el % 2 else '(' + word + ' << 16)'})))"
+        elif dt == "float32":
+            code = f"ssmc_t(__int_as_float(int({word})))"
+        else:   # float16
+            code = f"ssmc_cvt(__ushort_as_half((unsigned short)({word} >> {16 * (el % 2)})))"
+        v = self.name()
+        self.lines.append(f"const ssmc_t {v} = {code};")
+        self.memo[key] = v
+        return v
+
+
+def vector_load(r: Region, e: Load) -> bool:
+    """Whether the lane kernel loads `e` as part of a vector run (16-bit or fp32 input)."""
+    return r.inputs[e.input].dtype in ("bfloat16", "float16", "float32")
+
+
+def lane_ready(r: Region, p: CudaBSPlan, inputs, outs) -> bool:
+    """Whether these tensors suit the lane kernel: stride 1 along the mixed axis, and the rows
+    it loads as 16-byte vectors aligned (pointer and every other stride) and whole."""
+    if not all((inputs[k] if kind == "in" else outs[k]).stride(d) == 1 for kind, k, d in unit_dims(r, p)):
+        return False
+    for k in range(len(r.inputs)):
+        for ld in _loads_of(r, p, k):
+            if p.reg in ld.index and "t" in ld.index and vector_load(r, ld):
+                x, per = inputs[k], 16 // ESIZE[r.inputs[k].dtype]
+                if p.n % per or x.data_ptr() % 16 or any(
+                        x.stride(d) % per for d, ix in enumerate(ld.index) if ix not in (0, p.reg)):
+                    return False
+    return True
+
+
 def render_lane_body(r: Region, p: CudaBSPlan) -> tuple[list, list[list], list]:
     """(before the time loop, a step per path, after it) for the lane kernel: the row's state
     h<e> in registers; a step multiplies the path's nonzero blocks (W from shared memory, the
@@ -565,8 +651,7 @@ def render_lane_body(r: Region, p: CudaBSPlan) -> tuple[list, list[list], list]:
     stores the step's outputs; nothing is exchanged between threads."""
     bs, reg, n, nt = p.bs, p.reg, p.n, len(p.terms)
     nb = n // bs
-    pr = _Printer(r, "v")
-    pr.unit = reg
+    pr = _LanePrinter(r, "v", reg, n)
     base = {a: f"ax_{a}" for a in p.rows}
     init = []
     for e in range(n):
@@ -575,10 +660,10 @@ def render_lane_body(r: Region, p: CudaBSPlan) -> tuple[list, list[list], list]:
     dense = tuple((i, j) for i in range(nb) for j in range(nb))
     paths = [tuple(p.blocks)] + ([dense] if set(p.blocks) != set(dense) else [])
     vec = p.compute == "float" and bs % 4 == 0
-    steps = []
+    steps, nslots = [], 0
     for blocks in paths:
         body = pr.section([])
-        env0 = {**base, "t": "t"}
+        env0 = {**base, "t": "t", "@fetch": True}
         scales = [pr.expr(sc, env0) for sc, _ in p.terms]
         rows_used = sorted({i for (i, _) in blocks})
         for k in range(nt):
@@ -597,7 +682,7 @@ def render_lane_body(r: Region, p: CudaBSPlan) -> tuple[list, list[list], list]:
                     else:
                         body.append(" ".join(f"{acc} += bsp_w(Ws + {at + c}) * h{j * bs + c};" for c in range(bs)))
         nsum = step_sums(r)
-        body += [f"ssmc_t ps{q} = ssmc_t(0);" for q in range(nsum)]
+        body += [f"ssmc_t {', '.join(f'ps{q}_{u} = ssmc_t(0)' for u in range(4))};" for q in range(nsum)]
         for e in range(n):
             env = {**env0, reg: str(e)}
             terms = []
@@ -617,9 +702,10 @@ def render_lane_body(r: Region, p: CudaBSPlan) -> tuple[list, list[list], list]:
                 if reg in o.index:
                     body.append(_store(r, k, o, senv, pr.expr(o.expr, senv), reg))
                     continue
-                for red in _reduces(o.expr):
-                    body.append(f"ps{q} += {pr.expr(red.arg, senv)};")
+                for red in _reduces(o.expr):          # four partial sums: a shorter chain
+                    body.append(f"ps{q}_{e % 4} += {pr.expr(red.arg, senv)};")
                     q += 1
+        body += [f"const ssmc_t ps{q} = (ps{q}_0 + ps{q}_1) + (ps{q}_2 + ps{q}_3);" for q in range(nsum)]
         q = 0
         for k, o in enumerate(r.outputs):
             if o.kind != "steps" or reg in o.index:
@@ -630,7 +716,13 @@ def render_lane_body(r: Region, p: CudaBSPlan) -> tuple[list, list[list], list]:
                 q += 1
             senv = {**env0, "@bind": bind}
             body.append(_store(r, k, o, senv, pr.expr(o.expr, senv), reg))
-        steps.append(body)
+        fetch = [f"const auto x{v} = *p{v};" for v in pr.fetch]
+        fetch += [f"if (t + 2 < L) {{ {' '.join(f'p{v} += d{v};' for v in pr.fetch)} }}"] if pr.fetch else []
+        top = (["if (t + 1 < L) {"] + ["  " + x for x in pr.copies("(t + 1)", "(t + 1) & 1")] + ["}"]
+               + ["bsp_commit();", "bsp_wait_prev();     // this step's copies (issued a step ago) are in"]) if pr.runs else []
+        steps.append((pr.copies("0", "0") + (["bsp_commit();"] if pr.runs else []), fetch + top + body
+                      + [f"r{v} = x{v};" for v in pr.fetch]))
+        nslots = max(nslots, pr.nslots())
     post = pr.section([])
     fenv = {**base, "t": "0"}
     for k, o in enumerate(r.outputs):
@@ -647,13 +739,13 @@ def render_lane_body(r: Region, p: CudaBSPlan) -> tuple[list, list[list], list]:
             bind[red] = "(" + " + ".join(parts) + ")"
         env = {**fenv, "@bind": bind}
         post.append(_store(r, k, o, env, pr.expr(o.expr, env), reg))
-    return pr.pre + init, steps, post
+    return pr.pre + init, steps, post, nslots
 
 
 def render_lane(r: Region, p: CudaBSPlan, warps: int) -> Rendered:
     from .cuda import jinja_env
     kname = "ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name) + f"_lane{warps}"
-    pre, steps, post = render_lane_body(r, p)
+    pre, steps, post, nslots = render_lane_body(r, p)
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
     decls, params = _params(r, p)
@@ -662,7 +754,7 @@ def render_lane(r: Region, p: CudaBSPlan, warps: int) -> Rendered:
         region_name=r.name, region_text=str(r), compute=p.compute, n=p.n, warps=warps,
         params=decls, args=[d.split()[-1] for d in decls], decomp=decomp,
         fill_pre=fill.pre + fill.lines, fill_value=wv, nblocks=len(p.blocks), bs=p.bs,
-        kname=kname, pre=pre, steps=steps, post=post)
+        kname=kname, pre=pre, steps=steps, post=post, nslots=nslots)
     return Rendered(warps, kname, src, tuple(params))
 
 
@@ -802,9 +894,8 @@ class CudaBlockSparseKernel:
             rows *= sizes[a]
         if rows == 0:
             return outs
-        unit = all((inputs[k] if kind == "in" else outs[k]).stride(d) == 1 or sizes[p.reg] == 1
-                   for kind, k, d in unit_dims(r, p))
-        avail = [c for c in self.choices() if c[1] != "lane" or unit]      # the lane kernel: unit strides
+        unit = lane_ready(r, p, inputs, outs)
+        avail = [c for c in self.choices() if c[1] != "lane" or unit]      # the lane kernel's layouts only
         flag = self._pattern.get(inputs, p.n, p.bs, lambda bp: uncovered(bp, r.mix, p.bs, self._compiled_bp))
         args = []
         for kind, src in self.rendered(self.choices()[0]).params:
@@ -826,7 +917,8 @@ class CudaBlockSparseKernel:
         bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs), unit)
         g = _choice(self.force_groups) if self.force_groups else self._picked.get(bucket)
         if g is not None and g not in avail:
-            raise ValueError(f"{_label(g)} needs stride 1 along {p.reg} in every input and output that has it")
+            raise ValueError(f"{_label(g)} needs stride 1 along {p.reg} in every input and output that has it, "
+                             "and its 16-byte loads aligned")
         if g is None:
             g = avail[0]
             if timer is not None and len(avail) > 1:
