@@ -166,7 +166,6 @@ class _Printer:
         self.fetch: list[str] = []                 # values loaded one step ahead (r<v>, p<v>, d<v>)
         self.global_names: set = set()             # declared before the time loop: visible everywhere
         self.outer: list | None = None             # the step's own section, while printing per element
-        self.unit: str | None = None               # an axis whose strides are the constant 1 (lane kernel)
 
     def section(self, lines: list) -> list:
         """Print into `lines` from now on; values printed in another section are out of scope."""
@@ -229,8 +228,7 @@ class _Printer:
             if ix == 0:
                 continue
             at = "{t}" if ix == "t" else env[ix] if isinstance(ix, str) else str(ix)
-            unit = ix == self.unit        # the lane kernel's instance for unit strides along it
-            terms.append(f"(long long)({at})" if unit else f"(long long)({at}) * is{e.input}_{d}")
+            terms.append(f"(long long)({at}) * is{e.input}_{d}")
         return f"in{e.input}[{' + '.join(terms) or '0'}]"
 
 
@@ -250,13 +248,13 @@ def _reduces(e) -> list:
     return out
 
 
-def _store(r: Region, k: int, o: ir.OutputSpec, env: dict, value: str, unit: str | None = None) -> str:
+def _store(r: Region, k: int, o: ir.OutputSpec, env: dict, value: str) -> str:
     terms = []
     for d, ix in enumerate(o.index):
         if ix == 1:
             continue
         at = env["t"] if ix == "t" else env[ix]
-        terms.append(f"(long long)({at})" if ix == unit else f"(long long)({at}) * os{k}_{d}")
+        terms.append(f"(long long)({at}) * os{k}_{d}")
     return f"if (live) out{k}[{' + '.join(terms) or '0'}] = ssmc_from<{CTYPES[o.dtype]}>({value});"
 
 
@@ -483,7 +481,6 @@ class Rendered:
     kname: str
     source: str
     params: tuple        # (kind, source) per kernel parameter, in order
-    smem: int = 0        # static shared memory the lane kernel's row slots take (bytes)
 
 
 def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False) -> Rendered:
@@ -494,21 +491,6 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False) -> Rende
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
     nred = step_sums(r)
-    decls, params = _params(r, p)
-    decomp = []
-    for a in reversed(p.rows):
-        decomp.append(f"const long long ax_{a} = rr % sz_{a}; rr /= sz_{a};")
-    src = jinja_env().get_template(TEMPLATE).render(
-        region_name=r.name, region_text=str(r), compute=p.compute, n=p.n, groups=ngroups,
-        params=decls, args=[d.split()[-1] for d in decls], decomp=decomp,
-        fill_pre=fill.pre + fill.lines, fill_value=wv, nred=nred, nblocks=len(p.blocks), bs=p.bs,
-        kname=kname, tab=tab, pre=pre, step=step, post=post, nterms=len(p.terms),
-        min_blocks=2 if ngroups >= 8 else 1)    # 8 warps: 128 registers, so two blocks fit an SM
-    return Rendered(ngroups, kname, src, tuple(params))
-
-
-def _params(r: Region, p: CudaBSPlan) -> tuple[list, list]:
-    """The kernel's parameter declarations and, per parameter, (kind, source)."""
     params, decls = [], []
     for k, s in enumerate(r.inputs):
         decls.append(f"const {CTYPES[s.dtype]}* __restrict__ in{k}")
@@ -527,230 +509,16 @@ def _params(r: Region, p: CudaBSPlan) -> tuple[list, list]:
         params.append(("i64", ("size", a)))
     decls += ["int L", "long long rows", "const int* __restrict__ flag"]
     params += [("i32", ("L",)), ("i64", ("rows",)), ("ptr", ("flag",))]
-    return decls, params
-
-
-# -- the lane kernel: a whole row's state in one thread ----------------------------------------------
-
-LANE_TEMPLATE = "cuda/block_sparse_lane_fwd.cu.j2"
-LANE_WARPS = (1, 2)          # warps per block of the lane kernel (a row a thread)
-LANE_REGS = 160              # state and products held a thread at most (4-byte registers)
-LANE_CONST = 32 * 1024       # W in constant memory at most (of its 64 KB)
-
-
-def lane_fits(r: Region, p: CudaBSPlan) -> bool:
-    """Whether a thread can hold the row's state and one product per term and element."""
-    return p.n * (1 + len(p.terms)) * (2 if p.compute == "double" else 1) <= LANE_REGS
-
-
-def unit_dims(r: Region, p: CudaBSPlan) -> list[tuple[str, int, int]]:
-    """(kind, index, dim) of every input and output dimension along the mixed axis: the lane
-    kernel is compiled for stride 1 there (offsets are immediates) and runs only when they are."""
-    out = [("in", k, d) for k, s in enumerate(r.inputs) for ld in _loads_of(r, p, k) for d, ix in enumerate(ld.index)
-           if ix == p.reg]
-    out += [("out", k, d) for k, o in enumerate(r.outputs) for d, ix in enumerate(o.index) if ix == p.reg]
-    return sorted(set(out))
-
-
-def _loads_of(r: Region, p: CudaBSPlan, k: int) -> list:
-    """Input k's loads in the kernel's per-step and per-row code (W's are in the fill)."""
-    exprs = [r.decay, r.drive] + [o.expr for o in r.outputs] + [sc for sc, _ in p.terms]
-    if r.init is not None:
-        exprs.append(Load(r.init, tuple(r.axes)))
-    return [ld for e in exprs for ld in ir.loads(e) if ld.input == k]
-
-
-ESIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-
-
-class _LanePrinter(_Printer):
-    """The lane kernel's printer. A per-step load along the mixed axis (stride 1) is one run of
-    16-byte chunks over the whole row, copied one step ahead into the thread's own slots of
-    shared memory (cp.async: no registers held while in flight) and read back as 16-byte words,
-    each element a bit operation on a word; other per-step loads are loaded one step ahead
-    into registers (`fetch`)."""
-
-    def __init__(self, r: Region, prefix: str, reg: str, n: int):
-        super().__init__(r, prefix)
-        self.unit, self.n = reg, n
-        self.runs: dict = {}          # run key -> (name, first slot, chunks, address at "{t}")
-        self.chunks: dict = {}        # (run, chunk) -> the word vector's name, this section
-
-    def section(self, lines: list) -> list:
-        self.runs, self.chunks = {}, {}
-        return super().section(lines)
-
-    def nslots(self) -> int:
-        return sum(c for (_, _, c, _) in self.runs.values())
-
-    def copies(self, t: str, slot: str) -> list[str]:
-        """cp.async of every run at time `t` into buffer `slot`."""
-        out = []
-        for name, first, chunks, addr in self.runs.values():
-            src = addr.replace("{t}", t)
-            out.append(f"{{ const ssmc_vec<16>* {name}g = reinterpret_cast<const ssmc_vec<16>*>(&{src});")
-            out += [f"  bsp_copy16(&bsp_buf[{slot}][{first + c}][threadIdx.x], {name}g + {c});" for c in range(chunks)]
-            out.append("}")
-        return out
-
-    def expr(self, e, env: dict) -> str:
-        reg = self.unit
-        if not (isinstance(e, Load) and reg in e.index and "t" in e.index and str(env.get(reg, "")).isdigit()
-                and vector_load(self.r, e)):
-            return super().expr(e, env)
-        key = self._key(e, env)
-        if key in self.memo:
-            return self.memo[key]
-        dt = self.r.inputs[e.input].dtype
-        per = 16 // ESIZE[dt]
-        el = int(env[reg])
-        rkey = (e.input, e.index, tuple(sorted((a, env[a]) for a in _idx(e) if a != reg and a in env)))
-        if rkey not in self.runs:
-            addr = self._load(e, {**env, reg: "0"})
-            self.runs[rkey] = (self.name(), self.nslots(), self.n // per, addr)
-        name, first, _, _ = self.runs[rkey]
-        ck = (name, el // per)
-        if ck not in self.chunks:
-            self.chunks[ck] = f"{name}_{el // per}"
-            self.lines.append(f"const ssmc_vec<16> {self.chunks[ck]} = bsp_buf[t & 1][{first + el // per}][threadIdx.x];")
-        word = f"{self.chunks[ck]}.w[{(el % per) * ESIZE[dt] // 4}]"
-        if dt == "bfloat16":
-            code = f"ssmc_t(__int_as_float(int({'(' + word + ' & 0xffff0000u)' if el % 2 else '(' + word + ' << 16)'})))"
-        elif dt == "float32":
-            code = f"ssmc_t(__int_as_float(int({word})))"
-        else:   # float16
-            code = f"ssmc_cvt(__ushort_as_half((unsigned short)({word} >> {16 * (el % 2)})))"
-        v = self.name()
-        self.lines.append(f"const ssmc_t {v} = {code};")
-        self.memo[key] = v
-        return v
-
-
-def vector_load(r: Region, e: Load) -> bool:
-    """Whether the lane kernel loads `e` as part of a vector run (16-bit or fp32 input)."""
-    return r.inputs[e.input].dtype in ("bfloat16", "float16", "float32")
-
-
-def lane_ready(r: Region, p: CudaBSPlan, inputs, outs) -> bool:
-    """Whether these tensors suit the lane kernel: stride 1 along the mixed axis, and the rows
-    it loads as 16-byte vectors aligned (pointer and every other stride) and whole."""
-    if not all((inputs[k] if kind == "in" else outs[k]).stride(d) == 1 for kind, k, d in unit_dims(r, p)):
-        return False
-    for k in range(len(r.inputs)):
-        for ld in _loads_of(r, p, k):
-            if p.reg in ld.index and "t" in ld.index and vector_load(r, ld):
-                x, per = inputs[k], 16 // ESIZE[r.inputs[k].dtype]
-                if p.n % per or x.data_ptr() % 16 or any(
-                        x.stride(d) % per for d, ix in enumerate(ld.index) if ix not in (0, p.reg)):
-                    return False
-    return True
-
-
-def render_lane_body(r: Region, p: CudaBSPlan) -> tuple[list, list, list, int]:
-    """(before the time loop, per path (before its loop, its step), after it, row slots) for
-    the lane kernel: the row's state h<e> in registers; a step multiplies the path's nonzero
-    blocks (W from constant memory: an operand of each FFMA), then updates each element, adds
-    the readout sums and stores the step's outputs; nothing is exchanged between threads."""
-    bs, reg, n, nt = p.bs, p.reg, p.n, len(p.terms)
-    nb = n // bs
-    pr = _LanePrinter(r, "v", reg, n)
-    base = {a: f"ax_{a}" for a in p.rows}
-    init = []
-    for e in range(n):
-        v = pr.expr(Load(r.init, tuple(r.axes)), {**base, reg: str(e)}) if r.init is not None else "ssmc_t(0)"
-        init.append(f"ssmc_t h{e} = {v};")
-    dense = tuple((i, j) for i in range(nb) for j in range(nb))
-    paths = [tuple(p.blocks)] + ([dense] if set(p.blocks) != set(dense) else [])
-    steps, nslots = [], 0
-    for blocks in paths:
-        body = pr.section([])
-        env0 = {**base, "t": "t", "@fetch": True}
-        scales = [pr.expr(sc, env0) for sc, _ in p.terms]
-        rows_used = sorted({i for (i, _) in blocks})
-        for k in range(nt):
-            for i in rows_used:
-                body.append(f"ssmc_t {', '.join(f'a{k}_{i * bs + a} = ssmc_t(0)' for a in range(bs))};")
-        for (i, j) in sorted(blocks, key=lambda b: (b[1], b[0])):      # column blocks in turn
-            for k in range(nt):
-                for a in range(bs):
-                    e, at = i * bs + a, k * n * n + (i * bs + a) * n + j * bs
-                    acc = f"a{k}_{e}"       # W from constant memory: an operand of the FFMA itself
-                    body.append(" ".join(f"{acc} += bsp_wc[{at + c}] * h{j * bs + c};" for c in range(bs)))
-        nsum = step_sums(r)
-        body += [f"ssmc_t {', '.join(f'ps{q}_{u} = ssmc_t(0)' for u in range(4))};" for q in range(nsum)]
-        for e in range(n):
-            env = {**env0, reg: str(e)}
-            terms = []
-            if not (isinstance(r.decay, Const) and r.decay.value == 0):
-                terms.append(f"{pr.expr(r.decay, env)} * h{e}")
-            if not (isinstance(r.drive, Const) and r.drive.value == 0):
-                terms.append(pr.expr(r.drive, env))
-            if e // bs in rows_used:
-                for k, sc in enumerate(scales):
-                    terms.append(f"a{k}_{e}" if sc == const(1.0) else f"{sc} * a{k}_{e}")
-            body.append(f"h{e} = {' + '.join(terms) or 'ssmc_t(0)'};")
-            senv = {**env, "@state": f"h{e}"}
-            q = 0
-            for k, o in enumerate(r.outputs):
-                if o.kind != "steps":
-                    continue
-                if reg in o.index:
-                    body.append(_store(r, k, o, senv, pr.expr(o.expr, senv), reg))
-                    continue
-                for red in _reduces(o.expr):          # four partial sums: a shorter chain
-                    body.append(f"ps{q}_{e % 4} += {pr.expr(red.arg, senv)};")
-                    q += 1
-        body += [f"const ssmc_t ps{q} = (ps{q}_0 + ps{q}_1) + (ps{q}_2 + ps{q}_3);" for q in range(nsum)]
-        q = 0
-        for k, o in enumerate(r.outputs):
-            if o.kind != "steps" or reg in o.index:
-                continue
-            bind = {}
-            for red in _reduces(o.expr):
-                bind[red] = f"ps{q}"
-                q += 1
-            senv = {**env0, "@bind": bind}
-            body.append(_store(r, k, o, senv, pr.expr(o.expr, senv), reg))
-        fetch = [f"const auto x{v} = *p{v};" for v in pr.fetch]
-        fetch += [f"if (t + 2 < L) {{ {' '.join(f'p{v} += d{v};' for v in pr.fetch)} }}"] if pr.fetch else []
-        top = (["if (t + 1 < L) {"] + ["  " + x for x in pr.copies("(t + 1)", "(t + 1) & 1")] + ["}"]
-               + ["bsp_commit();", "bsp_wait_prev();     // this step's copies (issued a step ago) are in"]) if pr.runs else []
-        steps.append((pr.copies("0", "0") + (["bsp_commit();"] if pr.runs else []), fetch + top + body
-                      + [f"r{v} = x{v};" for v in pr.fetch]))
-        nslots = max(nslots, pr.nslots())
-    post = pr.section([])
-    fenv = {**base, "t": "0"}
-    for k, o in enumerate(r.outputs):
-        if o.kind != "final":
-            continue
-        if reg in o.index:
-            for e in range(n):
-                env = {**fenv, reg: str(e), "@state": f"h{e}"}
-                post.append(_store(r, k, o, env, pr.expr(o.expr, env), reg))
-            continue
-        bind = {}
-        for red in _reduces(o.expr):
-            parts = [pr.expr(red.arg, {**fenv, reg: str(e), "@state": f"h{e}"}) for e in range(n)]
-            bind[red] = "(" + " + ".join(parts) + ")"
-        env = {**fenv, "@bind": bind}
-        post.append(_store(r, k, o, env, pr.expr(o.expr, env), reg))
-    return pr.pre + init, steps, post, nslots
-
-
-def render_lane(r: Region, p: CudaBSPlan, warps: int) -> Rendered:
-    from .cuda import jinja_env
-    kname = "ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name) + f"_lane{warps}"
-    pre, steps, post, nslots = render_lane_body(r, p)
-    fill = _Printer(r, "w")
-    wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
-    decls, params = _params(r, p)
-    decomp = [f"const long long ax_{a} = rr % sz_{a}; rr /= sz_{a};" for a in reversed(p.rows)]
-    src = jinja_env().get_template(LANE_TEMPLATE).render(
-        region_name=r.name, region_text=str(r), compute=p.compute, n=p.n, warps=warps,
+    decomp = []
+    for a in reversed(p.rows):
+        decomp.append(f"const long long ax_{a} = rr % sz_{a}; rr /= sz_{a};")
+    src = jinja_env().get_template(TEMPLATE).render(
+        region_name=r.name, region_text=str(r), compute=p.compute, n=p.n, groups=ngroups,
         params=decls, args=[d.split()[-1] for d in decls], decomp=decomp,
-        fill_pre=fill.pre + fill.lines, fill_value=wv, nblocks=len(p.blocks), bs=p.bs,
-        kname=kname, pre=pre, steps=steps, post=post, nslots=nslots)
-    return Rendered(warps, kname, src, tuple(params), 2 * nslots * warps * 32 * 16)
+        fill_pre=fill.pre + fill.lines, fill_value=wv, nred=nred, nblocks=len(p.blocks), bs=p.bs,
+        kname=kname, tab=tab, pre=pre, step=step, post=post, nterms=len(p.terms),
+        min_blocks=2 if ngroups >= 8 else 1)    # 8 warps: 128 registers, so two blocks fit an SM
+    return Rendered(ngroups, kname, src, tuple(params))
 
 
 # -- the kernel ------------------------------------------------------------------------------------
@@ -792,16 +560,13 @@ class CudaBlockSparseKernel:
                         + tab["npart"] * len(p.terms) * p.bs * 32) * esize
                 if tab["moved"][0] and smem <= SMEM_STATIC:
                     out.append((g, True))
-            if lane_fits(self.region, p) and _wbytes(p) <= LANE_CONST:
-                out += [(w, "lane") for w in LANE_WARPS if self.rendered((w, "lane")).smem <= SMEM_STATIC]
             self._choices = out
         return self._choices
 
     def rendered(self, key) -> Rendered:
         key = _choice(key)
         if key not in self._rendered:
-            self._rendered[key] = (render_lane(self.region, self.plan, key[0]) if key[1] == "lane"
-                                   else render(self.region, self.plan, *key))
+            self._rendered[key] = render(self.region, self.plan, *key)
         return self._rendered[key]
 
     @property
@@ -812,11 +577,10 @@ class CudaBlockSparseKernel:
     def describe(self) -> str:
         p = self.plan
         text = (f"mixed axis {p.reg} in {p.bs}x{p.bs} blocks, {len(p.blocks)}/{(p.n // p.bs) ** 2} compiled "
-                f"nonzero, rows over {list(p.rows)} (a lane each, 32 a block), the state split over warps by block rows"
-                + (" or (lane kernel) held whole by each lane" if any(c[1] == "lane" for c in self.choices()) else ""))
+                f"nonzero, rows over {list(p.rows)} (a lane each, 32 a block), the state split over warps by block rows")
         if self.timings:
             text += "; warps per block timed (s: blocks moved between warps): " + ", ".join(
-                f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items(), key=lambda kv: _label(kv[0])))
+                f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items()))
         return text
 
     def built(self, g, arch: int) -> bytes:
@@ -889,8 +653,6 @@ class CudaBlockSparseKernel:
             rows *= sizes[a]
         if rows == 0:
             return outs
-        unit = lane_ready(r, p, inputs, outs)
-        avail = [c for c in self.choices() if c[1] != "lane" or unit]      # the lane kernel's layouts only
         flag = self._pattern.get(inputs, p.n, p.bs, lambda bp: uncovered(bp, r.mix, p.bs, self._compiled_bp))
         args = []
         for kind, src in self.rendered(self.choices()[0]).params:
@@ -909,24 +671,22 @@ class CudaBlockSparseKernel:
             else:
                 v = {"L": L, "rows": rows}[src[0]]
             args.append((kind, int(v)))
-        bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs), unit)
+        grid = -(-rows // 32)
+        bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs))
         g = _choice(self.force_groups) if self.force_groups else self._picked.get(bucket)
-        if g is not None and g not in avail:
-            raise ValueError(f"{_label(g)} needs stride 1 along {p.reg} in every input and output that has it, "
-                             "and its 16-byte loads aligned")
         if g is None:
-            g = avail[0]
-            if timer is not None and len(avail) > 1:
+            g = self.choices()[0]
+            if timer is not None and len(self.choices()) > 1:
                 if prebuild is not None:
-                    prebuild(avail)
-                for c in avail:
-                    self.timings[c] = timer(lambda c=c: launch(c, _grid(c, rows), 32 * c[0], args))
-                g = min(avail, key=self.timings.get)
+                    prebuild(self.choices())
+                for c in self.choices():
+                    self.timings[c] = timer(lambda c=c: launch(c, grid, 32 * c[0], args))
+                g = min(self.timings, key=self.timings.get)
                 log.info("ssmc: region %s: block-sparse kernel, warps per block timed %s; %s kept", r.name,
-                         ", ".join(f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items(), key=lambda kv: _label(kv[0]))), _label(g))
+                         ", ".join(f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items())), _label(g))
             self._picked[bucket] = g
-        launch(g, _grid(g, rows), 32 * g[0], args)
-        self.last_launch = {"groups": g[0], "split": g[1], "grid": _grid(g, rows), "block": 32 * g[0], "rows": rows}
+        launch(g, grid, 32 * g[0], args)
+        self.last_launch = {"groups": g[0], "split": g[1], "grid": grid, "block": 32 * g[0], "rows": rows}
         return outs
 
     def _launch(self, idx: int, arch: int, g, grid: int, block: int, args):
@@ -935,34 +695,18 @@ class CudaBlockSparseKernel:
         conv = _ARG_TYPES()
         values = tuple(conv[k](v) for k, v in args)
         stream_ptr = torch.cuda.current_stream(idx).cuda_stream
-        lane = _choice(g)[1] == "lane"
         with cupy.cuda.Device(idx):
-            # the lane kernel's W is module state (constant memory): a module per stream, so
-            # calls on two streams at once do not share it
-            fkey = (idx, g, stream_ptr) if lane else (idx, g)
-            fn = self._functions.get(fkey)
+            fn = self._functions.get((idx, g))
             if fn is None:
                 mod = cupy.cuda.function.Module()
                 mod.load(self.built(g, arch))
-                name = self.rendered(g).kname
-                fn = mod.get_function(name)                                  # keeps mod alive
-                if lane:
-                    wg, wc = (_address(mod.get_global_var(v)) for v in ("bsp_wg", "bsp_wc"))
-                    fn = (mod.get_function(name + "_fill"), wg, wc, fn)
-                self._functions[fkey] = fn
+                fn = self._functions[(idx, g)] = mod.get_function(self.rendered(g).kname)   # keeps mod alive
             s = self._streams.get((idx, stream_ptr))
             if s is None:
                 import warnings
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", DeprecationWarning)
                     s = self._streams[(idx, stream_ptr)] = cupy.cuda.ExternalStream(stream_ptr, idx)
-            if lane:
-                fill, wg, wc, main = fn
-                fill((4, 1, 1), (256, 1, 1), values, stream=s)
-                cupy.cuda.runtime.memcpyAsync(wc, wg, _wbytes(self.plan), cupy.cuda.runtime.memcpyDeviceToDevice,
-                                              stream_ptr)
-                main((grid, 1, 1), (block, 1, 1), values, stream=s)
-                return
             fn((grid, 1, 1), (block, 1, 1), values, stream=s)
 
 
@@ -972,23 +716,7 @@ def _choice(key) -> tuple[int, bool]:
 
 def _label(key) -> str:
     g, split = _choice(key)
-    return f"lane{g}" if split == "lane" else f"{g}{'s' if split else ''}"
-
-
-def _address(var) -> int:
-    """The device address of a module global (cupy returns a MemoryPointer or an int)."""
-    return int(var.ptr) if hasattr(var, "ptr") else int(var)
-
-
-def _wbytes(p: CudaBSPlan) -> int:
-    """Bytes of the lane kernel's W (every term's n x n matrix)."""
-    return len(p.terms) * p.n * p.n * (8 if p.compute == "double" else 4)
-
-
-def _grid(key, rows: int) -> int:
-    """Blocks: 32 rows a block, or (lane kernel) 32 a warp."""
-    g, mode = _choice(key)
-    return -(-rows // (32 * g if mode == "lane" else 32))
+    return f"{g}{'s' if split else ''}"
 
 
 def _cuda_timer(fn, reps: int = 3) -> float:
