@@ -308,7 +308,18 @@ def main(argv=None):
     ap.add_argument("--variant", default=None,
                     help="only the grouped kernel's configs of these variants, comma-separated (those "
                          "of templates/triton/moe_scan_fwd.configs.json; default: all, autotuned)")
+    ap.add_argument("--bwd-variants", default="",
+                    help="cut the single-region backward's config table to these variants (e.g. seq4), for the "
+                         "per-expert backward and the grouped one's candidates alike: a shorter GPU call")
     args = ap.parse_args(argv)
+    if args.bwd_variants:
+        from ssmc.targets import triton_bwd as TB
+        names = set(args.bwd_variants.split(","))
+        table = TB.load_configs()
+        cut = {k: ([c for c in v if c.get("variant", "scan") in names] or v[:1]) if isinstance(v, list) else v
+               for k, v in table.items()}
+        TB.load_configs = lambda: cut
+        print(f"[bench_moe] backward configs: { {k: len(v) for k, v in cut.items() if isinstance(v, list)} }", flush=True)
     args.skip = set(filter(None, args.skip.split(",")))
     args.form = args.form or ("loop" if args.tiny else "scan")
     if args.tiny:
