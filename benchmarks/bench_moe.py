@@ -313,13 +313,8 @@ def main(argv=None):
                          "per-expert backward and the grouped one's candidates alike: a shorter GPU call")
     args = ap.parse_args(argv)
     if args.bwd_variants:
-        from ssmc.targets import triton_bwd as TB
-        names = set(args.bwd_variants.split(","))
-        table = TB.load_configs()
-        cut = {k: ([c for c in v if c.get("variant", "scan") in names] or v[:1]) if isinstance(v, list) else v
-               for k, v in table.items()}
-        TB.load_configs = lambda: cut
-        print(f"[bench_moe] backward configs: { {k: len(v) for k, v in cut.items() if isinstance(v, list)} }", flush=True)
+        from benchmarks.bench_train import only_variants
+        only_variants(set(args.bwd_variants.split(",")), forward=False)
     args.skip = set(filter(None, args.skip.split(",")))
     args.form = args.form or ("loop" if args.tiny else "scan")
     if args.tiny:

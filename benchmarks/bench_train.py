@@ -285,12 +285,12 @@ def run_mamba2(res, L, targets, baseline, check_L=None, profile=False):
     res[f"mamba2_b8_L{L}_h24_p64_n128_bf16_fwd_bwd"] = rows
 
 
-def only_variants(names):
-    """Cut the selective-scan forward and backward config tables to the entries of `names`
+def only_variants(names, forward: bool = True, backward: bool = True):
+    """Cut the selective-scan forward and/or backward config tables to the entries of `names`
     (an entry without "variant" is the table's default family: "scan" in the backward's, as
     written in the forward's). Every arch keeps at least its first entry."""
     from ssmc.targets import triton as T, triton_bwd as TB
-    for mod, default in ((T, None), (TB, "scan")):
+    for mod, default in [(T, None)] * forward + [(TB, "scan")] * backward:
         table = mod.load_configs()
         cut = {k: ([c for c in v if c.get("variant", default) in names] or v[:1]) if isinstance(v, list) else v
                for k, v in table.items()}
