@@ -165,12 +165,14 @@ def main(argv=None):
             say(f"[{label}] rel err vs float64 at b{check['b']} L{check['L']}: {row['rel_err_vs_float64']:.3g}")
             if hasattr(kern, "choices") and hasattr(kern, "force_groups"):      # every kernel the timing may pick
                 row["rel_err_per_choice"] = {}
-                for c in kern.choices():
-                    kern.force_groups = c
-                    o = fn(*ins)
-                    o = o[0] if isinstance(o, (tuple, list)) else o
-                    row["rel_err_per_choice"][str(c)] = rel(o, ref)
-                kern.force_groups = None
+                try:
+                    for c in kern.choices():
+                        kern.force_groups = c
+                        o = fn(*ins)
+                        o = o[0] if isinstance(o, (tuple, list)) else o
+                        row["rel_err_per_choice"][str(c)] = rel(o, ref)
+                finally:                  # the timing below picks among all of them again
+                    kern.force_groups = None
                 say(f"[{label}] rel err per kernel choice: {row['rel_err_per_choice']}")
             if getattr(kern, "fallback", None):
                 row["fallback"] = kern.fallback

@@ -290,7 +290,8 @@ def only_variants(names, forward: bool = True, backward: bool = True):
     (an entry without "variant" is the table's default family: "scan" in the backward's, as
     written in the forward's). Every arch keeps at least its first entry."""
     from ssmc.targets import triton as T, triton_bwd as TB
-    for mod, default in [(T, None)] * forward + [(TB, "scan")] * backward:
+    tables = ([(T, None)] if forward else []) + ([(TB, "scan")] if backward else [])
+    for mod, default in tables:
         table = mod.load_configs()
         cut = {k: ([c for c in v if c.get("variant", default) in names] or v[:1]) if isinstance(v, list) else v
                for k, v in table.items()}
