@@ -96,6 +96,7 @@ inline void __syncwarp(unsigned = 0xffffffffu) { ssmc_emu::warp_barriers[threadI
   T* name = reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(ssmc_emu::dyn_smem.data()) + 15) & ~std::uintptr_t(15))
 
 struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
 inline float __int_as_float(int i) { float x; std::memcpy(&x, &i, 4); return x; }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }

@@ -326,7 +326,10 @@ def test_cuda_kernel_emulated(form, bs, dtype, emu_dir, monkeypatch, tmp_path):
     dense = list(xs)
     dense[w] = xs[w] + 0.05           # nonzero everywhere: outside the compiled mask
     assert len(k.choices()) >= 2 or r.mix.nblocks == 1
-    for case in (xs, dense):
+    n = r.mix.block * r.mix.nblocks       # inputs along the state with stride 2: the scalar-load instance
+    strided = [torch.repeat_interleave(x, 2, -1)[..., ::2] if x.dim() >= 2 and x.shape[-1] == n else x for x in xs]
+    assert any(not x.is_contiguous() for x in strided)
+    for case in (xs, dense, strided):
         ref = ReferenceKernel(r).forward([x.double() for x in case])
         for groups in k.choices():
             k.force_groups = groups
@@ -334,6 +337,7 @@ def test_cuda_kernel_emulated(form, bs, dtype, emu_dir, monkeypatch, tmp_path):
             for o, e in zip(outs, ref):
                 assert rel_err(o, e) < tol, (form, groups, case is dense, rel_err(o, e))
             assert (k.last_launch["groups"], k.last_launch["split"]) == groups
+            assert k.last_launch["vec"] == (case is not strided or not k.rendered(groups).run_loads)
 
 
 def test_cuda_kernel_groups_balance_and_declines(monkeypatch):
@@ -398,13 +402,22 @@ def test_cuda_kernel_times_each_warp_count_once(monkeypatch, tmp_path):
         f()
         timed.append(launched[n])
         return fake_ms[launched[n]]
-    launch = lambda groups, grid, block, args: launched.append(groups)
+    keys = []
+    launch = lambda groups, grid, block, args: (launched.append(tuple(groups[:2])), keys.append(tuple(groups)))
     k.run(xs, launch, timer=timer, prebuild=built.append)
-    assert timed == choices and built == [choices] and (2, False) in choices and (4, False) in choices
+    assert timed == choices and built == [[c + (True,) for c in choices]] and (2, False) in choices and (4, False) in choices
     assert launched[-1] == choices[-1] and k.last_launch["groups"] == choices[-1][0]
+    assert all(key[2] for key in keys) and k.last_launch["vec"]     # contiguous inputs: the vector-load instance
     n = len(launched)
     k.run(xs, launch, timer=timer)
     assert launched[n:] == [choices[-1]] and len(timed) == len(choices)     # the same bucket: no timing
+    # B along the state with stride 2 (a view of a wider tensor): the scalar-load instance, timed anew
+    wide = [x for x in xs]
+    b_in = next(i for i, s in enumerate(r.inputs) if tuple(xs[i].shape) == tuple(ins[4].shape))
+    wide[b_in] = torch.repeat_interleave(xs[b_in], 2, dim=-1)[..., ::2]
+    assert not wide[b_in].is_contiguous() and torch.equal(wide[b_in], xs[b_in])
+    k.run(wide, launch, timer=timer)
+    assert not keys[-1][2] and not k.last_launch["vec"]
 
 
 @pytest.mark.parametrize("cc", [80, 90])

@@ -157,13 +157,15 @@ class _Printer:
     state and of time go to `pre` (before the time loop), the rest to the section in use.
     Loads at time "t" in the step are loaded one step ahead (`fetch` / `swap`)."""
 
-    def __init__(self, r: Region, prefix: str):
-        self.r, self.prefix = r, prefix
+    def __init__(self, r: Region, prefix: str, bs: int = 0, vec: bool = False):
+        self.r, self.prefix, self.bs, self.vec = r, prefix, bs, vec
         self.pre: list[str] = []
         self.lines: list[str] = []
         self.memo: dict = {}
         self.count = 0
-        self.fetch: list[str] = []                 # values loaded one step ahead (r<v>, p<v>, d<v>)
+        self.fetch: list[tuple] = []               # (v, elements, C type): values loaded one step ahead (r<v>, p<v>, d<v>)
+        self.runs: dict = {}                       # (input, index, slot) -> v: a block row's run of a load
+        self.run_loads: list = []                  # (input, dim of the mixed axis) of those runs
         self.global_names: set = set()             # declared before the time loop: visible everywhere
         self.outer: list | None = None             # the step's own section, while printing per element
 
@@ -196,15 +198,7 @@ class _Printer:
         if isinstance(e, Load):
             code = self._load(e, env)
             if "t" in e.index and env.get("t") == "t" and env.get("@fetch"):
-                # loaded one step ahead, raw (converted where used, so the wait for the load
-                # falls in the next step); the pointer walks time by the time stride
-                v, ty = self.name(), CTYPES[self.r.inputs[e.input].dtype]
-                st = f"is{e.input}_{e.index.index('t')}"
-                self.pre += [f"{ty} r{v} = {code.replace('{t}', 't0')};",
-                             f"const {ty}* p{v} = &{code.replace('{t}', 't1')};",
-                             f"const long long d{v} = {st};"]
-                self.fetch.append(v)
-                use = f"ssmc_cvt(r{v})"
+                use = self._fetch(e, env, code)
                 self.global_names.add(use)
                 self.memo[key] = use
                 return use
@@ -221,6 +215,39 @@ class _Printer:
             self.global_names.add(v)
         self.memo[key] = v
         return v
+
+    def _fetch(self, e: Load, env, code: str) -> str:
+        """A load at time t in the step, loaded one step ahead, raw (converted where used, so
+        the wait for the load falls in the next step); its pointer walks time by the time
+        stride. A load along the mixed axis at a block row's element (env "@elem": slot, element)
+        is fetched once for the whole run of BS elements of that block row: one pointer, and a
+        vector load where the instance has them (`vec`: the run contiguous and aligned)."""
+        ty = CTYPES[self.r.inputs[e.input].dtype]
+        st = f"is{e.input}_{e.index.index('t')}"
+        reg, el = self.r.axes[-1], env.get("@elem")
+        if el is not None and reg in e.index and self.bs:
+            q, a = el
+            rk = (e.input, e.index, q)
+            v = self.runs.get(rk)
+            if v is None:
+                v = self.runs[rk] = self.name()
+                dim = e.index.index(reg)
+                se = f"is{e.input}_{dim}"
+                at = self._load(e, {**env, reg: f"bq{q} * {self.bs}"})
+                self.pre += [f"__align__(16) {ty} r{v}[{self.bs}];",
+                             f"ssmc_bsp_fetch<{self.bs}, {int(self.vec)}>(r{v}, &{at.replace('{t}', 't0')}, {se});",
+                             f"const {ty}* p{v} = &{at.replace('{t}', 't1')};",
+                             f"const long long d{v} = {st}, s{v} = {se};"]
+                self.fetch.append((v, self.bs, ty))
+                if (e.input, dim) not in self.run_loads:
+                    self.run_loads.append((e.input, dim))
+            return f"ssmc_bsp_elem(r{v}, {a})"
+        v = self.name()
+        self.pre += [f"{ty} r{v} = {code.replace('{t}', 't0')};",
+                     f"const {ty}* p{v} = &{code.replace('{t}', 't1')};",
+                     f"const long long d{v} = {st};"]
+        self.fetch.append((v, 0, ty))
+        return f"ssmc_cvt(r{v})"
 
     def _load(self, e: Load, env) -> str:
         terms = []
@@ -313,14 +340,27 @@ def tables(p: CudaBSPlan, ngroups: int, split: bool = False) -> dict:
             "npart": max(moved)}
 
 
-def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list, list, list]:
-    """(before the time loop, the step, after it): the same code for every warp; a warp's block
-    rows come from the tables (`tab`), its column blocks are a loop. A step: each warp's products
-    (and, with moved blocks, the partial products it does for other warps, then a barrier),
-    then its elements' updates."""
+def f4_state(p: CudaBSPlan) -> bool:
+    """Whether W and the exchanged state are read as float4 (hs laid out [N/4][32 lanes][4]: a
+    lane's four consecutive elements in one 16-byte word)."""
+    return p.compute == "float" and p.n % 4 == 0 and p.bs % 4 == 0
+
+
+def hs_at(p: CudaBSPlan, buf: str, e: str) -> str:
+    """The exchange buffer's slot of state element `e` (C code) for this block's lane."""
+    return f"hs[{buf}][({e}) >> 2][lane][({e}) & 3]" if f4_state(p) else f"hs[{buf}][{e}][lane]"
+
+
+def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = False) -> tuple[list, list, list, list]:
+    """(before the time loop, the step, after it, the run loads): the same code for every
+    warp; a warp's block rows come from the tables (`tab`), its column blocks are a loop. A
+    step: each warp's products (and, with moved blocks, the partial products it does for other
+    warps, then a barrier), then its elements' updates. `vec`: the runs of a block row's
+    elements along the mixed axis are read with vector loads (the caller checks that they are
+    contiguous and aligned); the run loads are (input, dim of the mixed axis)."""
     bs, reg, slots = p.bs, p.reg, tab["slots"]
     nt = len(p.terms)
-    pr = _Printer(r, "v")
+    pr = _Printer(r, "v", bs, vec)
     base = {a: f"ax_{a}" for a in p.rows}
     head = []
     for q in range(slots):
@@ -332,7 +372,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list
         for a in range(bs):
             e = f"e{q}_{a}"
             v = pr.expr(Load(r.init, tuple(r.axes)), {**base, reg: e}) if r.init is not None else "ssmc_t(0)"
-            init.append(f"  hq{q}_{a} = {v}; hs[0][{e}][lane] = hq{q}_{a};")
+            init.append(f"  hq{q}_{a} = {v}; {hs_at(p, '0', e)} = hq{q}_{a};")
         init.append("}")
     init[:0] = [f"ssmc_t {', '.join(f'hq{q}_{a} = ssmc_t(0)' for a in range(bs))};" for q in range(slots)]
     init.append("__syncthreads();")
@@ -342,23 +382,37 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list
     scales = [pr.expr(sc, env0) for sc, _ in p.terms]
     nsum = step_sums(r)
     body += [f"ssmc_t ps{k} = ssmc_t(0);" for k in range(nsum)]
-    vec = p.compute == "float" and p.n % 4 == 0 and bs % 4 == 0
+    f4 = f4_state(p)
+    fma = "fmaf" if p.compute == "float" else "fma"
 
     def block_products(row: str, col: str, acc, indent: str) -> list[str]:
-        """acc(k, a) += W_k[row * BS + a, col * BS + c] * h[col * BS + c], c < BS."""
-        out = [f"{indent}const ssmc_t g{c} = hs[cur][{col} * {bs} + {c}][lane];" for c in range(bs)]
+        """acc(k, a) += W_k[row * BS + a, col * BS + c] * h[col * BS + c], c < BS: a chain of
+        FMAs per output (W and h as float4 where the layout has them)."""
+        if f4:
+            out = [f"{indent}const float4 g{c4} = *reinterpret_cast<const float4*>(&hs[cur][{col} * {bs // 4} + {c4}][lane][0]);"
+                   for c4 in range(bs // 4)]
+            h = [f"g{c // 4}.{'xyzw'[c % 4]}" for c in range(bs)]
+        else:
+            out = [f"{indent}const ssmc_t g{c} = {hs_at(p, 'cur', f'{col} * {bs} + {c}')};" for c in range(bs)]
+            h = [f"g{c}" for c in range(bs)]
         for k in range(nt):
             for a in range(bs):
                 at = f"{k * p.n * p.n} + ({row} * {bs} + {a}) * {p.n} + {col} * {bs}"
-                if vec:
+                if f4:
                     out.append(f"{indent}{{ const float4* w = reinterpret_cast<const float4*>(Ws + {at});")
-                    terms = []
+                    w = []
                     for c4 in range(bs // 4):
                         out.append(f"{indent}  const float4 w{c4} = w[{c4}];")
-                        terms += [f"w{c4}.{'xyzw'[c]} * g{4 * c4 + c}" for c in range(4)]
-                    out.append(f"{indent}  {acc(k, a)} += {' + '.join(terms)}; }}")
+                        w += [f"w{c4}.{'xyzw'[c]}" for c in range(4)]
+                    chain = acc(k, a)
+                    for c in range(bs):
+                        chain = f"{fma}({w[c]}, {h[c]}, {chain})"
+                    out.append(f"{indent}  {acc(k, a)} = {chain}; }}")
                 else:
-                    out.append(f"{indent}{acc(k, a)} += {' + '.join(f'Ws[{at} + {c}] * g{c}' for c in range(bs))};")
+                    chain = acc(k, a)
+                    for c in range(bs):
+                        chain = f"{fma}(Ws[{at} + {c}], {h[c]}, {chain})"
+                    out.append(f"{indent}{acc(k, a)} = {chain};")
         return out
     products, helpers, slot_code = [], [], []
     for q in range(slots):
@@ -388,7 +442,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list
         pr.lines, pr.outer = inner, body
         for a in range(bs):
             e = f"e{q}_{a}"
-            env = {**env0, reg: e}
+            env = {**env0, reg: e, "@elem": (q, a)}
             inner.append(f"const ssmc_t o{a} = hq{q}_{a};       // the warp's own state stays in registers")
             terms = []
             if not (isinstance(r.decay, Const) and r.decay.value == 0):
@@ -398,7 +452,12 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list
             for k, sc in enumerate(scales):
                 terms.append(f"a{q}_{k}_{a}" if sc == const(1.0) else f"{sc} * a{q}_{k}_{a}")
             inner.append(f"const ssmc_t n{a} = {' + '.join(terms) or 'ssmc_t(0)'};")
-            inner.append(f"hs[cur ^ 1][{e}][lane] = n{a}; hq{q}_{a} = n{a};")
+            inner.append(f"hq{q}_{a} = n{a};")
+            if not f4:
+                inner.append(f"{hs_at(p, 'cur ^ 1', e)} = n{a};")
+            elif a % 4 == 3:        # four elements at once
+                inner.append(f"*reinterpret_cast<float4*>(&hs[cur ^ 1][bq{q} * {bs // 4} + {a // 4}][lane][0]) = "
+                             f"make_float4({', '.join(f'n{a - 3 + i}' for i in range(4))});")
             senv = {**env, "@state": f"n{a}"}
             k_sum = 0
             for k, o in enumerate(r.outputs):
@@ -417,9 +476,15 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list
     fin = pr.section([])
     finish = _finish_steps(r, p, pr, base, ngroups, "to")
     pr.section(body)
-    fetch = [f"const auto x{v} = *p{v};" for v in pr.fetch]
-    fetch += [f"if (s + 2 < L) {{ {' '.join(f'p{v} += d{v};' for v in pr.fetch)} }}"] if pr.fetch else []
-    swap = [f"r{v} = x{v};" for v in pr.fetch]
+    fetch, swap = [], []
+    for v, run, ty in pr.fetch:
+        if run:
+            fetch.append(f"__align__(16) {ty} x{v}[{run}]; ssmc_bsp_fetch<{run}, {int(vec)}>(x{v}, p{v}, s{v});")
+            swap += [f"r{v}[{a}] = x{v}[{a}];" for a in range(run)]
+        else:
+            fetch.append(f"const auto x{v} = *p{v};")
+            swap.append(f"r{v} = x{v};")
+    fetch += [f"if (s + 2 < L) {{ {' '.join(f'p{v} += d{v};' for v, _, _ in pr.fetch)} }}"] if pr.fetch else []
     step = (fetch + [f"if (s > 0 && (s - 1) % {ngroups} == warp) {{", "  const int to = s - 1;",
                      "  const int pb = cur ^ 1;"] + ["  " + x for x in fin + finish] + ["}"]
             + body + products + helpers + slot_code + [f"red[{k}][cur][warp][lane] = ps{k};" for k in range(nsum)]
@@ -432,7 +497,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list
     finals = [o for o in r.outputs if o.kind == "final"]
     if finals:
         fl = pr.section([])
-        fl += [f"const ssmc_t hf{e} = hs[L & 1][{e}][lane];" for e in range(p.n)]
+        fl += [f"const ssmc_t hf{e} = {hs_at(p, 'L & 1', str(e))};" for e in range(p.n)]
         fenv = {**base, "t": "0"}
         for k, o in enumerate(r.outputs):
             if o.kind != "final":
@@ -449,7 +514,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict) -> tuple[list
             env = {**fenv, "@bind": bind}
             fl.append(_store(r, k, o, env, pr.expr(o.expr, env)))
         post += ["if (warp == 0) {"] + ["  " + x for x in fl] + ["}"]
-    return head + pr.pre + init, step, post
+    return head + pr.pre + init, step, post, pr.run_loads
 
 
 def _finish_steps(r: Region, p: CudaBSPlan, pr: _Printer, base: dict, ngroups: int, tvar: str) -> list[str]:
@@ -481,13 +546,16 @@ class Rendered:
     kname: str
     source: str
     params: tuple        # (kind, source) per kernel parameter, in order
+    run_loads: tuple = ()   # (input, dim of the mixed axis): loads read as a block row's run
+    vec: bool = False       # ... with vector loads (contiguous and aligned: checked at launch)
 
 
-def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False) -> Rendered:
+def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: bool = False) -> Rendered:
     from .cuda import jinja_env
-    kname = "ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name) + f"_g{ngroups}{'s' if split else ''}"
+    kname = ("ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
+             + f"_g{ngroups}{'s' if split else ''}{'v' if vec else ''}")
     tab = tables(p, ngroups, split)
-    pre, step, post = render_body(r, p, ngroups, tab)
+    pre, step, post, run_loads = render_body(r, p, ngroups, tab, vec)
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
     nred = step_sums(r)
@@ -516,9 +584,9 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False) -> Rende
         region_name=r.name, region_text=str(r), compute=p.compute, n=p.n, groups=ngroups,
         params=decls, args=[d.split()[-1] for d in decls], decomp=decomp,
         fill_pre=fill.pre + fill.lines, fill_value=wv, nred=nred, nblocks=len(p.blocks), bs=p.bs,
-        kname=kname, tab=tab, pre=pre, step=step, post=post, nterms=len(p.terms),
+        kname=kname, tab=tab, pre=pre, step=step, post=post, nterms=len(p.terms), f4=f4_state(p),
         min_blocks=2 if ngroups >= 8 else 1)    # 8 warps: 128 registers, so two blocks fit an SM
-    return Rendered(ngroups, kname, src, tuple(params))
+    return Rendered(ngroups, kname, src, tuple(params), tuple(run_loads), vec)
 
 
 # -- the kernel ------------------------------------------------------------------------------------
@@ -564,6 +632,7 @@ class CudaBlockSparseKernel:
         return self._choices
 
     def rendered(self, key) -> Rendered:
+        """The instance of a key: (warps, split) or (warps, split, vector loads)."""
         key = _choice(key)
         if key not in self._rendered:
             self._rendered[key] = render(self.region, self.plan, *key)
@@ -571,7 +640,8 @@ class CudaBlockSparseKernel:
 
     @property
     def source(self) -> str:
-        g = (self.last_launch["groups"], self.last_launch["split"]) if self.last_launch else self.choices()[0]
+        last = self.last_launch
+        g = (last["groups"], last["split"], last["vec"]) if last else self.choices()[0]
         return self.rendered(g).source
 
     def describe(self) -> str:
@@ -672,21 +742,22 @@ class CudaBlockSparseKernel:
                 v = {"L": L, "rows": rows}[src[0]]
             args.append((kind, int(v)))
         grid = -(-rows // 32)
-        bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs))
-        g = _choice(self.force_groups) if self.force_groups else self._picked.get(bucket)
+        vec = runs_vectorizable(inputs, self.rendered(self.choices()[0]).run_loads, p.bs)
+        bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs), vec)
+        g = _choice(self.force_groups)[:2] if self.force_groups else self._picked.get(bucket)
         if g is None:
             g = self.choices()[0]
             if timer is not None and len(self.choices()) > 1:
                 if prebuild is not None:
-                    prebuild(self.choices())
+                    prebuild([c + (vec,) for c in self.choices()])
                 for c in self.choices():
-                    self.timings[c] = timer(lambda c=c: launch(c, grid, 32 * c[0], args))
+                    self.timings[c] = timer(lambda c=c: launch(c + (vec,), grid, 32 * c[0], args))
                 g = min(self.timings, key=self.timings.get)
                 log.info("ssmc: region %s: block-sparse kernel, warps per block timed %s; %s kept", r.name,
                          ", ".join(f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items())), _label(g))
             self._picked[bucket] = g
-        launch(g, grid, 32 * g[0], args)
-        self.last_launch = {"groups": g[0], "split": g[1], "grid": grid, "block": 32 * g[0], "rows": rows}
+        launch(g + (vec,), grid, 32 * g[0], args)
+        self.last_launch = {"groups": g[0], "split": g[1], "vec": vec, "grid": grid, "block": 32 * g[0], "rows": rows}
         return outs
 
     def _launch(self, idx: int, arch: int, g, grid: int, block: int, args):
@@ -710,13 +781,36 @@ class CudaBlockSparseKernel:
             fn((grid, 1, 1), (block, 1, 1), values, stream=s)
 
 
-def _choice(key) -> tuple[int, bool]:
-    return (key, False) if isinstance(key, int) else tuple(key)
+def _choice(key) -> tuple[int, bool, bool]:
+    """(warps, split, vector loads) of a key: an int (warps), or a tuple of the first two or all three."""
+    key = (key,) if isinstance(key, int) else tuple(key)
+    return key + (False,) * (3 - len(key))
 
 
 def _label(key) -> str:
-    g, split = _choice(key)
-    return f"{g}{'s' if split else ''}"
+    g, split, vec = _choice(key)
+    return f"{g}{'s' if split else ''}{'v' if vec else ''}"
+
+
+def vec_bytes(bs: int, esize: int) -> int:
+    """The vector a block row's run of `bs` elements is read with (ssmc_vec_bytes in the prelude)."""
+    b = bs * esize
+    return 16 if b % 16 == 0 else 8 if b % 8 == 0 else 4 if b == 4 else 0
+
+
+def runs_vectorizable(inputs, run_loads, bs: int) -> bool:
+    """Whether every run load can be a vector load for any row, step and block row: stride 1 along
+    the mixed axis, the base pointer and every other stride of more than one element aligned."""
+    for k, dim in run_loads:
+        x = inputs[k]
+        vb = vec_bytes(bs, x.element_size())
+        if vb == 0:
+            continue
+        if x.stride(dim) != 1 or x.data_ptr() % vb:
+            return False
+        if any(x.size(d) > 1 and (x.stride(d) * x.element_size()) % vb for d in range(x.dim()) if d != dim):
+            return False
+    return True
 
 
 def _cuda_timer(fn, reps: int = 3) -> float:
