@@ -361,11 +361,23 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
     bs, reg, slots = p.bs, p.reg, tab["slots"]
     nt = len(p.terms)
     pr = _Printer(r, "v", bs, vec)
+    st0 = tab["start"][0]
+    maxc = max(st0[i + 1] - st0[i] for i in range(len(st0) - 1))   # column blocks of a row in the compiled mask, at most
     base = {a: f"ax_{a}" for a in p.rows}
     head = []
     for q in range(slots):
         head.append(f"const int bi{q} = bsp_rows[P][warp][{q}], bq{q} = bi{q} < 0 ? 0 : bi{q};")
         head += [f"const int e{q}_{a} = bq{q} * {bs} + {a};" for a in range(bs)]
+        # the block row's column blocks in the compiled mask, read from the tables once: no
+        # constant-memory load (and its latency before the shared-memory loads) in the time loop
+        head.append(f"const int zs{q} = bi{q} < 0 ? 0 : bsp_start[P][bi{q}], "
+                    f"nc{q} = bi{q} < 0 ? 0 : bsp_start[P][bi{q} + 1] - zs{q};")
+        head += [f"const int bj{q}_{i} = nc{q} > {i} ? bsp_cols[P][zs{q} + {i}] : 0;" for i in range(maxc)]
+    head += [f"const int pp{q}_{pk} = bi{q} < 0 ? -1 : bsp_parts[P][bi{q}][{pk}];"
+             for q in range(slots) for pk in range(tab["pslots"])]
+    for h in range(tab["hslots"]):
+        head.append(f"const int hb{h} = bsp_help[P][warp][{h}][0], hj{h} = bsp_help[P][warp][{h}][1], "
+                    f"hp{h} = bsp_help[P][warp][{h}][2];")
     init = []
     for q in range(slots):
         init.append(f"if (bi{q} >= 0) {{")
@@ -417,27 +429,32 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
     products, helpers, slot_code = [], [], []
     for q in range(slots):
         products.append(f"ssmc_t {', '.join(f'a{q}_{k}_{a} = ssmc_t(0)' for k in range(nt) for a in range(bs))};")
-        products.append(f"if (bi{q} >= 0) {{")
-        products.append(f"  for (int z = bsp_start[P][bi{q}]; z < bsp_start[P][bi{q} + 1]; ++z) {{")
-        products.append("    const int bj = bsp_cols[P][z];")
-        products += block_products(f"bi{q}", "bj", lambda k, a, q=q: f"a{q}_{k}_{a}", "    ")
-        products += ["  }", "}"]
+        acc = lambda k, a, q=q: f"a{q}_{k}_{a}"
+        if tab["paths"] > 1:
+            products.append("if (P == 0) {")
+        for i in range(maxc):
+            products.append(f"  if (nc{q} > {i}) {{")
+            products += block_products(f"bq{q}", f"bj{q}_{i}", acc, "    ")
+            products.append("  }")
+        if tab["paths"] > 1:        # every block (the inputs' pattern is not covered): a loop
+            products.append("} else {")
+            products.append(f"  for (int z = zs{q}; z < zs{q} + nc{q}; ++z) {{")
+            products.append("    const int bj = bsp_cols[P][z];")
+            products += block_products(f"bq{q}", "bj", acc, "    ")
+            products += ["  }", "}"]
     for h in range(tab["hslots"]):          # blocks moved here from a more loaded warp
-        helpers.append(f"{{ const int hb = bsp_help[P][warp][{h}][0], hj = bsp_help[P][warp][{h}][1], "
-                       f"hp = bsp_help[P][warp][{h}][2];")
-        helpers.append("  if (hb >= 0) {")
-        helpers += [f"    ssmc_t {', '.join(f'm{k}_{a} = ssmc_t(0)' for k in range(nt) for a in range(bs))};"]
-        helpers += block_products("hb", "hj", lambda k, a: f"m{k}_{a}", "    ")
-        helpers += [f"    pacc[hp][{k}][{a}][lane] = m{k}_{a};" for k in range(nt) for a in range(bs)]
-        helpers += ["  }", "}"]
+        helpers.append(f"if (hb{h} >= 0) {{")
+        helpers += [f"  ssmc_t {', '.join(f'm{k}_{a} = ssmc_t(0)' for k in range(nt) for a in range(bs))};"]
+        helpers += block_products(f"hb{h}", f"hj{h}", lambda k, a: f"m{k}_{a}", "  ")
+        helpers += [f"  pacc[hp{h}][{k}][{a}][lane] = m{k}_{a};" for k in range(nt) for a in range(bs)]
+        helpers.append("}")
     if tab["npart"]:
         helpers.append("__syncthreads();    // the moved blocks' partial products are in pacc")
     for q in range(slots):
         lines = [f"if (bi{q} >= 0) {{"]
         for pk in range(tab["pslots"]):
-            lines.append(f"  {{ const int pp = bsp_parts[P][bi{q}][{pk}];")
-            lines.append("    if (pp >= 0) { " + " ".join(f"a{q}_{k}_{a} += pacc[pp][{k}][{a}][lane];"
-                                                      for k in range(nt) for a in range(bs)) + " } }")
+            lines.append(f"  if (pp{q}_{pk} >= 0) {{ " + " ".join(f"a{q}_{k}_{a} += pacc[pp{q}_{pk}][{k}][{a}][lane];"
+                                                           for k in range(nt) for a in range(bs)) + " }")
         inner = []
         pr.lines, pr.outer = inner, body
         for a in range(bs):
