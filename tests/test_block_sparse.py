@@ -336,7 +336,7 @@ def test_cuda_kernel_emulated(form, bs, dtype, emu_dir, monkeypatch, tmp_path):
             outs = _emulate_bsp(k, case, emu_dir)
             for o, e in zip(outs, ref):
                 assert rel_err(o, e) < tol, (form, groups, case is dense, rel_err(o, e))
-            assert (k.last_launch["groups"], k.last_launch["split"], k.last_launch["sub"]) == groups
+            assert (k.last_launch["groups"], k.last_launch["split"]) == groups
             assert k.last_launch["vec"] == (case is not strided or not k.rendered(groups).run_loads)
 
 
@@ -403,12 +403,11 @@ def test_cuda_kernel_times_each_warp_count_once(monkeypatch, tmp_path):
         timed.append(launched[n])
         return fake_ms[launched[n]]
     keys = []
-    launch = lambda groups, grid, block, args: (launched.append(tuple(groups[:3])), keys.append(tuple(groups)))
+    launch = lambda groups, grid, block, args: (launched.append(tuple(groups[:2])), keys.append(tuple(groups)))
     k.run(xs, launch, timer=timer, prebuild=built.append)
-    assert timed == choices and built == [[c + (True,) for c in choices]] and (2, False, 1) in choices
-    assert (4, False, 1) in choices and (4, False, 2) in choices
+    assert timed == choices and built == [[c + (True,) for c in choices]] and (2, False) in choices and (4, False) in choices
     assert launched[-1] == choices[-1] and k.last_launch["groups"] == choices[-1][0]
-    assert all(key[3] for key in keys) and k.last_launch["vec"]     # contiguous inputs: the vector-load instance
+    assert all(key[2] for key in keys) and k.last_launch["vec"]     # contiguous inputs: the vector-load instance
     n = len(launched)
     k.run(xs, launch, timer=timer)
     assert launched[n:] == [choices[-1]] and len(timed) == len(choices)     # the same bucket: no timing
@@ -418,7 +417,7 @@ def test_cuda_kernel_times_each_warp_count_once(monkeypatch, tmp_path):
     wide[b_in] = torch.repeat_interleave(xs[b_in], 2, dim=-1)[..., ::2]
     assert not wide[b_in].is_contiguous() and torch.equal(wide[b_in], xs[b_in])
     k.run(wide, launch, timer=timer)
-    assert not keys[-1][3] and not k.last_launch["vec"]
+    assert not keys[-1][2] and not k.last_launch["vec"]
 
 
 @pytest.mark.parametrize("cc", [80, 90])
@@ -457,7 +456,7 @@ def test_gpu_cuda_block_sparse(dtype):
     assert info.target == "cuda" and info.strategy == "block_sparse", str(report)
     kern = lookup(info.key).kernel
     assert kern.last_launch is not None
-    assert (kern.last_launch["groups"], kern.last_launch["split"], kern.last_launch["sub"]) in kern.choices()
+    assert (kern.last_launch["groups"], kern.last_launch["split"]) in kern.choices()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel_err(out, reference(P.euler_matmul, ins)[0]) < tol
     ins2 = (*ins[:3], torch.ones_like(ins[3]), *ins[4:])     # dense at run time: the second kernel

@@ -50,7 +50,6 @@ SMEM_BUDGET = 44 * 1024   # static shared memory for the matrices and the exchan
 SMEM_STATIC = 48 * 1024   # all the kernel's static shared memory
 GROUPS = (2, 4, 8)      # warps per block, each owning some block rows of the mask; timed on first use
 SPLIT_GROUPS = (8,)     # ... and with blocks of the heaviest rows moved to the least loaded warps
-HALF_GROUPS = (4, 8)    # ... and with each block row's elements in two halves (units of work)
 MAX_PARTS = 8           # blocks moved at most (their partial sums: MAX_PARTS * BS * 32 in shared memory)
 
 
@@ -136,16 +135,14 @@ def _outside(e):
     return e
 
 
-def groups(plan: CudaBSPlan, blocks, g: int, sub: int = 1) -> list[list[int]]:
-    """Units per warp, a unit being part k of `sub` equal parts of block row i (its output
-    elements; id i * sub + k): largest first onto the least loaded warp (cost: nonzero blocks of
-    the row, plus one for its own elements), each warp's units in order. With sub = 2 a heavy
-    row's work splits over two warps, so a step waits less on the warp of the heaviest row."""
+def groups(plan: CudaBSPlan, blocks, g: int) -> list[list[int]]:
+    """Block rows per warp: largest first onto the least loaded warp (cost: nonzero blocks of
+    the row, plus one for its own elements), each warp's rows in order."""
     nb = plan.n // plan.bs
-    cost = {i * sub + k: 1 + sum(1 for (r, _) in blocks if r == i) for i in range(nb) for k in range(sub)}
-    bins: list[list[int]] = [[] for _ in range(min(g, nb * sub))]
+    cost = {i: 1 + sum(1 for (r, _) in blocks if r == i) for i in range(nb)}
+    bins: list[list[int]] = [[] for _ in range(min(g, nb))]
     load = [0] * len(bins)
-    for i in sorted(cost, key=lambda i: (-cost[i], i)):
+    for i in sorted(range(nb), key=lambda i: (-cost[i], i)):
         w = min(range(len(bins)), key=lambda w: (load[w], w))
         bins[w].append(i)
         load[w] += cost[i]
@@ -160,8 +157,8 @@ class _Printer:
     state and of time go to `pre` (before the time loop), the rest to the section in use.
     Loads at time "t" in the step are loaded one step ahead (`fetch` / `swap`)."""
 
-    def __init__(self, r: Region, prefix: str, run: int = 0, vec: bool = False):
-        self.r, self.prefix, self.run, self.vec = r, prefix, run, vec
+    def __init__(self, r: Region, prefix: str, bs: int = 0, vec: bool = False):
+        self.r, self.prefix, self.bs, self.vec = r, prefix, bs, vec
         self.pre: list[str] = []
         self.lines: list[str] = []
         self.memo: dict = {}
@@ -222,13 +219,13 @@ class _Printer:
     def _fetch(self, e: Load, env, code: str) -> str:
         """A load at time t in the step, loaded one step ahead, raw (converted where used, so
         the wait for the load falls in the next step); its pointer walks time by the time
-        stride. A load along the mixed axis at a slot's element (env "@elem": slot, element) is
-        fetched once for the slot's whole run of `run` elements (from bo<slot>): one pointer,
-        and a vector load where the instance has them (`vec`: the run contiguous and aligned)."""
+        stride. A load along the mixed axis at a block row's element (env "@elem": slot, element)
+        is fetched once for the whole run of BS elements of that block row: one pointer, and a
+        vector load where the instance has them (`vec`: the run contiguous and aligned)."""
         ty = CTYPES[self.r.inputs[e.input].dtype]
         st = f"is{e.input}_{e.index.index('t')}"
         reg, el = self.r.axes[-1], env.get("@elem")
-        if el is not None and reg in e.index and self.run:
+        if el is not None and reg in e.index and self.bs:
             q, a = el
             rk = (e.input, e.index, q)
             v = self.runs.get(rk)
@@ -236,12 +233,12 @@ class _Printer:
                 v = self.runs[rk] = self.name()
                 dim = e.index.index(reg)
                 se = f"is{e.input}_{dim}"
-                at = self._load(e, {**env, reg: f"bo{q}"})
-                self.pre += [f"__align__(16) {ty} r{v}[{self.run}];",
-                             f"ssmc_bsp_fetch<{self.run}, {int(self.vec)}>(r{v}, &{at.replace('{t}', 't0')}, {se});",
+                at = self._load(e, {**env, reg: f"bq{q} * {self.bs}"})
+                self.pre += [f"__align__(16) {ty} r{v}[{self.bs}];",
+                             f"ssmc_bsp_fetch<{self.bs}, {int(self.vec)}>(r{v}, &{at.replace('{t}', 't0')}, {se});",
                              f"const {ty}* p{v} = &{at.replace('{t}', 't1')};",
                              f"const long long d{v} = {st}, s{v} = {se};"]
-                self.fetch.append((v, self.run, ty))
+                self.fetch.append((v, self.bs, ty))
                 if (e.input, dim) not in self.run_loads:
                     self.run_loads.append((e.input, dim))
             return f"ssmc_bsp_elem(r{v}, {a})"
@@ -288,10 +285,10 @@ def _store(r: Region, k: int, o: ir.OutputSpec, env: dict, value: str) -> str:
     return f"if (live) out{k}[{' + '.join(terms) or '0'}] = ssmc_from<{CTYPES[o.dtype]}>({value});"
 
 
-def tables(p: CudaBSPlan, ngroups: int, split: bool = False, sub: int = 1) -> dict:
+def tables(p: CudaBSPlan, ngroups: int, split: bool = False) -> dict:
     """The work lists the kernel reads from constant memory, per path (0: the compiled mask; 1,
-    unless that is dense: every block): each warp's units (``rows[path][warp][slot]``: block row
-    i * sub + part, -1 for none; see `groups`), and per block row its column blocks (``cols[path][start[path][i]:start[path][i
+    unless that is dense: every block): each warp's block rows (``rows[path][warp][slot]``, -1
+    for none), and per block row its column blocks (``cols[path][start[path][i]:start[path][i
     + 1]]``). With `split`, column blocks move from the most to the least loaded warp while the
     loads differ by two or more: the receiving warp multiplies that block (``help[path][warp]
     [h]`` = (row, column, partial slot)) into shared memory before a second barrier, and the
@@ -299,9 +296,7 @@ def tables(p: CudaBSPlan, ngroups: int, split: bool = False, sub: int = 1) -> di
     nb = p.n // p.bs
     dense = tuple((i, j) for i in range(nb) for j in range(nb))
     paths = [tuple(p.blocks)] + ([dense] if set(p.blocks) != set(dense) else [])
-    if split and sub > 1:
-        raise ValueError("blocks moved between warps need whole block rows (sub = 1)")
-    per = [groups(p, blocks, ngroups, sub) for blocks in paths]
+    per = [groups(p, blocks, ngroups) for blocks in paths]
     slots = max(len(g) for rows in per for g in rows)
     rows_t, start_t, cols_t, help_t, parts_t, moved = [], [], [], [], [], []
     for blocks, rows in zip(paths, per):
@@ -342,7 +337,7 @@ def tables(p: CudaBSPlan, ngroups: int, split: bool = False, sub: int = 1) -> di
     parts_t = [[parts[i] + [-1] * (pslots - len(parts[i])) for i in range(nb)] for parts in parts_t]
     return {"rows": rows_t, "start": start_t, "cols": cols_t, "slots": slots, "paths": len(paths),
             "help": help_t, "parts": parts_t, "hslots": hslots, "pslots": pslots, "moved": moved,
-            "npart": max(moved), "sub": sub}
+            "npart": max(moved)}
 
 
 def f4_state(p: CudaBSPlan) -> bool:
@@ -363,19 +358,16 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
     warps, then a barrier), then its elements' updates. `vec`: the runs of a block row's
     elements along the mixed axis are read with vector loads (the caller checks that they are
     contiguous and aligned); the run loads are (input, dim of the mixed axis)."""
-    bs, reg, slots, sub = p.bs, p.reg, tab["slots"], tab["sub"]
-    es = bs // sub          # a slot's elements: one part of a block row
+    bs, reg, slots = p.bs, p.reg, tab["slots"]
     nt = len(p.terms)
-    pr = _Printer(r, "v", es, vec)
+    pr = _Printer(r, "v", bs, vec)
     st0 = tab["start"][0]
     maxc = max(st0[i + 1] - st0[i] for i in range(len(st0) - 1))   # column blocks of a row in the compiled mask, at most
     base = {a: f"ax_{a}" for a in p.rows}
     head = []
     for q in range(slots):
-        # slot q: unit bu (block row bi, part bu % sub), its first element bo
-        head.append(f"const int bu{q} = bsp_rows[P][warp][{q}], bi{q} = bu{q} < 0 ? -1 : bu{q} / {sub}, "
-                    f"bq{q} = bi{q} < 0 ? 0 : bi{q}, bo{q} = bq{q} * {bs} + (bu{q} < 0 ? 0 : bu{q} % {sub}) * {es};")
-        head += [f"const int e{q}_{a} = bo{q} + {a};" for a in range(es)]
+        head.append(f"const int bi{q} = bsp_rows[P][warp][{q}], bq{q} = bi{q} < 0 ? 0 : bi{q};")
+        head += [f"const int e{q}_{a} = bq{q} * {bs} + {a};" for a in range(bs)]
         # the block row's column blocks in the compiled mask, read from the tables once: no
         # constant-memory load (and its latency before the shared-memory loads) in the time loop
         head.append(f"const int zs{q} = bi{q} < 0 ? 0 : bsp_start[P][bi{q}], "
@@ -389,12 +381,12 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
     init = []
     for q in range(slots):
         init.append(f"if (bi{q} >= 0) {{")
-        for a in range(es):
+        for a in range(bs):
             e = f"e{q}_{a}"
             v = pr.expr(Load(r.init, tuple(r.axes)), {**base, reg: e}) if r.init is not None else "ssmc_t(0)"
             init.append(f"  hq{q}_{a} = {v}; {hs_at(p, '0', e)} = hq{q}_{a};")
         init.append("}")
-    init[:0] = [f"ssmc_t {', '.join(f'hq{q}_{a} = ssmc_t(0)' for a in range(es))};" for q in range(slots)]
+    init[:0] = [f"ssmc_t {', '.join(f'hq{q}_{a} = ssmc_t(0)' for a in range(bs))};" for q in range(slots)]
     init.append("__syncthreads();")
     # the step
     env0 = {**base, "t": "t", "@fetch": True}
@@ -405,9 +397,9 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
     f4 = f4_state(p)
     fma = "fmaf" if p.compute == "float" else "fma"
 
-    def block_products(row0: str, nout: int, col: str, acc, indent: str) -> list[str]:
-        """acc(k, a) += W_k[row0 + a, col * BS + c] * h[col * BS + c], a < nout, c < BS: a chain
-        of FMAs per output (W and h as float4 where the layout has them)."""
+    def block_products(row: str, col: str, acc, indent: str) -> list[str]:
+        """acc(k, a) += W_k[row * BS + a, col * BS + c] * h[col * BS + c], c < BS: a chain of
+        FMAs per output (W and h as float4 where the layout has them)."""
         if f4:
             out = [f"{indent}const float4 g{c4} = *reinterpret_cast<const float4*>(&hs[cur][{col} * {bs // 4} + {c4}][lane][0]);"
                    for c4 in range(bs // 4)]
@@ -416,8 +408,8 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
             out = [f"{indent}const ssmc_t g{c} = {hs_at(p, 'cur', f'{col} * {bs} + {c}')};" for c in range(bs)]
             h = [f"g{c}" for c in range(bs)]
         for k in range(nt):
-            for a in range(nout):
-                at = f"{k * p.n * p.n} + ({row0} + {a}) * {p.n} + {col} * {bs}"
+            for a in range(bs):
+                at = f"{k * p.n * p.n} + ({row} * {bs} + {a}) * {p.n} + {col} * {bs}"
                 if f4:
                     out.append(f"{indent}{{ const float4* w = reinterpret_cast<const float4*>(Ws + {at});")
                     w = []
@@ -436,24 +428,24 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
         return out
     products, helpers, slot_code = [], [], []
     for q in range(slots):
-        products.append(f"ssmc_t {', '.join(f'a{q}_{k}_{a} = ssmc_t(0)' for k in range(nt) for a in range(es))};")
+        products.append(f"ssmc_t {', '.join(f'a{q}_{k}_{a} = ssmc_t(0)' for k in range(nt) for a in range(bs))};")
         acc = lambda k, a, q=q: f"a{q}_{k}_{a}"
         if tab["paths"] > 1:
             products.append("if (P == 0) {")
         for i in range(maxc):
             products.append(f"  if (nc{q} > {i}) {{")
-            products += block_products(f"bo{q}", es, f"bj{q}_{i}", acc, "    ")
+            products += block_products(f"bq{q}", f"bj{q}_{i}", acc, "    ")
             products.append("  }")
         if tab["paths"] > 1:        # every block (the inputs' pattern is not covered): a loop
             products.append("} else {")
             products.append(f"  for (int z = zs{q}; z < zs{q} + nc{q}; ++z) {{")
             products.append("    const int bj = bsp_cols[P][z];")
-            products += block_products(f"bo{q}", es, "bj", acc, "    ")
+            products += block_products(f"bq{q}", "bj", acc, "    ")
             products += ["  }", "}"]
     for h in range(tab["hslots"]):          # blocks moved here from a more loaded warp
         helpers.append(f"if (hb{h} >= 0) {{")
         helpers += [f"  ssmc_t {', '.join(f'm{k}_{a} = ssmc_t(0)' for k in range(nt) for a in range(bs))};"]
-        helpers += block_products(f"hb{h} * {bs}", bs, f"hj{h}", lambda k, a: f"m{k}_{a}", "  ")
+        helpers += block_products(f"hb{h}", f"hj{h}", lambda k, a: f"m{k}_{a}", "  ")
         helpers += [f"  pacc[hp{h}][{k}][{a}][lane] = m{k}_{a};" for k in range(nt) for a in range(bs)]
         helpers.append("}")
     if tab["npart"]:
@@ -465,7 +457,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
                                                            for k in range(nt) for a in range(bs)) + " }")
         inner = []
         pr.lines, pr.outer = inner, body
-        for a in range(es):
+        for a in range(bs):
             e = f"e{q}_{a}"
             env = {**env0, reg: e, "@elem": (q, a)}
             inner.append(f"const ssmc_t o{a} = hq{q}_{a};       // the warp's own state stays in registers")
@@ -478,10 +470,10 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
                 terms.append(f"a{q}_{k}_{a}" if sc == const(1.0) else f"{sc} * a{q}_{k}_{a}")
             inner.append(f"const ssmc_t n{a} = {' + '.join(terms) or 'ssmc_t(0)'};")
             inner.append(f"hq{q}_{a} = n{a};")
-            if not (f4 and es % 4 == 0):
+            if not f4:
                 inner.append(f"{hs_at(p, 'cur ^ 1', e)} = n{a};")
             elif a % 4 == 3:        # four elements at once
-                inner.append(f"*reinterpret_cast<float4*>(&hs[cur ^ 1][(bo{q} >> 2) + {a // 4}][lane][0]) = "
+                inner.append(f"*reinterpret_cast<float4*>(&hs[cur ^ 1][bq{q} * {bs // 4} + {a // 4}][lane][0]) = "
                              f"make_float4({', '.join(f'n{a - 3 + i}' for i in range(4))});")
             senv = {**env, "@state": f"n{a}"}
             k_sum = 0
@@ -571,16 +563,15 @@ class Rendered:
     kname: str
     source: str
     params: tuple        # (kind, source) per kernel parameter, in order
-    run_loads: tuple = ()   # (input, dim of the mixed axis): loads read as a slot's run
-    run: int = 0            # ... of this many elements (a block row, or a part of one)
+    run_loads: tuple = ()   # (input, dim of the mixed axis): loads read as a block row's run
     vec: bool = False       # ... with vector loads (contiguous and aligned: checked at launch)
 
 
-def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, sub: int = 1, vec: bool = False) -> Rendered:
+def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: bool = False) -> Rendered:
     from .cuda import jinja_env
     kname = ("ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
-             + f"_g{ngroups}{'s' if split else ''}{f'h{sub}' if sub > 1 else ''}{'v' if vec else ''}")
-    tab = tables(p, ngroups, split, sub)
+             + f"_g{ngroups}{'s' if split else ''}{'v' if vec else ''}")
+    tab = tables(p, ngroups, split)
     pre, step, post, run_loads = render_body(r, p, ngroups, tab, vec)
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
@@ -612,16 +603,15 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, sub: int
         fill_pre=fill.pre + fill.lines, fill_value=wv, nred=nred, nblocks=len(p.blocks), bs=p.bs,
         kname=kname, tab=tab, pre=pre, step=step, post=post, nterms=len(p.terms), f4=f4_state(p),
         min_blocks=2 if ngroups >= 8 else 1)    # 8 warps: 128 registers, so two blocks fit an SM
-    return Rendered(ngroups, kname, src, tuple(params), tuple(run_loads), p.bs // sub, vec)
+    return Rendered(ngroups, kname, src, tuple(params), tuple(run_loads), vec)
 
 
 # -- the kernel ------------------------------------------------------------------------------------
 
 class CudaBlockSparseKernel:
     """The CUDA block-sparse forward of one region; the first call per shape times each choice
-    (warps per block, GROUPS; SPLIT_GROUPS with blocks moved off the heaviest rows; HALF_GROUPS
-    with block rows in two halves: keys (warps, split, parts)) and keeps the fastest;
-    `force_groups` fixes one (an int: whole rows, no split).
+    (warps per block, GROUPS, and SPLIT_GROUPS with blocks moved off the heaviest rows: keys
+    (warps, split)) and keeps the fastest; `force_groups` fixes one (an int: no split).
     ``last_launch`` says which ran; whether the compiled mask covered the inputs is decided on
     the device."""
     kind = "block-sparse recurrence (CUDA)"
@@ -642,27 +632,24 @@ class CudaBlockSparseKernel:
         self._compiled_bp: dict = {}
         self._choices: list | None = None
 
-    def choices(self) -> list[tuple[int, bool, int]]:
-        """(warps, split, parts of a block row) keys, computed once: split only where a block
-        moves and its partial sums fit the shared memory; halves where a block row has an even
-        number of elements."""
+    def choices(self) -> list[tuple[int, bool]]:
+        """(warps, split) keys, computed once: split only where a block moves and its partial
+        sums fit the shared memory."""
         if self._choices is None:
             p, nb = self.plan, self.plan.n // self.plan.bs
-            out = [(g, False, 1) for g in sorted({min(g, nb) for g in GROUPS})]
-            if p.bs % 2 == 0:
-                out += [(g, False, 2) for g in sorted({min(g, 2 * nb) for g in HALF_GROUPS})]
+            out = [(g, False) for g in sorted({min(g, nb) for g in GROUPS})]
             for g in sorted({min(g, nb) for g in SPLIT_GROUPS}):
                 tab = tables(p, g, True)
                 esize = 8 if p.compute == "double" else 4
                 smem = (len(p.terms) * p.n * p.n + 2 * p.n * 32 + step_sums(self.region) * 2 * g * 32
                         + tab["npart"] * len(p.terms) * p.bs * 32) * esize
                 if tab["moved"][0] and smem <= SMEM_STATIC:
-                    out.append((g, True, 1))
+                    out.append((g, True))
             self._choices = out
         return self._choices
 
     def rendered(self, key) -> Rendered:
-        """The instance of a key: (warps, split, parts) or (warps, split, parts, vector loads)."""
+        """The instance of a key: (warps, split) or (warps, split, vector loads)."""
         key = _choice(key)
         if key not in self._rendered:
             self._rendered[key] = render(self.region, self.plan, *key)
@@ -671,7 +658,7 @@ class CudaBlockSparseKernel:
     @property
     def source(self) -> str:
         last = self.last_launch
-        g = (last["groups"], last["split"], last["sub"], last["vec"]) if last else self.choices()[0]
+        g = (last["groups"], last["split"], last["vec"]) if last else self.choices()[0]
         return self.rendered(g).source
 
     def describe(self) -> str:
@@ -772,24 +759,22 @@ class CudaBlockSparseKernel:
                 v = {"L": L, "rows": rows}[src[0]]
             args.append((kind, int(v)))
         grid = -(-rows // 32)
-        run_loads = self.rendered(self.choices()[0]).run_loads
-        vec = {sub: runs_vectorizable(inputs, run_loads, p.bs // sub) for sub in {c[2] for c in self.choices()} | {1}}
-        bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs), tuple(sorted(vec.items())))
-        g = _choice(self.force_groups)[:3] if self.force_groups else self._picked.get(bucket)
+        vec = runs_vectorizable(inputs, self.rendered(self.choices()[0]).run_loads, p.bs)
+        bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs), vec)
+        g = _choice(self.force_groups)[:2] if self.force_groups else self._picked.get(bucket)
         if g is None:
             g = self.choices()[0]
             if timer is not None and len(self.choices()) > 1:
                 if prebuild is not None:
-                    prebuild([c + (vec[c[2]],) for c in self.choices()])
+                    prebuild([c + (vec,) for c in self.choices()])
                 for c in self.choices():
-                    self.timings[c] = timer(lambda c=c: launch(c + (vec[c[2]],), grid, 32 * c[0], args))
+                    self.timings[c] = timer(lambda c=c: launch(c + (vec,), grid, 32 * c[0], args))
                 g = min(self.timings, key=self.timings.get)
                 log.info("ssmc: region %s: block-sparse kernel, warps per block timed %s; %s kept", r.name,
                          ", ".join(f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items())), _label(g))
             self._picked[bucket] = g
-        launch(g + (vec[g[2]],), grid, 32 * g[0], args)
-        self.last_launch = {"groups": g[0], "split": g[1], "sub": g[2], "vec": vec[g[2]], "grid": grid,
-                            "block": 32 * g[0], "rows": rows}
+        launch(g + (vec,), grid, 32 * g[0], args)
+        self.last_launch = {"groups": g[0], "split": g[1], "vec": vec, "grid": grid, "block": 32 * g[0], "rows": rows}
         return outs
 
     def _launch(self, idx: int, arch: int, g, grid: int, block: int, args):
@@ -813,16 +798,15 @@ class CudaBlockSparseKernel:
             fn((grid, 1, 1), (block, 1, 1), values, stream=s)
 
 
-def _choice(key) -> tuple[int, bool, int, bool]:
-    """(warps, split, parts of a block row, vector loads) of a key: an int (warps), or a tuple
-    of its first two, three or all four."""
+def _choice(key) -> tuple[int, bool, bool]:
+    """(warps, split, vector loads) of a key: an int (warps), or a tuple of the first two or all three."""
     key = (key,) if isinstance(key, int) else tuple(key)
-    return key + (False, 1, False)[len(key) - 1:]
+    return key + (False,) * (3 - len(key))
 
 
 def _label(key) -> str:
-    g, split, sub, vec = _choice(key)
-    return f"{g}{'s' if split else ''}{f'h{sub}' if sub > 1 else ''}{'v' if vec else ''}"
+    g, split, vec = _choice(key)
+    return f"{g}{'s' if split else ''}{'v' if vec else ''}"
 
 
 def vec_bytes(bs: int, esize: int) -> int:
