@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import re
 import time
 
 import torch
@@ -352,8 +351,8 @@ def hs_at(p: CudaBSPlan, buf: str, e: str) -> str:
     return f"hs[{buf}][({e}) >> 2][lane][({e}) & 3]" if f4_state(p) else f"hs[{buf}][{e}][lane]"
 
 
-def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = False) -> tuple[list, tuple, list, list]:
-    """(before the time loop, the step's two copies, after it, the run loads): the same code for every
+def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = False) -> tuple[list, list, list, list]:
+    """(before the time loop, the step, after it, the run loads): the same code for every
     warp; a warp's block rows come from the tables (`tab`), its column blocks are a loop. A
     step: each warp's products (and, with moved blocks, the partial products it does for other
     warps, then a barrier), then its elements' updates. `vec`: the runs of a block row's
@@ -494,23 +493,19 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
     fin = pr.section([])
     finish = _finish_steps(r, p, pr, base, ngroups, "to")
     pr.section(body)
-    # The time loop runs two steps an iteration (copies A and B of the step): A reads the values
-    # prefetched into the r<v> registers and fetches the next step's into x<v>, B the other way
-    # round, so the prefetched values never move between registers.
-    def fetch(into: str) -> list[str]:
-        out = []
-        for v, run, _ in pr.fetch:
-            out.append(f"ssmc_bsp_fetch<{run}, {int(vec)}>({into}{v}, p{v}, s{v});" if run else f"{into}{v} = *p{v};")
-        if pr.fetch:
-            out.append(f"if (s + 2 < L) {{ {' '.join(f'p{v} += d{v};' for v, _, _ in pr.fetch)} }}")
-        return out
-    for v, run, ty in pr.fetch:     # the second set, declared before the loop
-        pr.pre.append(f"__align__(16) {ty} x{v}[{run}];" if run else f"{ty} x{v};")
-    step = ([f"if (s > 0 && (s - 1) % {ngroups} == warp) {{", "  const int to = s - 1;",
-             "  const int pb = cur ^ 1;"] + ["  " + x for x in fin + finish] + ["}"]
-            + body + products + helpers + slot_code + [f"red[{k}][cur][warp][lane] = ps{k};" for k in range(nsum)])
-    raw = re.compile(r"\br(v\d+)\b")
-    steps = (fetch("x") + step, fetch("r") + [raw.sub(r"x\1", line) for line in step])
+    fetch, swap = [], []
+    for v, run, ty in pr.fetch:
+        if run:
+            fetch.append(f"__align__(16) {ty} x{v}[{run}]; ssmc_bsp_fetch<{run}, {int(vec)}>(x{v}, p{v}, s{v});")
+            swap += [f"r{v}[{a}] = x{v}[{a}];" for a in range(run)]
+        else:
+            fetch.append(f"const auto x{v} = *p{v};")
+            swap.append(f"r{v} = x{v};")
+    fetch += [f"if (s + 2 < L) {{ {' '.join(f'p{v} += d{v};' for v, _, _ in pr.fetch)} }}"] if pr.fetch else []
+    step = (fetch + [f"if (s > 0 && (s - 1) % {ngroups} == warp) {{", "  const int to = s - 1;",
+                     "  const int pb = cur ^ 1;"] + ["  " + x for x in fin + finish] + ["}"]
+            + body + products + helpers + slot_code + [f"red[{k}][cur][warp][lane] = ps{k};" for k in range(nsum)]
+            + swap)
     # after the loop: the last step's outputs, then the final ones (warp 0, the whole state)
     post = [f"if (L > 0 && (L - 1) % {ngroups} == warp) {{", "  const int to = L - 1;",
             "  const int pb = (L - 1) & 1;"]
@@ -536,7 +531,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
             env = {**fenv, "@bind": bind}
             fl.append(_store(r, k, o, env, pr.expr(o.expr, env)))
         post += ["if (warp == 0) {"] + ["  " + x for x in fl] + ["}"]
-    return head + pr.pre + init, steps, post, pr.run_loads
+    return head + pr.pre + init, step, post, pr.run_loads
 
 
 def _finish_steps(r: Region, p: CudaBSPlan, pr: _Printer, base: dict, ngroups: int, tvar: str) -> list[str]:
@@ -577,7 +572,7 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: boo
     kname = ("ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
              + f"_g{ngroups}{'s' if split else ''}{'v' if vec else ''}")
     tab = tables(p, ngroups, split)
-    pre, steps, post, run_loads = render_body(r, p, ngroups, tab, vec)
+    pre, step, post, run_loads = render_body(r, p, ngroups, tab, vec)
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
     nred = step_sums(r)
@@ -606,7 +601,7 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: boo
         region_name=r.name, region_text=str(r), compute=p.compute, n=p.n, groups=ngroups,
         params=decls, args=[d.split()[-1] for d in decls], decomp=decomp,
         fill_pre=fill.pre + fill.lines, fill_value=wv, nred=nred, nblocks=len(p.blocks), bs=p.bs,
-        kname=kname, tab=tab, pre=pre, steps=steps, post=post, nterms=len(p.terms), f4=f4_state(p),
+        kname=kname, tab=tab, pre=pre, step=step, post=post, nterms=len(p.terms), f4=f4_state(p),
         min_blocks=2 if ngroups >= 8 else 1)    # 8 warps: 128 registers, so two blocks fit an SM
     return Rendered(ngroups, kname, src, tuple(params), tuple(run_loads), vec)
 
