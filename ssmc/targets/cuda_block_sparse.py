@@ -366,7 +366,7 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
     base = {a: f"ax_{a}" for a in p.rows}
     head = []
     for q in range(slots):
-        head.append(f"const int bi{q} = bsp_rows[P][role][{q}], bq{q} = bi{q} < 0 ? 0 : bi{q};")
+        head.append(f"const int bi{q} = bsp_rows[P][warp][{q}], bq{q} = bi{q} < 0 ? 0 : bi{q};")
         head += [f"const int e{q}_{a} = bq{q} * {bs} + {a};" for a in range(bs)]
         # the block row's column blocks in the compiled mask, read from the tables once: no
         # constant-memory load (and its latency before the shared-memory loads) in the time loop
@@ -376,8 +376,8 @@ def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = F
     head += [f"const int pp{q}_{pk} = bi{q} < 0 ? -1 : bsp_parts[P][bi{q}][{pk}];"
              for q in range(slots) for pk in range(tab["pslots"])]
     for h in range(tab["hslots"]):
-        head.append(f"const int hb{h} = bsp_help[P][role][{h}][0], hj{h} = bsp_help[P][role][{h}][1], "
-                    f"hp{h} = bsp_help[P][role][{h}][2];")
+        head.append(f"const int hb{h} = bsp_help[P][warp][{h}][0], hj{h} = bsp_help[P][warp][{h}][1], "
+                    f"hp{h} = bsp_help[P][warp][{h}][2];")
     init = []
     for q in range(slots):
         init.append(f"if (bi{q} >= 0) {{")
@@ -592,8 +592,8 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: boo
     for a in p.rows:
         decls.append(f"long long sz_{a}")
         params.append(("i64", ("size", a)))
-    decls += ["int L", "long long rows", "const int* __restrict__ flag", "int nsm"]
-    params += [("i32", ("L",)), ("i64", ("rows",)), ("ptr", ("flag",)), ("i32", ("nsm",))]
+    decls += ["int L", "long long rows", "const int* __restrict__ flag"]
+    params += [("i32", ("L",)), ("i64", ("rows",)), ("ptr", ("flag",))]
     decomp = []
     for a in reversed(p.rows):
         decomp.append(f"const long long ax_{a} = rr % sz_{a}; rr /= sz_{a};")
@@ -755,8 +755,6 @@ class CudaBlockSparseKernel:
                 v = sizes[src[1]]
             elif src[0] == "flag":
                 v = flag.data_ptr()
-            elif src[0] == "nsm":      # the SMs (1 off the GPU: the emulator's blocks alternate work lists)
-                v = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
             else:
                 v = {"L": L, "rows": rows}[src[0]]
             args.append((kind, int(v)))
