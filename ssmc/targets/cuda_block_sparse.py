@@ -7,12 +7,16 @@ small tiles across lanes (shuffles and layout conversions every step) or pads th
 tiles for tl.dot (the dense work again when the blocks are scattered). Here a row (one index of
 the parallel state axes, e.g. (batch, channel)) is one lane, 32 rows a block, and the state is
 split over the block's G warps by block rows of the mask (`groups`: largest first onto the least
-loaded warp). Every warp runs the same compact code: for each of its block rows (work lists in
-constant memory, `tables`) a loop over that row's nonzero column blocks, multiply-adds with W
-read from shared memory as float4 (the same address across the warp: a broadcast), then the
-per-element update. The state is exchanged through shared memory (double-buffered, one barrier
-a step; a warp's own part also stays in registers); readout sums go through shared memory and
-are finished by the warps in turn, one step late; the next step's inputs are loaded ahead.
+loaded warp). Every warp runs the same code: for each of its block rows (work lists in
+constant memory, `tables`, read into registers before the time loop) its nonzero column
+blocks, as many guarded copies of the block product as the compiled mask's densest row has
+(the every-block path: a loop), chains of FMAs with W and the state read from shared memory as
+float4 (W at the same address across the warp: a broadcast), then the per-element update. The
+state is exchanged through shared memory (double-buffered, one barrier a step; a warp's own
+part also stays in registers); readout sums go through shared memory and are finished by the
+warps in turn, one step late; the next step's inputs are loaded ahead, a block row's run of a
+load along the state (B, C) by one pointer, as vector loads where the runs are contiguous and
+aligned (`runs_vectorizable`, checked at every launch; else an instance with scalar loads).
 
 The compiled mask only steers the code: the pattern of the actual inputs is recomputed at every
 call (`ssmc.sparsity.PatternCache`) and a device-side flag selects the second work list (every
@@ -353,7 +357,7 @@ def hs_at(p: CudaBSPlan, buf: str, e: str) -> str:
 
 def render_body(r: Region, p: CudaBSPlan, ngroups: int, tab: dict, vec: bool = False) -> tuple[list, list, list, list]:
     """(before the time loop, the step, after it, the run loads): the same code for every
-    warp; a warp's block rows come from the tables (`tab`), its column blocks are a loop. A
+    warp; a warp's block rows and their column blocks come from the tables (`tab`). A
     step: each warp's products (and, with moved blocks, the partial products it does for other
     warps, then a barrier), then its elements' updates. `vec`: the runs of a block row's
     elements along the mixed axis are read with vector loads (the caller checks that they are
