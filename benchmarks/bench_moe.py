@@ -160,7 +160,8 @@ def run(args) -> dict:
     b, d, L = args.b, args.d, args.L
     states = tuple(int(s) for s in args.states.split(","))
     res = {"config": {"b": b, "d": d, "L": L, "states": states, "dtype": args.dtype, "device": device, "form": args.form,
-                      "eager_L": args.eager_L}, "env": env_info(gpu), "rows": []}
+                      "eager_L": args.eager_L, "variant": args.variant, "fwd_variants": args.fwd_variants,
+                      "bwd_variants": args.bwd_variants}, "env": env_info(gpu), "rows": []}
     x, dt, params = make_inputs(b, d, L, states, dtype, device)
     layer = LAYERS[args.form]
     for kind in args.routings.split(","):
@@ -308,13 +309,22 @@ def main(argv=None):
     ap.add_argument("--variant", default=None,
                     help="only the grouped kernel's configs of these variants, comma-separated (those "
                          "of templates/triton/moe_scan_fwd.configs.json; default: all, autotuned)")
+    ap.add_argument("--fwd-variants", default="",
+                    help="cut the single-region forward's config table to these variants (e.g. seq4): the "
+                         "per-expert forward kernels autotune within them only (a shorter GPU call; the "
+                         "per-expert forward row is then not the fully tuned baseline)")
     ap.add_argument("--bwd-variants", default="",
                     help="cut the single-region backward's config table to these variants (e.g. seq4), for the "
                          "per-expert backward and the grouped one's candidates alike: a shorter GPU call")
     args = ap.parse_args(argv)
-    if args.bwd_variants:
+    from ssmc.targets import triton as T, triton_bwd as TB
+    tables = (T.load_configs, TB.load_configs)       # put back after the run (only_variants replaces them)
+    if args.fwd_variants or args.bwd_variants:
         from benchmarks.bench_train import only_variants
-        only_variants(set(args.bwd_variants.split(",")), forward=False)
+        if args.fwd_variants:
+            only_variants(set(args.fwd_variants.split(",")), backward=False)
+        if args.bwd_variants:
+            only_variants(set(args.bwd_variants.split(",")), forward=False)
     args.skip = set(filter(None, args.skip.split(",")))
     args.form = args.form or ("loop" if args.tiny else "scan")
     if args.tiny:
@@ -338,6 +348,7 @@ def main(argv=None):
         print(f"[bench_moe] FAILED: {res['error']}", flush=True)
     if args.variant:
         M.load_configs = restore
+    T.load_configs, TB.load_configs = tables
     write(args.out, res)
     print(f"[bench_moe] wrote {args.out}", flush=True)
     return res

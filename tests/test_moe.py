@@ -544,8 +544,13 @@ def test_grouped_backward_compiles_without_gpu(cc, bodies, monkeypatch, tmp_path
 def test_benchmark_tiny(tmp_path):
     from benchmarks import bench_moe
     out = tmp_path / "moe.json"
-    bench_moe.main(["--tiny", "--out", str(out), "--reps", "1", "--skip", "layer_per_expert,eager"])
+    from ssmc.targets import triton as T, triton_bwd as TB
+    tables = (T.load_configs, TB.load_configs)
+    bench_moe.main(["--tiny", "--out", str(out), "--reps", "1", "--skip", "layer_per_expert,eager",
+                    "--fwd-variants", "loop,rows,scan", "--bwd-variants", "scan"])
+    assert (T.load_configs, TB.load_configs) == tables          # the cut tables are put back
     res = json.loads(out.read_text())
+    assert (res["config"]["fwd_variants"], res["config"]["bwd_variants"]) == ("loop,rows,scan", "scan")
     assert res["rows"] and all(r.get("error") is None for r in res["rows"]), res["rows"]
     assert {r["routing"] for r in res["rows"]} == {"balanced", "skewed"}
     assert all(r["ms"]["ssm_grouped"] > 0 and r["padded_over_useful"] >= 0 for r in res["rows"])
