@@ -568,7 +568,6 @@ class Rendered:
     source: str
     params: tuple        # (kind, source) per kernel parameter, in order
     run_loads: tuple = ()   # (input, dim of the mixed axis): loads read as a block row's run
-    vec: bool = False       # ... with vector loads (contiguous and aligned: checked at launch)
 
 
 def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: bool = False) -> Rendered:
@@ -607,7 +606,7 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: boo
         fill_pre=fill.pre + fill.lines, fill_value=wv, nred=nred, nblocks=len(p.blocks), bs=p.bs,
         kname=kname, tab=tab, pre=pre, step=step, post=post, nterms=len(p.terms), f4=f4_state(p),
         min_blocks=2 if ngroups >= 8 else 1)    # 8 warps: 128 registers, so two blocks fit an SM
-    return Rendered(ngroups, kname, src, tuple(params), tuple(run_loads), vec)
+    return Rendered(ngroups, kname, src, tuple(params), tuple(run_loads))
 
 
 # -- the kernel ------------------------------------------------------------------------------------
