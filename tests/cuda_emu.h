@@ -35,12 +35,14 @@ inline std::barrier<>* block_barrier = nullptr;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<unsigned char> dyn_smem;
 inline std::vector<double> shfl_buf;   // one slot per thread of the block (values fit a double)
+inline std::vector<std::uint32_t> mma_buf;   // six words per thread: its mma fragments
 
 inline void launch(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& body) {
   blockDim.x = block;
   gridDim.x = grid;
   dyn_smem.assign(smem + 16, 0xcd);
   shfl_buf.assign(block, 0.0);
+  mma_buf.assign(6 * std::size_t(block), 0u);
   for (unsigned b = 0; b < grid; ++b) {
     std::barrier<> bar(block);
     block_barrier = &bar;
@@ -89,6 +91,39 @@ template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int mask) {
   return ssmc_emu::warp_exchange(v, int(threadIdx.x & 31) ^ mask);
 }
+
+namespace ssmc_emu {
+// mma.sync.m16n8k8 tf32 of a warp: every lane publishes its fragments (A: a0 (row g, col q), a1 (g + 8, q),
+// a2 (g, q + 4), a3 (g + 8, q + 4); B: b0 (row q, col g), b1 (q + 4, g); g = lane / 4, q = lane % 4), then
+// adds its four accumulators (rows g, g + 8 at columns 2q, 2q + 1) from the warp's A and B. The operands'
+// low 13 bits are dropped (tf32), the products summed in double, the sum added to c in fp32.
+inline void mma_m16n8k8_tf32(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, int b0, int b1) {
+  const unsigned t = threadIdx.x, base = t & ~31u, lane = t & 31u;
+  auto& bar = *warp_barriers[t / 32];
+  std::uint32_t* mine = &mma_buf[6 * t];
+  mine[0] = a0; mine[1] = a1; mine[2] = a2; mine[3] = a3; mine[4] = std::uint32_t(b0); mine[5] = std::uint32_t(b1);
+  bar.arrive_and_wait();
+  auto tf32 = [](std::uint32_t u) { u &= 0xffffe000u; float f; std::memcpy(&f, &u, 4); return double(f); };
+  auto A = [&](unsigned row, unsigned k) {       // the lane holding A[row][k] and its register
+    const unsigned l = (row % 8) * 4 + k % 4;
+    return tf32(mma_buf[6 * (base + l) + (row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
+  };
+  auto B = [&](unsigned k, unsigned col) {
+    const unsigned l = col * 4 + k % 4;
+    return tf32(mma_buf[6 * (base + l) + 4 + (k >= 4 ? 1 : 0)]);
+  };
+  const unsigned g = lane / 4, q = lane % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const unsigned row = g + (i >= 2 ? 8 : 0), col = 2 * q + (i & 1);
+    double s = 0;
+    for (unsigned k = 0; k < 8; ++k) s += A(row, k) * B(k, col);
+    out[i] = c[i] + float(s);
+  }
+  bar.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) c[i] = out[i];
+}
+}  // namespace ssmc_emu
 
 inline void __syncwarp(unsigned = 0xffffffffu) { ssmc_emu::warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 

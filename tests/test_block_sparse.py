@@ -340,6 +340,57 @@ def test_cuda_kernel_emulated(form, bs, dtype, emu_dir, monkeypatch, tmp_path):
             assert k.last_launch["vec"] == (case is not strided or not k.rendered(groups).run_loads)
 
 
+@pytest.mark.parametrize("bs,dtype", [(8, torch.bfloat16), (16, torch.float32), (4, torch.float32)])
+def test_cuda_mma_instances_emulated(bs, dtype, emu_dir, monkeypatch):
+    """The tensor-core instances against float64: 16 channels (the two rows of a lane share their
+    batch's loads), 3 x 16 rows (a block of 4 warps with one idle), L7 (not a multiple of the load
+    depth), blocks of 16 (four tiles each) and of 4 (tiles shared by blocks), the every-tile path,
+    loads along the state with stride 2 (no vector loads)."""
+    from ssmc.runtime.cache import get_cache
+    from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
+    from ssmc.targets.cuda_bsp_mma import tiles_of
+    from ssmc.targets.reference import ReferenceKernel
+    g = torch.Generator().manual_seed(26)
+    n = 32
+    mask = P.block_mask(n // bs, bs, 0.3, g)
+    ins = P.euler_inputs(3, 7, 16, n, mask, g)
+    ins = tuple(t.to(dtype) if t.dim() == 3 else t for t in ins)
+    r, xs = _region_and_inputs(P.euler_matmul, ins, monkeypatch)
+    p = bsp_plan(r)
+    k = CudaBlockSparseKernel(r, p, get_cache(str(emu_dir / f"mma{bs}")))
+    k.poison = True
+    tiles = tiles_of(p, p.blocks)
+    assert all(any(a * 8 < (i + 1) * bs and i * bs < (a + 1) * 8 and c * 8 < (j + 1) * bs and j * bs < (c + 1) * 8
+                   for (a, c) in tiles) for (i, j) in p.blocks)       # every block inside the tiles
+    from ssmc.sparsity import PatternCache
+    w = PatternCache(r).used[-1]
+    dense = list(xs)
+    dense[w] = xs[w] + 0.05
+    strided = [torch.repeat_interleave(x, 2, -1)[..., ::2] if x.dim() == 3 and x.shape[-1] == n else x for x in xs]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    mma = [c for c in k.choices() if isinstance(c[1], str)]
+    assert mma and k.mma_why is None
+    for case in (xs, dense, strided):
+        ref = ReferenceKernel(r).forward([x.double() for x in case])
+        for c in mma:
+            k.force_groups = c
+            outs = _emulate_bsp(k, case, emu_dir)
+            for o, e in zip(outs, ref):
+                assert rel_err(o, e) < tol, (bs, c, rel_err(o, e))
+            assert k.last_launch["shared_rows"] and k.last_launch["vec"] == (case is not strided)
+            assert k.last_launch["grid"] == -(-3 // c[0])
+
+
+def test_cuda_mma_declines():
+    from ssmc.targets.cuda_block_sparse import CudaBSPlan
+    from ssmc.targets.cuda_bsp_mma import mma_unsupported
+    base = dict(reg="n", rows=("b",), bs=4, blocks=((0, 0),), terms=((None, None),), compute="float")
+    assert mma_unsupported(None, CudaBSPlan(n=64, **base)) is None
+    assert "float64" in mma_unsupported(None, CudaBSPlan(n=64, **{**base, "compute": "double"}))
+    assert "12 elements" in mma_unsupported(None, CudaBSPlan(n=12, **base))
+    assert "do not fit" in mma_unsupported(None, CudaBSPlan(n=64, **{**base, "terms": ((None, None),) * 2}))
+
+
 def test_cuda_kernel_groups_balance_and_declines(monkeypatch):
     from ssmc.targets.cuda_block_sparse import bsp_plan, groups
     from ssmc.targets.cuda_printer import Unsupported
@@ -405,7 +456,9 @@ def test_cuda_kernel_times_each_warp_count_once(monkeypatch, tmp_path):
     keys = []
     launch = lambda groups, grid, block, args: (launched.append(tuple(groups[:2])), keys.append(tuple(groups)))
     k.run(xs, launch, timer=timer, prebuild=built.append)
-    assert timed == choices and built == [[c + (True,) for c in choices]] and (2, False) in choices and (4, False) in choices
+    assert timed == choices and (2, False) in choices and (4, False) in choices
+    assert any(isinstance(c[1], str) for c in choices)          # tensor-core instances among them
+    assert built == [[c + (True, False) for c in choices]]      # vector loads; 37 channels: rows share nothing
     assert launched[-1] == choices[-1] and k.last_launch["groups"] == choices[-1][0]
     assert all(key[2] for key in keys) and k.last_launch["vec"]     # contiguous inputs: the vector-load instance
     n = len(launched)
@@ -436,6 +489,8 @@ def test_cuda_kernel_nvrtc_builds(cc, monkeypatch, tmp_path):
     k = CudaBlockSparseKernel(r, bsp_plan(r), get_cache(str(tmp_path)))
     binary = k.built(4, cc)
     assert len(binary) > 1000
+    assert k.mma_why is None and len(k.built((4, "m2", True, True), cc)) > 1000     # tensor cores (mma.sync tf32)
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in k.rendered((4, "m2", True, True)).source
     assert "__nv_bfloat16* __restrict__ in" in k.rendered(4).source
     assert "bsp_rows[2][4]" in k.rendered(4).source     # work lists: the compiled mask, and every block
 
@@ -458,9 +513,20 @@ def test_gpu_cuda_block_sparse(dtype):
     assert kern.last_launch is not None
     assert (kern.last_launch["groups"], kern.last_launch["split"]) in kern.choices()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert rel_err(out, reference(P.euler_matmul, ins)[0]) < tol
+    want = reference(P.euler_matmul, ins)[0]
+    assert rel_err(out, want) < tol
     ins2 = (*ins[:3], torch.ones_like(ins[3]), *ins[4:])     # dense at run time: the second kernel
-    assert rel_err(fast(*ins2), reference(P.euler_matmul, ins2)[0]) < tol
+    want2 = reference(P.euler_matmul, ins2)[0]
+    assert rel_err(fast(*ins2), want2) < tol
+    assert any(isinstance(c[1], str) for c in kern.choices())        # tensor cores on this GPU
+    try:
+        for c in kern.choices():                  # every instance the timing may pick, both paths
+            kern.force_groups = c
+            assert rel_err(fast(*ins), want) < tol, (c, kern.last_launch)
+            assert rel_err(fast(*ins2), want2) < tol, (c, kern.last_launch)
+            assert kern.last_launch["vec"] and kern.last_launch["shared_rows"] == isinstance(c[1], str)
+    finally:
+        kern.force_groups = None
 
 
 def test_grad_of_transposed_input_under_inductor(monkeypatch):

@@ -749,8 +749,9 @@ class CudaTarget:
             from .cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
             kernel = CudaBlockSparseKernel(region, bsp_plan(region), get_cache(options.cache_dir),
                                            extra_flags or EXTRA_FLAGS)
-            if torch.cuda.is_available():
-                kernel._prebuild(_capability(torch.cuda.current_device()), kernel.choices())
+            if torch.cuda.is_available():      # the instances contiguous inputs will run
+                kernel.arch = _capability(torch.cuda.current_device())
+                kernel._prebuild(kernel.arch, [kernel.instance(c) for c in kernel.choices()])
             else:
                 kernel.rendered(kernel.choices()[0])
             return kernel

@@ -570,15 +570,9 @@ class Rendered:
     run_loads: tuple = ()   # (input, dim of the mixed axis): loads read as a block row's run
 
 
-def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: bool = False) -> Rendered:
-    from .cuda import jinja_env
-    kname = ("ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
-             + f"_g{ngroups}{'s' if split else ''}{'v' if vec else ''}")
-    tab = tables(p, ngroups, split)
-    pre, step, post, run_loads = render_body(r, p, ngroups, tab, vec)
-    fill = _Printer(r, "w")
-    wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
-    nred = step_sums(r)
+def kernel_params(r: Region, p: CudaBSPlan) -> tuple[list[str], list[tuple]]:
+    """(C declarations, (kind, source) per parameter): the inputs and outputs with their strides,
+    the sizes of the parallel axes, L, the row count and the coverage flag (every instance)."""
     params, decls = [], []
     for k, s in enumerate(r.inputs):
         decls.append(f"const {CTYPES[s.dtype]}* __restrict__ in{k}")
@@ -597,6 +591,19 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: boo
         params.append(("i64", ("size", a)))
     decls += ["int L", "long long rows", "const int* __restrict__ flag"]
     params += [("i32", ("L",)), ("i64", ("rows",)), ("ptr", ("flag",))]
+    return decls, params
+
+
+def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: bool = False) -> Rendered:
+    from .cuda import jinja_env
+    kname = ("ssmc_bsp_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
+             + f"_g{ngroups}{'s' if split else ''}{'v' if vec else ''}")
+    tab = tables(p, ngroups, split)
+    pre, step, post, run_loads = render_body(r, p, ngroups, tab, vec)
+    fill = _Printer(r, "w")
+    wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
+    nred = step_sums(r)
+    decls, params = kernel_params(r, p)
     decomp = []
     for a in reversed(p.rows):
         decomp.append(f"const long long ax_{a} = rr % sz_{a}; rr /= sz_{a};")
@@ -612,11 +619,14 @@ def render(r: Region, p: CudaBSPlan, ngroups: int, split: bool = False, vec: boo
 # -- the kernel ------------------------------------------------------------------------------------
 
 class CudaBlockSparseKernel:
-    """The CUDA block-sparse forward of one region; the first call per shape times each choice
-    (warps per block, GROUPS, and SPLIT_GROUPS with blocks moved off the heaviest rows: keys
-    (warps, split)) and keeps the fastest; `force_groups` fixes one (an int: no split).
-    ``last_launch`` says which ran; whether the compiled mask covered the inputs is decided on
-    the device."""
+    """The CUDA block-sparse forward of one region; the first call per shape times each choice and
+    keeps the fastest. A choice is (warps, variant): variant False, a lane per row (GROUPS warps,
+    the state split over them), True, the same with blocks moved off the heaviest rows
+    (SPLIT_GROUPS), or "m<D>", tensor cores (cuda_bsp_mma: 16 rows a warp, loads D steps ahead;
+    where `mma_unsupported` allows, on sm_80 and later). `force_groups` fixes one (an int: warps,
+    variant False). An instance adds what the inputs decide at each call: (warps, variant, vector
+    loads, rows sharing loads). ``last_launch`` says which ran (its "split" is the variant);
+    whether the compiled mask covered the inputs is decided on the device."""
     kind = "block-sparse recurrence (CUDA)"
 
     def __init__(self, region: Region, p: CudaBSPlan, cache, extra_flags=()):
@@ -634,10 +644,14 @@ class CudaBlockSparseKernel:
         self._pattern = PatternCache(region)
         self._compiled_bp: dict = {}
         self._choices: list | None = None
+        self.arch: int | None = None          # the device's sm_XX once known (tensor cores: 80 and later)
+        from .cuda_bsp_mma import mma_unsupported
+        self.mma_why = mma_unsupported(region, p)
 
-    def choices(self) -> list[tuple[int, bool]]:
-        """(warps, split) keys, computed once: split only where a block moves and its partial
-        sums fit the shared memory."""
+    def choices(self) -> list[tuple[int, bool | str]]:
+        """(warps, variant) keys, computed once: split only where a block moves and its partial
+        sums fit the shared memory; the tensor-core ones where they cover the plan and the device."""
+        from .cuda_bsp_mma import DEPTHS, WARPS
         if self._choices is None:
             p, nb = self.plan, self.plan.n // self.plan.bs
             out = [(g, False) for g in sorted({min(g, nb) for g in GROUPS})]
@@ -648,26 +662,47 @@ class CudaBlockSparseKernel:
                         + tab["npart"] * len(p.terms) * p.bs * 32) * esize
                 if tab["moved"][0] and smem <= SMEM_STATIC:
                     out.append((g, True))
+            if self.mma_why is None:
+                out += [(w, f"m{d}") for w in WARPS for d in DEPTHS]
             self._choices = out
-        return self._choices
+        return [c for c in self._choices if not _is_mma(c) or self.arch is None or self.arch >= 80]
+
+    def instance(self, c, inputs=None) -> tuple:
+        """The full key of choice `c` for these inputs (None: contiguous, rows sharing loads)."""
+        g, variant = _choice(c)[:2]
+        mma = _is_mma(c)
+        if inputs is None:
+            return (g, variant, True, mma and bool(self.plan.rows))
+        vec = runs_vectorizable(inputs, self.rendered((g, variant)).run_loads, 2 if mma else self.plan.bs)
+        shared = False
+        if mma and self.plan.rows:
+            ax, d = dict(zip(self.region.axes, self.region.axis_size))[self.plan.rows[-1]]
+            shared = int(inputs[ax].shape[d]) % 16 == 0
+        return (g, variant, vec, shared)
 
     def rendered(self, key) -> Rendered:
-        """The instance of a key: (warps, split) or (warps, split, vector loads)."""
+        """The source of an instance: (warps, variant[, vector loads[, rows sharing loads]])."""
         key = _choice(key)
         if key not in self._rendered:
-            self._rendered[key] = render(self.region, self.plan, *key)
+            g, variant, vec, shared = key
+            if _is_mma(key):
+                from .cuda_bsp_mma import render_mma
+                self._rendered[key] = render_mma(self.region, self.plan, g, int(variant[1:]), vec, shared)
+            else:
+                self._rendered[key] = render(self.region, self.plan, g, variant, vec)
         return self._rendered[key]
 
     @property
     def source(self) -> str:
         last = self.last_launch
-        g = (last["groups"], last["split"], last["vec"]) if last else self.choices()[0]
+        g = last["key"] if last else self.choices()[0]
         return self.rendered(g).source
 
     def describe(self) -> str:
         p = self.plan
         text = (f"mixed axis {p.reg} in {p.bs}x{p.bs} blocks, {len(p.blocks)}/{(p.n // p.bs) ** 2} compiled "
-                f"nonzero, rows over {list(p.rows)} (a lane each, 32 a block), the state split over warps by block rows")
+                f"nonzero, rows over {list(p.rows)}: a lane each, 32 a block, the state split over warps by block rows; "
+                + ("or 16 a warp on tensor cores (tf32 x3)" if self.mma_why is None else f"no tensor cores: {self.mma_why}"))
         if self.timings:
             text += "; warps per block timed (s: blocks moved between warps): " + ", ".join(
                 f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items()))
@@ -700,6 +735,7 @@ class CudaBlockSparseKernel:
     def forward(self, inputs):
         from .cuda import device_arch
         idx, arch = device_arch(inputs)
+        self.arch = arch
         return self.run(inputs, functools.partial(self._launch, idx, arch), timer=_cuda_timer,
                         prebuild=functools.partial(self._prebuild, arch))
 
@@ -745,7 +781,7 @@ class CudaBlockSparseKernel:
             return outs
         flag = self._pattern.get(inputs, p.n, p.bs, lambda bp: uncovered(bp, r.mix, p.bs, self._compiled_bp))
         args = []
-        for kind, src in self.rendered(self.choices()[0]).params:
+        for kind, src in self.rendered(self.choices()[0]).params:     # the same in every instance
             if src[0] == "in":
                 v = inputs[src[1]].data_ptr()
             elif src[0] == "in_stride":
@@ -761,23 +797,26 @@ class CudaBlockSparseKernel:
             else:
                 v = {"L": L, "rows": rows}[src[0]]
             args.append((kind, int(v)))
-        grid = -(-rows // 32)
-        vec = runs_vectorizable(inputs, self.rendered(self.choices()[0]).run_loads, p.bs)
-        bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs), vec)
+        inst = {c: self.instance(c, inputs) for c in self.choices()}
+        grid = lambda c: -(-(-(-rows // 16)) // c[0]) if _is_mma(c) else -(-rows // 32)
+        bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs), tuple(inst.values()))
         g = _choice(self.force_groups)[:2] if self.force_groups else self._picked.get(bucket)
         if g is None:
             g = self.choices()[0]
             if timer is not None and len(self.choices()) > 1:
                 if prebuild is not None:
-                    prebuild([c + (vec,) for c in self.choices()])
+                    prebuild(list(inst.values()))
                 for c in self.choices():
-                    self.timings[c] = timer(lambda c=c: launch(c + (vec,), grid, 32 * c[0], args))
+                    self.timings[c] = timer(lambda c=c: launch(inst[c], grid(c), 32 * c[0], args))
                 g = min(self.timings, key=self.timings.get)
-                log.info("ssmc: region %s: block-sparse kernel, warps per block timed %s; %s kept", r.name,
-                         ", ".join(f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items())), _label(g))
+                log.info("ssmc: region %s: block-sparse kernel, choices timed %s; %s kept", r.name,
+                         ", ".join(f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items(), key=str)),
+                         _label(g))
             self._picked[bucket] = g
-        launch(g + (vec,), grid, 32 * g[0], args)
-        self.last_launch = {"groups": g[0], "split": g[1], "vec": vec, "grid": grid, "block": 32 * g[0], "rows": rows}
+        key = inst.get(g) or self.instance(g, inputs)
+        launch(key, grid(g), 32 * g[0], args)
+        self.last_launch = {"groups": g[0], "split": g[1], "vec": key[2], "shared_rows": key[3], "key": key,
+                            "grid": grid(g), "block": 32 * g[0], "rows": rows}
         return outs
 
     def _launch(self, idx: int, arch: int, g, grid: int, block: int, args):
@@ -801,15 +840,22 @@ class CudaBlockSparseKernel:
             fn((grid, 1, 1), (block, 1, 1), values, stream=s)
 
 
-def _choice(key) -> tuple[int, bool, bool]:
-    """(warps, split, vector loads) of a key: an int (warps), or a tuple of the first two or all three."""
+def _choice(key) -> tuple:
+    """(warps, variant, vector loads, rows sharing loads) of a key: an int (warps), or a tuple of
+    its first two, three or four; the lane-per-row instances never share rows."""
     key = (key,) if isinstance(key, int) else tuple(key)
-    return key + (False,) * (3 - len(key))
+    key = key + (False,) * (4 - len(key))
+    return key if _is_mma(key) else key[:3] + (False,)
+
+
+def _is_mma(key) -> bool:
+    return not isinstance(key, int) and len(key) > 1 and isinstance(key[1], str)
 
 
 def _label(key) -> str:
-    g, split, vec = _choice(key)
-    return f"{g}{'s' if split else ''}{'v' if vec else ''}"
+    g, variant, vec, shared = _choice(key)
+    mode = variant if isinstance(variant, str) else "s" if variant else ""
+    return f"{g}{mode}{'v' if vec else ''}{'r' if shared else ''}"
 
 
 def vec_bytes(bs: int, esize: int) -> int:
