@@ -705,7 +705,7 @@ class CudaBlockSparseKernel:
                 + ("or 16 a warp on tensor cores (tf32 x3)" if self.mma_why is None else f"no tensor cores: {self.mma_why}"))
         if self.timings:
             text += "; warps per block timed (s: blocks moved between warps): " + ", ".join(
-                f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items()))
+                f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items(), key=str))
         return text
 
     def built(self, g, arch: int) -> bytes:

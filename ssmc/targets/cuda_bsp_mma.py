@@ -97,6 +97,15 @@ def _store(r, k: int, o, env: dict, value: str, cond: str) -> str:
     return f"if ({cond}) out{k}[{' + '.join(terms) or '0'}] = ssmc_from<{CTYPES[o.dtype]}>({value});"
 
 
+def _tree(terms: list[str]) -> str:
+    """A sum as chains of four (each contracted to FMAs where the terms are products) added
+    pairwise: a short dependency chain."""
+    parts = ["(" + " + ".join(terms[i:i + 4]) + ")" for i in range(0, len(terms), 4)]
+    while len(parts) > 1:
+        parts = [f"({parts[i]} + {parts[i + 1]})" if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0] if parts else "ssmc_t(0)"
+
+
 def _elems(nb: int):
     """(tile j, column e, row slot m, accumulator index) of a lane's 4 * nb state elements."""
     return [(j, e, m, 2 * m + e) for j in range(nb) for m in (0, 1) for e in (0, 1)]
@@ -197,7 +206,7 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
                 pr.lines = tail
                 terms = [pr.expr(red.arg, {**elem_env(j, e, m), "@state": f"h[{j}][{c}]"})
                          for j, e, mm, c in _elems(nb) if mm == m]
-                parts.append(f"ssmc_t ps{i}_{m} = {' + '.join(terms)};")
+                parts.append(f"ssmc_t ps{i}_{m} = {_tree(terms)};")
             tail += parts
             tail += [f"ps{i}_{m} += __shfl_xor_sync(0xffffffffu, ps{i}_{m}, {x});" for x in (1, 2) for m in (0, 1)]
         for m in (0, 1):
@@ -219,8 +228,16 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         prologue += walk
 
     def loop(tiles) -> list[str]:
+        """D steps an iteration: while every step and refill is in range, one block of straight-line
+        code (the scheduler interleaves one step's readout with the next step's products); then
+        the rest, checked step by step."""
         step = body + acc + products(tiles, len(tiles) <= HOIST_TILES) + tail
-        out = [f"for (int s0 = 0; s0 < L; s0 += {depth}) {{"]
+        out = ["int s0 = 0;", f"for (; s0 + {2 * depth} <= L; s0 += {depth}) {{"]
+        for u in range(depth):
+            out.append(f"  {{ const int t = s0 + {u};")
+            out += ["    " + x.replace(U, str(u)) for x in step + refill + walk]
+            out.append("  }")
+        out += ["}", f"for (; s0 < L; s0 += {depth}) {{"]
         for u in range(depth):
             out.append(f"  {{ const int t = s0 + {u};")
             out.append("    if (t >= L) break;")
