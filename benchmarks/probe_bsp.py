@@ -26,7 +26,7 @@ from block_sparse_programs import euler_matmul  # noqa: E402
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--groups", type=int, default=None, help="force this warp count")
+    ap.add_argument("--groups", default=None, help="force this choice: warps, or warps,variant (e.g. 4,m2)")
     args = ap.parse_args(argv)
     cfg = FULL
     dev = torch.device("cuda")
@@ -37,7 +37,9 @@ def main(argv=None):
                                                          seq_dtype=torch.bfloat16), target="cuda")
     from ssmc.runtime.op import lookup
     kern = lookup(report.regions[0].key).kernel
-    kern.force_groups = args.groups
+    if args.groups:
+        w, *v = args.groups.split(",")
+        kern.force_groups = (int(w), v[0] if v and v[0].startswith("m") else v == ["s"]) if v else int(w)
     ins = make_inputs(b=b, L=L, d=d, n=n, mask=mask, dev=dev, gen=gen, seq_dtype=torch.bfloat16)
     fn(*ins)
     torch.cuda.synchronize()
