@@ -27,6 +27,7 @@ WARPS = (1, 4)            # warps a block (16 rows each): the choices timed on f
 DEPTHS = (2, 4)           # steps ahead the loads are issued
 SMEM_W = 40 * 1024        # W's fragments: terms * tiles * 32 lanes * 16 bytes
 HOIST_TILES = 16          # up to this many tiles, W's fragments may stay in registers across steps
+PREFETCH = 8             # steps ahead of the L2 prefetch hints
 U = "@U@"                 # the unrolled step's slot in the load rings, replaced per copy
 
 
@@ -223,6 +224,10 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         else:
             refill.append(f"r{v}[{U}] = *p{v};")
     walk = [f"p{v} += d{v};" for v, _, _ in pr.fetch]
+    # L2 prefetch PREFETCH steps ahead: a run's lanes cover its pairs (lane g: tile g % NB)
+    hint = [f"ssmc_prefetch_l2(p{v} + po{v});" for v, _, _ in pr.fetch]
+    offsets = [f"const long long po{v} = {PREFETCH} * d{v}"
+               + (f" + (long long)(8 * ((lane >> 2) % {nb})) * s{v};" if run else ";") for v, run, _ in pr.fetch]
     for u in range(depth):
         prologue.append(f"if ({u} < L) {{ " + " ".join(x.replace(U, str(u)) for x in refill) + " }")
         prologue += walk
@@ -235,7 +240,10 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         out = ["int s0 = 0;", f"for (; s0 + {2 * depth} <= L; s0 += {depth}) {{"]
         for u in range(depth):
             out.append(f"  {{ const int t = s0 + {u};")
-            out += ["    " + x.replace(U, str(u)) for x in step + refill + walk]
+            out += ["    " + x.replace(U, str(u)) for x in step + refill]
+            if hint:
+                out.append(f"    if (t + {PREFETCH} < L) {{ " + " ".join(hint) + " }")
+            out += ["    " + x for x in walk]
             out.append("  }")
         out += ["}", f"for (; s0 < L; s0 += {depth}) {{"]
         for u in range(depth):
@@ -285,6 +293,6 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         region_name=r.name, region_text=str(r), n=p.n, nb=nb, warps=warps, depth=depth, kname=kname,
         params=decls, args=[d.split()[-1] for d in decls], decomp=decomp, fill_pre=fill.pre + fill.lines,
         fill_value=wv, nterms=len(p.terms), ntiles=len(compiled),
-        pre=pr.pre + init + prologue, loop0=loop0, loop1=loop1, post=post)
+        pre=pr.pre + offsets + init + prologue, loop0=loop0, loop1=loop1, post=post)
     return Rendered(warps, kname, src, tuple(params), tuple(pr.run_loads))
 
