@@ -164,25 +164,42 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
     pr.lines = body
 
     def products(tiles, hoist: bool) -> list[str]:
-        out = []
+        """The tiles' mma in groups, each group's three passes (lo(A') hi(W), hi(A') lo(W),
+        hi(A') hi(W)) one after another over its tiles, so that consecutive mma accumulate into
+        different tiles j (a chain of dependent mma waits out each one's latency). Hoisted W: one
+        group, the tiles taken round-robin over j; else a group per column block k (its W
+        fragments loaded once, its A'_k split there)."""
+        out, done = [], set()
+        by_row = {}
+        for j, c in tiles:
+            by_row.setdefault(j, []).append((j, c))
+        if hoist:
+            order = [row[i] for i in range(max(len(r) for r in by_row.values())) for row in by_row.values()
+                     if i < len(row)]
+            grouped = [order]
+        else:
+            grouped = [[t for t in tiles if t[1] == kk] for kk in sorted({c for _, c in tiles})]
         for k, (sc, _) in enumerate(p.terms):
-            for kk in sorted({c for _, c in tiles}):
-                s0, s1 = scales[k]
-                one = s0 == const(1.0) and s1 == const(1.0)
-                # A' fragment of tile kk: a0 (row g, col 2q), a1 (g + 8, 2q), a2 (g, 2q + 1), a3 (g + 8, 2q + 1)
-                vals = [f"h[{kk}][0]", f"h[{kk}][2]", f"h[{kk}][1]", f"h[{kk}][3]"]
-                if not one:
-                    vals = [f"{s} * {v}" for s, v in zip((s0, s1, s0, s1), vals)]
-                out.append("{")
-                out.append("  unsigned ah0, ah1, ah2, ah3, al0, al1, al2, al3;")
-                out += [f"  ssmc_split_tf32({v}, ah{i}, al{i});" for i, v in enumerate(vals)]
-                for (j, c) in tiles:
-                    if c != kk:
+            s0, s1 = scales[k]
+            one = s0 == const(1.0) and s1 == const(1.0)
+            for group in grouped:
+                for _, kk in group:      # A' fragment of tile kk: a0 (row g, col 2q), a1 (g + 8, 2q), a2 (g, 2q + 1), a3 (g + 8, 2q + 1)
+                    if (k, kk) in done:
                         continue
-                    out.append(f"  {{ const float4 w = ssmc_wfrag<{str(hoist).lower()}>(&Wf[{k}][{j * nb + c}][lane]);")
-                    out.append(f"    ssmc_mma_tf32(acc[{j}], al0, al1, al2, al3, w.x, w.y);")
-                    out.append(f"    ssmc_mma_tf32(acc[{j}], ah0, ah1, ah2, ah3, w.z, w.w);")
-                    out.append(f"    ssmc_mma_tf32(acc[{j}], ah0, ah1, ah2, ah3, w.x, w.y); }}")
+                    done.add((k, kk))
+                    vals = [f"h[{kk}][0]", f"h[{kk}][2]", f"h[{kk}][1]", f"h[{kk}][3]"]
+                    if not one:
+                        vals = [f"{s} * {v}" for s, v in zip((s0, s1, s0, s1), vals)]
+                    out.append(f"unsigned ah{k}_{kk}[4], al{k}_{kk}[4];")
+                    out += [f"ssmc_split_tf32({v}, ah{k}_{kk}[{i}], al{k}_{kk}[{i}]);" for i, v in enumerate(vals)]
+                out.append("{")
+                for j, c in group:
+                    out.append(f"  const float4 w{j}_{c} = ssmc_wfrag<{str(hoist).lower()}>(&Wf[{k}][{j * nb + c}][lane]);")
+                for a, wp in (("al", "x, {w}.y"), ("ah", "z, {w}.w"), ("ah", "x, {w}.y")):
+                    for j, c in group:
+                        w = f"w{j}_{c}"
+                        f = f"{a}{k}_{c}"
+                        out.append(f"  ssmc_mma_tf32(acc[{j}], {f}[0], {f}[1], {f}[2], {f}[3], {w}.{wp.format(w=w)});")
                 out.append("}")
         return out
     # after the products: h = acc, the step's outputs (the same scope as the step's other lines)
