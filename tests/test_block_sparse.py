@@ -345,7 +345,8 @@ def test_cuda_mma_instances_emulated(bs, dtype, emu_dir, monkeypatch):
     """The tensor-core instances against float64: 16 channels (the two rows of a lane share their
     batch's loads), 3 x 16 rows (a block of 4 warps with one idle), L7 (not a multiple of the load
     depth), blocks of 16 (four tiles each) and of 4 (tiles shared by blocks), the every-tile path,
-    loads along the state with stride 2 (no vector loads)."""
+    loads along the state with stride 2 (no vector loads); 2 and 4 warps a tile (the state's tiles
+    split over them, exchanged each step)."""
     from ssmc.runtime.cache import get_cache
     from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
     from ssmc.targets.cuda_bsp_mma import tiles_of
@@ -369,7 +370,7 @@ def test_cuda_mma_instances_emulated(bs, dtype, emu_dir, monkeypatch):
     strided = [torch.repeat_interleave(x, 2, -1)[..., ::2] if x.dim() == 3 and x.shape[-1] == n else x for x in xs]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     mma = [c for c in k.choices() if isinstance(c[1], str)]
-    assert mma and k.mma_why is None
+    assert mma and k.mma_why is None and {"m2x2", "m2x4"} <= {c[1] for c in mma}
     for case in (xs, dense, strided):
         ref = ReferenceKernel(r).forward([x.double() for x in case])
         for c in mma:
@@ -378,7 +379,8 @@ def test_cuda_mma_instances_emulated(bs, dtype, emu_dir, monkeypatch):
             for o, e in zip(outs, ref):
                 assert rel_err(o, e) < tol, (bs, c, rel_err(o, e))
             assert k.last_launch["shared_rows"] and k.last_launch["vec"] == (case is not strided)
-            assert k.last_launch["grid"] == -(-3 // c[0])
+            split = int(c[1].partition("x")[2] or 1)            # warps a 16-row tile
+            assert k.last_launch["grid"] == -(-3 // (c[0] // split))
 
 
 def test_cuda_mma_declines():

@@ -651,7 +651,7 @@ class CudaBlockSparseKernel:
     def choices(self) -> list[tuple[int, bool | str]]:
         """(warps, variant) keys, computed once: split only where a block moves and its partial
         sums fit the shared memory; the tensor-core ones where they cover the plan and the device."""
-        from .cuda_bsp_mma import DEPTHS, WARPS
+        from .cuda_bsp_mma import DEPTHS, SPLITS, WARPS, _variant, split_fits
         if self._choices is None:
             p, nb = self.plan, self.plan.n // self.plan.bs
             out = [(g, False) for g in sorted({min(g, nb) for g in GROUPS})]
@@ -664,6 +664,7 @@ class CudaBlockSparseKernel:
                     out.append((g, True))
             if self.mma_why is None:
                 out += [(w, f"m{d}") for w in WARPS for d in DEPTHS]
+                out += [c for c in SPLITS if split_fits(self.region, p, _variant(c[1])[1])]
             self._choices = out
         return [c for c in self._choices if not _is_mma(c) or self.arch is None or self.arch >= 80]
 
@@ -686,8 +687,9 @@ class CudaBlockSparseKernel:
         if key not in self._rendered:
             g, variant, vec, shared = key
             if _is_mma(key):
-                from .cuda_bsp_mma import render_mma
-                self._rendered[key] = render_mma(self.region, self.plan, g, int(variant[1:]), vec, shared)
+                from .cuda_bsp_mma import _variant, render_mma
+                depth, split = _variant(variant)
+                self._rendered[key] = render_mma(self.region, self.plan, g, depth, vec, shared, split)
             else:
                 self._rendered[key] = render(self.region, self.plan, g, variant, vec)
         return self._rendered[key]
@@ -798,7 +800,7 @@ class CudaBlockSparseKernel:
                 v = {"L": L, "rows": rows}[src[0]]
             args.append((kind, int(v)))
         inst = {c: self.instance(c, inputs) for c in self.choices()}
-        grid = lambda c: -(-(-(-rows // 16)) // c[0]) if _is_mma(c) else -(-rows // 32)
+        grid = lambda c: -(-(-(-rows // 16)) // _tiles_a_block(c)) if _is_mma(c) else -(-rows // 32)
         bucket = (rows, 1 << L.bit_length(), tuple(str(x.dtype) for x in inputs), tuple(inst.values()))
         g = _choice(self.force_groups)[:2] if self.force_groups else self._picked.get(bucket)
         if g is None:
@@ -846,6 +848,12 @@ def _choice(key) -> tuple:
     key = (key,) if isinstance(key, int) else tuple(key)
     key = key + (False,) * (4 - len(key))
     return key if _is_mma(key) else key[:3] + (False,)
+
+
+def _tiles_a_block(key) -> int:
+    """16-row tiles a block of a tensor-core instance: its warps over the warps a tile."""
+    from .cuda_bsp_mma import _variant
+    return key[0] // _variant(key[1])[1]
 
 
 def _is_mma(key) -> bool:

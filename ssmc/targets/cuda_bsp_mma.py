@@ -25,6 +25,8 @@ from .cuda_printer import CTYPES, const
 TEMPLATE = "cuda/block_sparse_mma_fwd.cu.j2"
 WARPS = (1, 4)            # warps a block (16 rows each): the choices timed on first use
 DEPTHS = (2, 4)           # steps ahead the loads are issued
+SPLITS = ((2, "m2x2"), (2, "m4x2"), (4, "m2x4"))    # and those with 2 or 4 warps a tile (one tile a block)
+SMEM_STATIC = 48 * 1024   # a block's static shared memory
 SMEM_W = 40 * 1024        # W's fragments: terms * tiles * 32 lanes * 16 bytes
 HOIST_TILES = 16          # up to this many tiles, W's fragments may stay in registers across steps
 PREFETCH = 8             # steps ahead of the L2 prefetch hints
@@ -41,6 +43,14 @@ def mma_unsupported(r: ir.Region, p: CudaBSPlan) -> str | None:
     if len(p.terms) * nb * nb * 32 * 16 > SMEM_W:
         return f"{len(p.terms)} matrices of {p.n}x{p.n} do not fit the shared memory as fragments"
     return None
+
+
+def split_fits(r: ir.Region, p: CudaBSPlan, split: int) -> bool:
+    """Whether `split` warps a tile divide the state's tiles and the exchange buffers fit beside W."""
+    nb = p.n // 8
+    sums = sum(len(_reduces(o.expr)) for o in r.outputs if p.reg not in o.index)
+    smem = len(p.terms) * nb * nb * 32 * 16 + 2 * nb * 32 * 16 + 2 * max(sums, 1) * split * 16 * 4
+    return nb % split == 0 and smem <= SMEM_STATIC
 
 
 def tiles_of(p: CudaBSPlan, blocks) -> list[tuple[int, int]]:
@@ -112,33 +122,86 @@ def _elems(nb: int):
     return [(j, e, m, 2 * m + e) for j in range(nb) for m in (0, 1) for e in (0, 1)]
 
 
+def partition(p: CudaBSPlan, split: int) -> list[list[int]]:
+    """The state's 8-column tiles j (the products' output tiles) over `split` warps: nb / split
+    each, the compiled tiles (mma) evened out, heaviest rows first."""
+    nb = p.n // 8
+    count = [0] * nb
+    for j, _ in tiles_of(p, p.blocks):
+        count[j] += 1
+    parts, load = [[] for _ in range(split)], [0] * split
+    for j in sorted(range(nb), key=lambda j: (-count[j], j)):
+        w = min((w for w in range(split) if len(parts[w]) < nb // split), key=lambda w: (load[w], w))
+        parts[w].append(j)
+        load[w] += count[j]
+    return [sorted(x) for x in parts]
+
+
+def _variant(variant: str) -> tuple[int, int]:
+    """(load depth D, warps a 16-row tile S) of "m<D>" or "m<D>x<S>"."""
+    d, _, s = variant[1:].partition("x")
+    return int(d), int(s or 1)
+
+
 def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = False,
-               shared: bool = False) -> Rendered:
+               shared: bool = False, split: int = 1) -> Rendered:
     """The instance: `vec` the pairs along the mixed axis read as one load each (the caller checks
     contiguity and alignment), `shared` the two rows of a lane differ only in the last parallel axis
-    (its size a multiple of 16: loads free of that axis are shared between them)."""
+    (its size a multiple of 16: loads free of that axis are shared between them), `split` warps a
+    16-row tile (each owns nb / split of the state's tiles; the tiles another warp's products read
+    are exchanged through shared memory, one barrier of the tile's warps a step)."""
     from .cuda import jinja_env
     nb = p.n // 8
-    reg = p.reg
+    if split < 1 or nb % split or warps % split:
+        raise ValueError(f"{split} warps a tile: the {nb} tiles or the {warps} warps do not divide")
     kname = ("ssmc_bspm_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
-             + f"_w{warps}d{depth}{'v' if vec else ''}{'s' if shared else ''}")
+             + f"_w{warps}d{depth}{f'x{split}' if split > 1 else ''}{'v' if vec else ''}{'s' if shared else ''}")
+    owners = partition(p, split) if split > 1 else [list(range(nb))]
+    roles = [_role(r, p, depth, vec, shared, owners, w) for w in range(split)]
+    fill = _Printer(r, "w")
+    wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
+    decls, params = kernel_params(r, p)
+    run_loads = []
+    for ro in roles:
+        run_loads += [x for x in ro["run_loads"] if x not in run_loads]
+    src = jinja_env().get_template(TEMPLATE).render(
+        region_name=r.name, region_text=str(r), n=p.n, nb=nb, warps=warps, depth=depth, kname=kname,
+        params=decls, args=[d.split()[-1] for d in decls], decomp=_decomp(p, shared), fill_pre=fill.pre + fill.lines,
+        fill_value=wv, nterms=len(p.terms), ntiles=len(tiles_of(p, p.blocks)), split=split, owners=owners,
+        nsums=max(ro["nsums"] for ro in roles), roles=roles)
+    return Rendered(warps, kname, src, tuple(params), tuple(run_loads))
+
+
+def _decomp(p: CudaBSPlan, shared: bool) -> list[str]:
+    """The two rows of a lane as indices along the parallel axes."""
+    out = []
+    for m in (0, 1):
+        for a in reversed(p.rows):
+            if shared and m == 1 and a != p.rows[-1]:
+                continue
+            out.append(f"const long long ax_{a}_{m} = rr{m} % sz_{a}; rr{m} /= sz_{a};")
+    return out
+
+
+def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owners, role: int) -> dict:
+    """The code of one warp of a tile (the only one when `owners` has one part): its tiles' element
+    updates, products, outputs and loads; with several parts, the exchange after each step (into
+    Xs / Ps of the tile's half @B@ of the double buffer, then the barrier of the tile's warps)."""
+    nb, reg, split = p.n // 8, p.reg, len(owners)
+    own = owners[role]
     pr = _MmaPrinter(r, nb, vec)
     last = p.rows[-1] if p.rows else None
     slot_env = []
     for m in (0, 1):
         env = {a: (f"ax_{a}_0" if shared and a != last else f"ax_{a}_{m}") for a in p.rows}
         slot_env.append({**env, "t": "t", "@fetch": True})
-    decomp = []
-    for m in (0, 1):
-        for a in reversed(p.rows):
-            if shared and m == 1 and a != last:
-                continue
-            decomp.append(f"const long long ax_{a}_{m} = rr{m} % sz_{a}; rr{m} /= sz_{a};")
+    mine = [x for x in _elems(nb) if x[0] in own]
+    stores = [m for m in (0, 1) if m % split == role]      # the row slots whose per-row outputs this warp stores
 
     def elem_env(j, e, m, extra=None):
         return {**slot_env[m], reg: f"(cq + {8 * j + e})", "@elem": (j, e), **(extra or {})}
 
-    # initial state
+    # initial state: every tile (the others' tiles too: their first products need them)
     init = [f"ssmc_t h[{nb}][4];"]
     for j, e, m, c in _elems(nb):
         if r.init is not None:
@@ -151,7 +214,7 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
     scales = [[pr.expr(sc, slot_env[m]) for m in (0, 1)] for sc, _ in p.terms]
     acc = [f"ssmc_t acc[{nb}][4];"]
     pr.lines, pr.outer = acc, body
-    for j, e, m, c in _elems(nb):
+    for j, e, m, c in mine:
         env = {**elem_env(j, e, m), "@state": f"h[{j}][{c}]"}
         terms = []
         if not (isinstance(r.decay, Const) and r.decay.value == 0):
@@ -167,18 +230,22 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         """The tiles' mma in groups, each group's three passes (lo(A') hi(W), hi(A') lo(W),
         hi(A') hi(W)) one after another over its tiles, so that consecutive mma accumulate into
         different tiles j (a chain of dependent mma waits out each one's latency). Hoisted W: one
-        group, the tiles taken round-robin over j; else a group per column block k (its W
-        fragments loaded once, its A'_k split there)."""
+        group, the tiles taken round-robin over j (the warp's own columns k first: the others'
+        arrive through shared memory); else a group per column block k (its W fragments loaded
+        once, its A'_k split there)."""
         out, done = [], set()
-        by_row = {}
-        for j, c in tiles:
-            by_row.setdefault(j, []).append((j, c))
         if hoist:
-            order = [row[i] for i in range(max(len(r) for r in by_row.values())) for row in by_row.values()
-                     if i < len(row)]
-            grouped = [order]
+            grouped = []
+            for part in ([t for t in tiles if t[1] in own], [t for t in tiles if t[1] not in own]):
+                by_row = {}
+                for t in part:
+                    by_row.setdefault(t[0], []).append(t)
+                if by_row:
+                    grouped.append([row[i] for i in range(max(len(x) for x in by_row.values()))
+                                    for row in by_row.values() if i < len(row)])
         else:
-            grouped = [[t for t in tiles if t[1] == kk] for kk in sorted({c for _, c in tiles})]
+            ks = sorted({c for _, c in tiles}, key=lambda c: (c not in own, c))
+            grouped = [[t for t in tiles if t[1] == kk] for kk in ks]
         for k, (sc, _) in enumerate(p.terms):
             s0, s1 = scales[k]
             one = s0 == const(1.0) and s1 == const(1.0)
@@ -204,14 +271,14 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         return out
     # after the products: h = acc, the step's outputs (the same scope as the step's other lines)
     tail: list[str] = []
-    tail += [f"h[{j}][{c}] = acc[{j}][{c}];" for j in range(nb) for c in range(4)]
+    tail += [f"h[{j}][{c}] = acc[{j}][{c}];" for j in own for c in range(4)]
     pr.lines, pr.outer = [], tail
-    sums = []
+    sums, row_outs = [], []
     for k, o in enumerate(r.outputs):
         if o.kind != "steps":
             continue
         if reg in o.index:
-            for j, e, m, c in _elems(nb):
+            for j, e, m, c in mine:
                 env = {**elem_env(j, e, m), "@state": f"h[{j}][{c}]"}
                 pr.lines = tail
                 tail.append(_store(r, k, o, env, pr.expr(o.expr, env), f"live{m}"))
@@ -223,28 +290,63 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
             for m in (0, 1):
                 pr.lines = tail
                 terms = [pr.expr(red.arg, {**elem_env(j, e, m), "@state": f"h[{j}][{c}]"})
-                         for j, e, mm, c in _elems(nb) if mm == m]
+                         for j, e, mm, c in mine if mm == m]
                 parts.append(f"ssmc_t ps{i}_{m} = {_tree(terms)};")
             tail += parts
             tail += [f"ps{i}_{m} += __shfl_xor_sync(0xffffffffu, ps{i}_{m}, {x});" for x in (1, 2) for m in (0, 1)]
-        for m in (0, 1):
-            bind = {red: f"ps{sums.index(red)}_{m}" for red in _reduces(o.expr)}
+        row_outs.append((k, o))
+    # the others' partial sums and tiles (several warps a tile): through shared memory
+    xchg: list[str] = []
+    if split > 1:
+        xchg += [f"if (q == 0) Ps[tg][@B@][{i}][{role}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
+                 for i in range(len(sums)) for m in (0, 1)]
+    after: list[str] = []
+    for k, o in row_outs:
+        for m in stores:
+            bind = {}
+            for red in _reduces(o.expr):
+                i = sums.index(red)
+                if split > 1:
+                    others = [f"Ps[tg][@B@][{i}][{w}][{8 * m} + (lane >> 2)]" for w in range(split) if w != role]
+                    after.append(f"const ssmc_t pt{i}_{m} = ps{i}_{m} + {' + '.join(others)};")
+                    bind[red] = f"pt{i}_{m}"
+                else:
+                    bind[red] = f"ps{i}_{m}"
             env = {**slot_env[m], "@bind": bind}
-            pr.lines = tail
-            tail.append(_store(r, k, o, env, pr.expr(o.expr, env), f"live{m} && q == {m}"))
+            pr.lines = after
+            pr.outer = after
+            after.append(_store(r, k, o, env, pr.expr(o.expr, env), f"live{m} && q == {m if split == 1 else 0}"))
     pr.outer = None
+
+    def exchange(tiles) -> tuple[list[str], list[str]]:
+        """(before the barrier, after it): the warp's tiles that another's products read, out;
+        the others' tiles that its own read, in."""
+        if split == 1:
+            return [], []
+        used = {c for j, c in tiles if j in own}
+        wanted = {c for j, c in tiles if j not in own}
+        out = [f"Xs[tg][@B@][{c}][lane] = make_float4(h[{c}][0], h[{c}][1], h[{c}][2], h[{c}][3]);"
+               for c in sorted(wanted & set(own))]
+        back = []
+        for c in sorted(used - set(own)):
+            back += [f"{{ const float4 x = Xs[tg][@B@][{c}][lane]; "
+                     f"h[{c}][0] = x.x; h[{c}][1] = x.y; h[{c}][2] = x.z; h[{c}][3] = x.w; }}"]
+        return out + xchg + [f"ssmc_bar(1 + tg, {32 * split});"], back
     # the ring: refill slot U with step t + D, then every pointer walks one step
+    mask = sum(1 << j for j in own)
     refill, prologue = [], []
     for v, run, ty in pr.fetch:
         if run:
-            refill.append(f"ssmc_mma_fetch<{nb}, {int(vec)}>(r{v}[{U}], p{v}, s{v});")
+            refill.append(f"ssmc_mma_fetch<{nb}, {int(vec)}, {mask:#x}>(r{v}[{U}], p{v}, s{v});")
         else:
             refill.append(f"r{v}[{U}] = *p{v};")
     walk = [f"p{v} += d{v};" for v, _, _ in pr.fetch]
-    # L2 prefetch PREFETCH steps ahead: a run's lanes cover its pairs (lane g: tile g % NB)
+    # L2 prefetch PREFETCH steps ahead: a run's lanes cover the warp's pairs (lane g: its tile g % tiles)
     hint = [f"ssmc_prefetch_l2(p{v} + po{v});" for v, _, _ in pr.fetch]
+    nibbles = sum(j << (4 * i) for i, j in enumerate(own))
     offsets = [f"const long long po{v} = {PREFETCH} * d{v}"
-               + (f" + (long long)(8 * ((lane >> 2) % {nb})) * s{v};" if run else ";") for v, run, _ in pr.fetch]
+               + (f" + (long long)(8 * (({nibbles:#x}u >> (4 * ((lane >> 2) % {len(own)}))) & 15u)) * s{v};"
+                  if run else ";") for v, run, _ in pr.fetch]
     for u in range(depth):
         prologue.append(f"if ({u} < L) {{ " + " ".join(x.replace(U, str(u)) for x in refill) + " }")
         prologue += walk
@@ -252,12 +354,18 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
     def loop(tiles) -> list[str]:
         """D steps an iteration: while every step and refill is in range, one block of straight-line
         code (the scheduler interleaves one step's readout with the next step's products); then
-        the rest, checked step by step."""
-        step = body + acc + products(tiles, len(tiles) <= HOIST_TILES) + tail
+        the rest, checked step by step. The double buffer's half is t % 2: D is even."""
+        mine_t = [t for t in tiles if t[0] in own]
+        send, recv = exchange(tiles)
+        step = body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + send + recv + after
+
+        def copy(u):
+            return ["    " + x.replace(U, str(u)).replace("@B@", str(u % 2)) for x in step]
         out = ["int s0 = 0;", f"for (; s0 + {2 * depth} <= L; s0 += {depth}) {{"]
         for u in range(depth):
             out.append(f"  {{ const int t = s0 + {u};")
-            out += ["    " + x.replace(U, str(u)) for x in step + refill]
+            out += copy(u)
+            out += ["    " + x.replace(U, str(u)) for x in refill]
             if hint:
                 out.append(f"    if (t + {PREFETCH} < L) {{ " + " ".join(hint) + " }")
             out += ["    " + x for x in walk]
@@ -266,7 +374,7 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         for u in range(depth):
             out.append(f"  {{ const int t = s0 + {u};")
             out.append("    if (t >= L) break;")
-            out += ["    " + x.replace(U, str(u)) for x in step]
+            out += copy(u)
             if refill:
                 out.append(f"    if (t + {depth} < L) {{ " + " ".join(x.replace(U, str(u)) for x in refill) + " }")
             out += ["    " + x for x in walk]
@@ -276,40 +384,46 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
     compiled = tiles_of(p, p.blocks)
     every = [(a, c) for a in range(nb) for c in range(nb)]
     loop0, loop1 = loop(compiled), loop(every)
-    # after the loop: the final outputs from the whole state
+    # after the loop: the final outputs from the whole state (the other warps' partial sums in the
+    # half of the buffer no warp reads after the last step's barrier: L % 2)
     post = []
     finals = [k for k, o in enumerate(r.outputs) if o.kind == "final"]
     if finals:
         fl = pr.section([])
+        fenv = [{**slot_env[m], "t": "0", "@fetch": False} for m in (0, 1)]
+        binds, fsums = [{}, {}], []
         for k in finals:
             o = r.outputs[k]
-            fenv = [{**slot_env[m], "t": "0", "@fetch": False} for m in (0, 1)]
             if reg in o.index:
-                for j, e, m, c in _elems(nb):
+                for j, e, m, c in mine:
                     env = {**fenv[m], reg: f"(cq + {8 * j + e})", "@state": f"h[{j}][{c}]"}
                     fl.append(_store(r, k, o, env, pr.expr(o.expr, env), f"live{m}"))
                 continue
-            bind = [{}, {}]
             for red in _reduces(o.expr):
                 i = len(sums)
                 sums.append(red)
+                fsums.append(i)
                 for m in (0, 1):
                     terms = [pr.expr(red.arg, {**fenv[m], reg: f"(cq + {8 * j + e})", "@state": f"h[{j}][{c}]"})
-                             for j, e, mm, c in _elems(nb) if mm == m]
+                             for j, e, mm, c in mine if mm == m]
                     fl.append(f"ssmc_t ps{i}_{m} = {' + '.join(terms)};")
                     fl += [f"ps{i}_{m} += __shfl_xor_sync(0xffffffffu, ps{i}_{m}, {x});" for x in (1, 2)]
-                    bind[m][red] = f"ps{i}_{m}"
-            for m in (0, 1):
-                env = {**fenv[m], "@bind": bind[m]}
-                fl.append(_store(r, k, o, env, pr.expr(o.expr, env), f"live{m} && q == {m}"))
+                    binds[m][red] = f"ps{i}_{m}"
+        if split > 1 and fsums:
+            fl += [f"if (q == 0) Ps[tg][L & 1][{i}][{role}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
+                   for i in fsums for m in (0, 1)]
+            fl.append(f"ssmc_bar(1 + tg, {32 * split});")
+            for i in fsums:
+                for m in stores:
+                    others = [f"Ps[tg][L & 1][{i}][{w}][{8 * m} + (lane >> 2)]" for w in range(split) if w != role]
+                    fl.append(f"ps{i}_{m} += {' + '.join(others)};")
+        for k in finals:
+            o = r.outputs[k]
+            if reg in o.index:
+                continue
+            for m in stores:
+                env = {**fenv[m], "@bind": binds[m]}
+                fl.append(_store(r, k, o, env, pr.expr(o.expr, env), f"live{m} && q == {m if split == 1 else 0}"))
         post = fl
-    fill = _Printer(r, "w")
-    wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
-    decls, params = kernel_params(r, p)
-    src = jinja_env().get_template(TEMPLATE).render(
-        region_name=r.name, region_text=str(r), n=p.n, nb=nb, warps=warps, depth=depth, kname=kname,
-        params=decls, args=[d.split()[-1] for d in decls], decomp=decomp, fill_pre=fill.pre + fill.lines,
-        fill_value=wv, nterms=len(p.terms), ntiles=len(compiled),
-        pre=pr.pre + offsets + init + prologue, loop0=loop0, loop1=loop1, post=post)
-    return Rendered(warps, kname, src, tuple(params), tuple(pr.run_loads))
-
+    return dict(pre=pr.pre + offsets + init + prologue, loop0=loop0, loop1=loop1, post=post,
+                run_loads=pr.run_loads, nsums=len(sums))
