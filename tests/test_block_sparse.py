@@ -370,7 +370,8 @@ def test_cuda_mma_instances_emulated(bs, dtype, emu_dir, monkeypatch):
     strided = [torch.repeat_interleave(x, 2, -1)[..., ::2] if x.dim() == 3 and x.shape[-1] == n else x for x in xs]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     mma = [c for c in k.choices() if isinstance(c[1], str)]
-    assert mma and k.mma_why is None and {"m2x2", "m2x4"} <= {c[1] for c in mma}
+    assert mma and k.mma_why is None and "m2x2" in {c[1] for c in mma}
+    mma.append((4, "m2x4"))          # 4 warps a tile: not timed (see SPLITS), still right
     for case in (xs, dense, strided):
         ref = ReferenceKernel(r).forward([x.double() for x in case])
         for c in mma:
