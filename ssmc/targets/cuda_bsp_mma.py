@@ -31,8 +31,6 @@ SMEM_STATIC = 48 * 1024   # a block's static shared memory
 SMEM_W = 40 * 1024        # W's fragments: terms * tiles * 32 lanes * 16 bytes
 HOIST_TILES = 16          # up to this many tiles, W's fragments may stay in registers across steps
 PREFETCH = 8             # steps ahead of the L2 prefetch hints
-CHAIN = 4                 # dependent mma a partial sum of an output tile, at most (where SETS allow)
-SETS = 3                  # partial sums an output tile, at most (the first starts from a h + b)
 U = "@U@"                 # the unrolled step's slot in the load rings, replaced per copy
 
 
@@ -232,9 +230,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
     def products(tiles, hoist: bool) -> list[str]:
         """The tiles' mma in groups, each group's three passes (lo(A') hi(W), hi(A') lo(W),
         hi(A') hi(W)) one after another over its tiles, so that consecutive mma accumulate into
-        different tiles j (a chain of dependent mma waits out each one's latency); a tile's
-        products over up to SETS partial sums of at most CHAIN each where it has more, added at
-        the end. Hoisted W: one
+        different tiles j (a chain of dependent mma waits out each one's latency). Hoisted W: one
         group, the tiles taken round-robin over j (the warp's own columns k first: the others'
         arrive through shared memory); else a group per column block k (its W fragments loaded
         once, its A'_k split there)."""
@@ -251,13 +247,6 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         else:
             ks = sorted({c for _, c in tiles}, key=lambda c: (c not in own, c))
             grouped = [[t for t in tiles if t[1] == kk] for kk in ks]
-        per_j = {}
-        for j, _ in tiles:
-            per_j[j] = per_j.get(j, 0) + 3 * len(p.terms)
-        sets = {j: min(SETS, -(-n // CHAIN)) for j, n in per_j.items()}
-        used = {j: 0 for j in per_j}
-        for j, n in sets.items():
-            out += [f"ssmc_t ax{i}_{j}[4];" for i in range(1, n)]
         for k, (sc, _) in enumerate(p.terms):
             s0, s1 = scales[k]
             one = s0 == const(1.0) and s1 == const(1.0)
@@ -278,15 +267,8 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
                     for j, c in group:
                         w = f"w{j}_{c}"
                         f = f"{a}{k}_{c}"
-                        i = used[j] % sets[j]          # the tile's products taken round-robin over its partial sums
-                        fn = "ssmc_mma_tf32_z" if 0 < i and used[j] < sets[j] else "ssmc_mma_tf32"   # a set's first: from 0
-                        target = f"acc[{j}]" if i == 0 else f"ax{i}_{j}"
-                        used[j] += 1
-                        out.append(f"  {fn}({target}, {f}[0], {f}[1], {f}[2], {f}[3], {w}.{wp.format(w=w)});")
+                        out.append(f"  ssmc_mma_tf32(acc[{j}], {f}[0], {f}[1], {f}[2], {f}[3], {w}.{wp.format(w=w)});")
                 out.append("}")
-        for j, n in sets.items():
-            if n > 1:
-                out += [f"acc[{j}][{c}] += {' + '.join(f'ax{i}_{j}[{c}]' for i in range(1, n))};" for c in range(4)]
         return out
     # after the products: h = acc, the step's outputs (the same scope as the step's other lines)
     tail: list[str] = []
