@@ -1,13 +1,16 @@
 """The block-sparse forward on tensor cores (templates/cuda/block_sparse_mma_fwd.cu.j2): the
 instances of ``CudaBlockSparseKernel`` whose variant is "m<D>" (D: how many steps ahead the loads
-are issued).
+are issued) or "m<D>x<S>" (S warps share one 16-row tile: each owns n/S of the state's columns,
+and the columns the others' products read, with the partial readout sums, go through shared
+memory, one named barrier a step; SPLITS lists those timed).
 
 The transition's products sum_k s_k (W_k h) are, for 16 rows at once, a [16 x n] by [n x n]
 matrix product with the same W_k for every row: mma.m16n8k8 in tf32, one per nonzero 8x8 tile of
 W_k, three per tile for fp32 accuracy (3xTF32: the small cross terms first). A warp holds 16 rows
 by the whole state in registers, in the accumulator layout, which (the columns of each tile
 permuted, W's fragments alike) is also the A-operand layout, so a step moves nothing between lanes
-or warps: no shared-memory exchange, no barrier. Blocks of any size are covered by the 8x8 tiles
+(nor, unsplit, between warps: no shared-memory exchange, no barrier). The hi/lo split rounds hi to
+nearest, so lo (either sign) loses nothing on average to the tensor core's truncation. Blocks of any size are covered by the 8x8 tiles
 they touch (a 16x16 block is four tiles, a 4x4 block shares a tile with its neighbours).
 
 What it covers, beyond `bsp_plan` (else `mma_unsupported` says why and only the lane-per-row
