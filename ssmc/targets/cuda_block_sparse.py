@@ -17,6 +17,9 @@ part also stays in registers); readout sums go through shared memory and are fin
 warps in turn, one step late; the next step's inputs are loaded ahead, a block row's run of a
 load along the state (B, C) by one pointer, as vector loads where the runs are contiguous and
 aligned (`runs_vectorizable`, checked at every launch; else an instance with scalar loads).
+Where the state is fp32 and the mixed axis a multiple of 8, the tensor-core instances of
+`cuda_bsp_mma` (16 rows a warp, mma.sync on the nonzero 8x8 tiles) are timed with these and
+usually win.
 
 The compiled mask only steers the code: the pattern of the actual inputs is recomputed at every
 call (`ssmc.sparsity.PatternCache`) and a device-side flag selects the second work list (every
