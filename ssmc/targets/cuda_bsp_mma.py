@@ -10,8 +10,9 @@ W_k, three per tile for fp32 accuracy (3xTF32: the small cross terms first). A w
 by the whole state in registers, in the accumulator layout, which (the columns of each tile
 permuted, W's fragments alike) is also the A-operand layout, so a step moves nothing between lanes
 (nor, unsplit, between warps: no shared-memory exchange, no barrier). The hi/lo split rounds hi to
-nearest, so lo (either sign) loses nothing on average to the tensor core's truncation. Blocks of any size are covered by the 8x8 tiles
-they touch (a 16x16 block is four tiles, a 4x4 block shares a tile with its neighbours).
+nearest, so lo (either sign) loses nothing on average to the tensor core's truncation. Blocks of
+any size are covered by the 8x8 tiles they touch (a 16x16 block is four tiles, a 4x4 block shares
+a tile with its neighbours).
 
 What it covers, beyond `bsp_plan` (else `mma_unsupported` says why and only the lane-per-row
 instances are timed): fp32 state, the mixed axis a multiple of 8 up to 64, W's fragments of every
