@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .ir import Const, Expr, Load, Op, Reduce, Region, State, walk
+from .ir import MIX_COL, Const, Expr, InputSpec, Load, Mix, Op, OutputSpec, Reduce, Region, State, loads, map_loads, walk
 
 ONE, ZERO = Const(1.0), Const(0.0)
 
@@ -184,3 +184,103 @@ def region_adjoint(region: Region) -> Adjoint:
     da = [(l, e) for l, e in backprop(region.decay, GRAD_A).items() if isinstance(l, Load)]
     db = [(l, e) for l, e in backprop(region.drive, GRAD_B).items() if isinstance(l, Load)]
     return Adjoint(steps, final, tuple(ls), tuple(lf), tuple(da), tuple(db))
+
+
+# -- the chunked backward of a region with a non-diagonal transition --------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ChunkScan:
+    """A forward region derived from another for one chunk of its steps, and how to feed it:
+    its input k is the original input ``reads[k]`` (the chunk's steps of it along dim ``tdim[k]``,
+    reversed in time when ``flip``; an input without a time dim, None, whole), then one tensor
+    per name in ``extra``."""
+    region: Region
+    reads: tuple[int, ...]
+    tdim: tuple
+    extra: tuple[str, ...]
+    flip: bool = False
+
+    def inputs(self, inputs, t0: int, t1: int, extra) -> list:
+        out = []
+        for i, d in zip(self.reads, self.tdim):
+            x = inputs[i]
+            if d is not None:
+                x = x.narrow(d, t0, t1 - t0)
+                x = x.flip(d) if self.flip else x
+            out.append(x)
+        return out + list(extra)
+
+
+def time_dims(r: Region, exprs) -> dict | str:
+    """{input: the dim it is read along time} for the inputs the expressions read, or why they
+    cannot be cut into chunks of steps (an input read along time at two dims, or at a fixed step
+    of its time dim)."""
+    tdim: dict = {}
+    for ld in (x for e in exprs for x in loads(e)):
+        if "t" in ld.index:
+            d = ld.index.index("t")
+            if tdim.setdefault(ld.input, d) != d:
+                return f"input {ld.input} ({r.inputs[ld.input].name}) is read along time at two dims"
+    for ld in (x for e in exprs for x in loads(e)):
+        d = tdim.get(ld.input)
+        if d is not None and ld.index[d] != "t":
+            return f"input {ld.input} ({r.inputs[ld.input].name}) is read at a fixed step as well as along time"
+    return tdim
+
+
+def chunk_scans(r: Region, cdt: str) -> tuple[ChunkScan, ChunkScan, ChunkScan] | str:
+    """The three recurrences the chunked backward of a region with a `Mix` runs over a chunk of
+    steps [t0, t1), each an ordinary forward region (so a target's forward kernel runs it):
+
+    final    the state after the chunk from the state before it (extra input h0): checkpoints;
+    states   every state of the chunk from h0 (outputs laid out (t, *state axes));
+    adjoint  lam, reversed in time: lam_t = a_(t+1) lam_(t+1) + m_(t+1)^T lam_(t+1) + g_t, with
+             g_t = dL/dh_t from the outputs. Run forward over the flipped chunk: step s reads the
+             transition at t = t1-1-s (the decay's and the matrix's inputs flipped), the drive is
+             the extra input g' = (g_(t1-2), ..., g_t0, 0), the initial state lam_(t1-1). Its
+             states are lam_(t1-2) .. lam_t0 and, last, a_t0 lam_t0 + m_t0^T lam_t0: dL/dh
+             before the chunk. The transposed matrix is the matrix expression with the state's
+             last axis and the column axis swapped; its block mask is the transpose.
+
+    A reason string where the inputs cannot be cut into chunks (`time_dims`)."""
+    m = r.mix
+    if m is None:
+        raise ValueError(f"region {r.name} has no non-diagonal transition")
+    fwd_exprs = (r.decay, r.drive, m.expr)
+    tdim = time_dims(r, fwd_exprs)
+    if isinstance(tdim, str):
+        return tdim
+    axes, reg = tuple(r.axes), r.axes[-1]
+    state_in = InputSpec("state", len(axes), cdt)
+    steps_out = OutputSpec("steps", State(), ("t", *axes), cdt)
+
+    def derived(name, exprs, extra_specs, init, length, build):
+        reads = tuple(sorted({ld.input for e in exprs for ld in loads(e)} | length))
+        at = {i: k for k, i in enumerate(reads)}
+        n = len(reads)
+        return reads, dict(
+            name=f"{r.name}_{name}", axes=axes, axis_size=tuple((n + init, k) for k in range(len(axes))),
+            inputs=tuple(r.inputs[i] for i in reads) + extra_specs, init=n + init,
+            state_dtype=r.state_dtype, reverse=False, **build(lambda ld: Load(at[ld.input], ld.index), at, n))
+
+    def fwd(mp, at, n):
+        return dict(length=(at[r.length[0]], r.length[1]), decay=map_loads(r.decay, mp),
+                    drive=map_loads(r.drive, mp), mix=dataclasses.replace(m, expr=map_loads(m.expr, mp)))
+
+    tdim.setdefault(r.length[0], r.length[1])
+    dims = lambda reads: tuple(tdim.get(i) for i in reads)
+    reads, f = derived("states", fwd_exprs, (state_in,), 0, {r.length[0]}, fwd)
+    states = ChunkScan(Region(**f, outputs=(steps_out,)), reads, dims(reads), ("h0",))
+    final = ChunkScan(Region(**{**f, "name": f"{r.name}_final"},
+                             outputs=(OutputSpec("final", State(), axes, cdt),)), reads, dims(reads), ("h0",))
+
+    def adj(mp, at, n):
+        swap = {reg: MIX_COL, MIX_COL: reg}
+        tr = lambda ld: Load(at[ld.input], tuple(swap.get(ix, ix) for ix in ld.index))
+        mt = Mix(map_loads(m.expr, tr), m.block, tuple(sorted((c, b) for b, c in m.blocks)), m.nblocks)
+        return dict(length=(n, 0), decay=map_loads(r.decay, mp), drive=Load(n, ("t", *axes)), mix=mt)
+
+    reads, f = derived("adjoint", (r.decay, m.expr), (InputSpec("grad_state", 1 + len(axes), cdt), state_in),
+                       1, set(), adj)
+    adjoint = ChunkScan(Region(**f, outputs=(steps_out,)), reads, dims(reads), ("g", "lam0"), flip=True)
+    return final, states, adjoint

@@ -250,14 +250,16 @@ def test_gpu_block_sparse_bf16():
     assert lookup(info.key).kernel.fallback is None
     ref = reference(P.euler_matmul, ins)[0]
     assert rel_err(out, ref) < 2e-2
-    # gradients (the reference adjoint on the GPU) against float64 autograd
+    # gradients (the backward's scans on Triton kernels, ssmc/targets/mix_adjoint.py) against float64 autograd
     A = ins[2].clone().requires_grad_()
-    out, _ = ssmc_run(P.euler_matmul, (*ins[:2], A, *ins[3:]), target="triton")
+    out, report = ssmc_run(P.euler_matmul, (*ins[:2], A, *ins[3:]), target="triton")
     (gA,) = torch.autograd.grad(out.float().square().sum(), A)
     A64 = ins[2].double().requires_grad_()
     ref = P.euler_matmul(*[t.double() for t in ins[:2]], A64, *[t.double() for t in ins[3:]])
     (rA,) = torch.autograd.grad(ref.square().sum(), A64)
     assert rel_err(gA, rA) < 2e-2
+    scans = lookup(report.regions[0].key).kernel.scans
+    assert len(scans.kernels) == 3 and not scans.declined, scans.declined
 
 
 # -- the CUDA kernel: numerics on the CPU emulator, NVRTC builds for sm_80/sm_90, the GPU ---------
@@ -532,6 +534,17 @@ def test_gpu_cuda_block_sparse(dtype):
             assert kern.last_launch["vec"] and kern.last_launch["shared_rows"] == isinstance(c[1], str)
     finally:
         kern.force_groups = None
+    # gradients of every input: the backward's scans on CUDA kernels (mix_adjoint), against float64
+    xs = [t.detach().clone().requires_grad_() for t in ins]
+    out = fast(*xs)
+    w = torch.randn(out.shape, device=out.device, generator=torch.Generator(out.device).manual_seed(1))
+    got = torch.autograd.grad((out.float() * w).sum(), xs)
+    x64 = [t.detach().double().requires_grad_() for t in ins]
+    want = torch.autograd.grad((P.euler_matmul(*x64) * w.double()).sum(), x64)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i != 3:                            # the mask: not a parameter (its gradient is not checked)
+            assert rel_err(a, b) < (1e-4 if dtype == torch.float32 else 3e-2), (i, rel_err(a, b))
+    assert len(kern.scans.kernels) == 3 and not kern.scans.declined, kern.scans.declined
 
 
 def test_grad_of_transposed_input_under_inductor(monkeypatch):

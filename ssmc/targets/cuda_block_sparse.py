@@ -28,8 +28,9 @@ block) when the compiled mask does not cover it, so the kernel is right for any 
 What it covers (else `Unsupported`, and the Triton kernel runs): each W_k free of time and of
 the parallel axes (a learned A times a mask, I + dt A), the state at most MAX_N along the mixed
 axis, outputs that are the state itself or sums of it over the mixed axis, forward time.
-Measured on the H200 in benchmarks/NOTES.md. Backward: the torch reference's adjoint (as the
-Triton block-sparse kernel).
+Measured on the H200 in benchmarks/NOTES.md. Backward: `ssmc.targets.mix_adjoint`, the adjoint
+in chunks with its scans (a chunk's states; lam in reverse time, transposed mask) on kernels of
+this class, the gradients by torch ops (as the Triton block-sparse kernel, on Triton's).
 """
 from __future__ import annotations
 
@@ -751,10 +752,17 @@ class CudaBlockSparseKernel:
             list(pool.map(lambda g: self.built(g, arch), choices))
 
     def backward(self, inputs, grads, needs):
-        return self._reference.backward(inputs, grads, needs)
+        from .mix_adjoint import backward
+        return backward(self.region, inputs, grads, needs, self.scans)
 
     def backward_note(self) -> str:
-        return "backward: torch reference (the block-sparse kernels have no generated adjoint)"
+        return self.scans.note("CUDA")
+
+    @functools.cached_property
+    def scans(self):
+        """The backward's derived regions (`ssmc.autodiff.chunk_scans`) on kernels like this one."""
+        from .mix_adjoint import Scans
+        return Scans(lambda r: CudaBlockSparseKernel(r, bsp_plan(r), self.cache, self.extra_flags))
 
     def run(self, inputs, launch, timer=None, prebuild=None):
         """Outputs, the coverage flag and the arguments; ``launch(groups, grid, block, args)``

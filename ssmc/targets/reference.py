@@ -6,8 +6,8 @@ scan (only products of decays, no division by cumulative products, so decays nea
 to exact zeros and decays near 1 lose nothing); the carry passes between chunks. Outputs are
 evaluated per chunk, so no (L, *state) tensor exists beyond one chunk.
 Backward: the adjoint recurrence (ssmc.autodiff). Regions with a non-diagonal transition
-(`Region.mix`) run their steps sequentially in each chunk, h = a*h + M h + b, forward and
-adjoint (lam = direct + a*lam' + M^T lam').
+(`Region.mix`) run their steps sequentially in each chunk, h = a*h + M h + b; their backward
+is `ssmc.targets.mix_adjoint` (its scans run by this module's `run`).
 """
 from __future__ import annotations
 
@@ -309,86 +309,92 @@ def run(region: Region, inputs, chunk: int = 64):
     return outs
 
 
+class Grads:
+    """What every adjoint pass starts from: the output gradients appended to the inputs (an
+    output without one gets zeros), an accumulator per input that needs a gradient, and
+    ``put(ev, pairs)``: each (Load, adjoint expression) pair evaluated by `ev` and summed into
+    its input's accumulator."""
+
+    def __init__(self, r: Region, inputs, grads, needs):
+        self.cdt = compute_dtype(r, inputs)
+        dev = inputs[0].device
+        self.sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
+        self.L = inputs[r.length[0]].shape[r.length[1]]
+        self.state_shape = tuple(self.sizes[a] for a in r.axes)
+        gin = []
+        for o, g in zip(r.outputs, grads):
+            shp = [self.L if ix == "t" else 1 if ix == 1 else self.sizes[ix] for ix in o.index]
+            gin.append(g if g.numel() else torch.zeros(shp, dtype=ir.to_dtype(o.dtype), device=dev))
+        self.allin = list(inputs) + gin
+        self.acc = [torch.zeros(x.shape, dtype=self.cdt, device=dev) if n else None for x, n in zip(inputs, needs)]
+
+    def put(self, ev, pairs):
+        for ld, e in pairs:
+            if ld.input < len(self.acc) and self.acc[ld.input] is not None:
+                ev.accumulate(self.acc[ld.input], ld, ev.eval(e))
+
+    def h0(self, r: Region, inputs):
+        if r.init is not None:
+            return inputs[r.init].to(self.cdt)
+        return torch.zeros(self.state_shape, dtype=self.cdt, device=inputs[0].device)
+
+    def seed_final(self, r: Region, adj, h):
+        """dL/dh_(L-1) from the final outputs (h: the last state), their loads' gradients put."""
+        lam = torch.zeros(self.state_shape, dtype=self.cdt, device=h.device)
+        if adj.state_final is not None or adj.loads_final:
+            ev = Evaluator(r, self.allin, max(self.L - 1, 0), max(self.L, 1) if self.L else 0, self.cdt)
+            ev.state = h.unsqueeze(0)
+            if adj.state_final is not None:
+                lam = lam + ev.eval(adj.state_final).expand(1, *self.state_shape)[0]
+            self.put(ev, adj.loads_final)
+        return lam
+
+    def result(self, r: Region, inputs, lam_init):
+        """The gradients in the inputs' dtypes; lam_init = dL/dh_(-1) goes to the initial state."""
+        if r.init is not None and self.acc[r.init] is not None:
+            self.acc[r.init] += lam_init.expand(self.state_shape).to(self.cdt)
+        return [g.to(x.dtype) if g is not None else None for g, x in zip(self.acc, inputs)]
+
+
 def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 64):
     """Gradients of every input from the region's adjoint (ssmc.autodiff): a forward pass keeps
     the state at each chunk start, then chunks run in reverse: the forward states of the chunk
     are recomputed, the adjoint state lam runs the recurrence backwards in time, and the
-    gradients of the decay, drive and output expressions are accumulated into the inputs."""
-    from ssmc.autodiff import GRAD_A, GRAD_B, GRAD_M, mix_loads, region_adjoint
+    gradients of the decay, drive and output expressions are accumulated into the inputs.
+    A region with a non-diagonal transition: `ssmc.targets.mix_adjoint`."""
+    from ssmc.autodiff import GRAD_A, GRAD_B, region_adjoint
     r = region
-    adj = region_adjoint(r)
-    loads_mix = mix_loads(r)
-    cdt = compute_dtype(r, inputs)
-    dev = inputs[0].device
-    sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
-    L = inputs[r.length[0]].shape[r.length[1]]
-    state_shape = tuple(sizes[a] for a in r.axes)
-    gin = []
-    for o, g in zip(r.outputs, grads):
-        shp = [L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index]
-        gin.append(g if g.numel() else torch.zeros(shp, dtype=ir.to_dtype(o.dtype), device=dev))
-    allin = list(inputs) + gin
-    acc = [torch.zeros(x.shape, dtype=cdt, device=dev) if n else None for x, n in zip(inputs, needs)]
-
-    def put(ev, pairs, seeds=None):
-        for ld, e in pairs:
-            if ld.input < len(acc) and acc[ld.input] is not None:
-                ev.accumulate(acc[ld.input], ld, ev.eval(e))
-
     if r.mix is not None:
-        chunk = max(1, min(chunk, MIX_CHUNK_ELEMENTS // max(1, math.prod(state_shape) * state_shape[-1])))
-
-    def scan(ev, t0, t1, a, h0):
-        """(states of [t0, t1), the chunk's transition matrices or None)."""
-        if r.mix is None:
-            return chunk_scan(a, ev.eval(r.drive).to(cdt), h0), None
-        M = Evaluator(r, allin, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
-        M = M.expand(t1 - t0, *state_shape, state_shape[-1])
-        return mix_scan(a, M, ev.eval(r.drive).to(cdt), h0), M
-
+        from .mix_adjoint import backward
+        return backward(r, inputs, grads, needs, steps=chunk)
+    adj = region_adjoint(r)
+    g = Grads(r, inputs, grads, needs)
+    cdt, L, state_shape = g.cdt, g.L, g.state_shape
     with torch.no_grad():
-        h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
+        h = g.h0(r, inputs)
         starts = []
         for t0 in range(0, L, chunk):
             starts.append(h)
             t1 = min(L, t0 + chunk)
-            ev = Evaluator(r, allin, t0, t1, cdt)
-            h = scan(ev, t0, t1, ev.eval(r.decay).to(cdt), h)[0][-1]
-        lam_next = torch.zeros(state_shape, dtype=cdt, device=dev)    # a_{t1} * lam_{t1}
-        if adj.state_final is not None or adj.loads_final:
-            ev = Evaluator(r, allin, max(L - 1, 0), max(L, 1) if L else 0, cdt)
-            ev.state = h.unsqueeze(0)
-            if adj.state_final is not None:
-                lam_next = lam_next + ev.eval(adj.state_final).expand(1, *state_shape)[0]
-            put(ev, adj.loads_final)
+            ev = Evaluator(r, g.allin, t0, t1, cdt)
+            h = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)[-1]
+        lam_next = g.seed_final(r, adj, h)     # a_{t1} * lam_{t1}
         for c in reversed(range(len(starts))):
             t0, t1 = c * chunk, min(L, (c + 1) * chunk)
-            ev = Evaluator(r, allin, t0, t1, cdt)
+            ev = Evaluator(r, g.allin, t0, t1, cdt)
             a = ev.eval(r.decay).to(cdt).expand(t1 - t0, *([-1] * len(state_shape)))
-            H, M = scan(ev, t0, t1, a, starts[c])
+            H = chunk_scan(a, ev.eval(r.drive).to(cdt), starts[c])
             ev.state = H
             direct = ev.eval(adj.state_steps).expand(t1 - t0, *state_shape) if adj.state_steps is not None \
-                else torch.zeros((t1 - t0, *state_shape), dtype=cdt, device=dev)
-            put(ev, adj.loads_steps)
+                else torch.zeros((t1 - t0, *state_shape), dtype=cdt, device=h.device)
+            g.put(ev, adj.loads_steps)
             H_prev = torch.cat([starts[c].unsqueeze(0), H[:-1]])
-            if M is None:
-                # lam_t = direct_t + a_{t+1} lam_{t+1}, reversed in time as a forward scan
-                alpha = torch.cat([torch.ones_like(a[:1]), a.flip(0)[:-1]])
-                lam = chunk_scan(alpha, direct.flip(0), lam_next).flip(0)
-                lam_next = a[0] * lam[0]                             # dL/dh before this chunk
-            else:
-                # lam_t = direct_t + a_{t+1} lam_{t+1} + M_{t+1}^T lam_{t+1}, step by step
-                lam = torch.empty_like(direct)
-                for s in reversed(range(t1 - t0)):
-                    lam[s] = direct[s] + lam_next
-                    lam_next = a[s] * lam[s] + (lam[s].unsqueeze(-2) @ M[s]).squeeze(-2)
-                evm = Evaluator(r, allin, t0, t1, cdt, matrix=True)
-                evm.memo[GRAD_M] = lam.unsqueeze(-1) * H_prev.unsqueeze(-2)
-                put(evm, loads_mix)
+            # lam_t = direct_t + a_{t+1} lam_{t+1}, reversed in time as a forward scan
+            alpha = torch.cat([torch.ones_like(a[:1]), a.flip(0)[:-1]])
+            lam = chunk_scan(alpha, direct.flip(0), lam_next).flip(0)
+            lam_next = a[0] * lam[0]                             # dL/dh before this chunk
             ev.memo[GRAD_A] = lam * H_prev
             ev.memo[GRAD_B] = lam
-            put(ev, adj.loads_decay)
-            put(ev, adj.loads_drive)
-        if r.init is not None and acc[r.init] is not None:
-            acc[r.init] += lam_next.expand(state_shape).to(cdt)
-    return [g.to(x.dtype) if g is not None else None for g, x in zip(acc, inputs)]
+            g.put(ev, adj.loads_decay)
+            g.put(ev, adj.loads_drive)
+    return g.result(r, inputs, lam_next)

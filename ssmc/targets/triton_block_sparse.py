@@ -14,11 +14,13 @@ pattern of the actual inputs (state blocks through an L1-resident scratch buffer
 is recomputed from the inputs on the device (ssmc.sparsity) and a flag picks the unrolled path
 only when the compiled mask covers it, so the kernel is right for any mask, dense included.
 
-Backward: the torch reference's adjoint (sequential in time, in chunks); correct, not fast.
+Backward: `ssmc.targets.mix_adjoint`, the adjoint in chunks, its scans (a chunk's states; lam in
+reverse time with the transposed mask) on kernels of this class, the gradients by torch ops.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -386,8 +388,24 @@ class BlockSparseKernel(T.TritonKernel):
             return f"the mixed axis has {n} elements, not a multiple of the block size {self.plan.bs}"
         return super()._why_not(inputs, sizes, L)
 
-    def backward(self, inputs, grads, needs):
-        return self._reference().backward(inputs, grads, needs)
+    def backward(self, inputs, grads, needs, residual=()):
+        from .mix_adjoint import backward
+        return backward(self.region, inputs, grads, needs, self.scans)
+
+    def backward_note(self) -> str:
+        return self.scans.note("Triton")
+
+    @functools.cached_property
+    def scans(self):
+        """The backward's derived regions (`ssmc.autodiff.chunk_scans`) on kernels like this one."""
+        from .mix_adjoint import Scans
+
+        def make(r):
+            plan = make_bsp_plan(r)
+            if isinstance(plan, str):
+                raise ValueError(plan)
+            return BlockSparseKernel(r, self.strategy, plan, self.options, self.arch)
+        return Scans(make)
 
 
 def block_size_for(n: int) -> int | None:

@@ -1,0 +1,198 @@
+"""The backward of a region with a non-diagonal transition (`Region.mix`: block-sparse A, rotary
+pairs, complex decays as 2x2 blocks), in chunks of steps.
+
+The sequential work is three forward regions derived from the region
+(`ssmc.autodiff.chunk_scans`), run by ``scan(region, inputs) -> outputs``: the forward kernels
+of the target that runs the region (a block-sparse kernel multiplying only the nonzero blocks,
+of the transposed mask for the adjoint; `Scans`), or the torch reference. A first pass keeps the
+state at each chunk start; then, chunk by chunk in reverse: the chunk's states from its start,
+dL/dh_t from the outputs, lam over the chunk in reverse time, and the gradients of the inputs by
+torch ops on the whole chunk (`Evaluator`): the decay's and the drive's as in the diagonal case,
+and the transition's from dm_t[.., i, j] = lam_t[.., i] h_(t-1)[.., j]. That outer product is
+never formed where the matrix's adjoint is a product of a part along time and the rows and a
+part along (i, j) (m = s_t W: dW = sum over time and rows of s lam h_prev^T, one matrix product;
+ds = lam . (W h_prev)); otherwise it is formed a few steps at a time.
+
+Memory: a chunk holds a few (steps, *state) tensors of at most `STEP_ELEMENTS` elements each,
+never (L, *state).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from ssmc import ir
+from ssmc.autodiff import GRAD_A, GRAD_B, GRAD_M, chunk_scans, mix_loads, region_adjoint
+from ssmc.ir import Op, Region
+
+from .reference import MIX_CHUNK_ELEMENTS, Evaluator, Grads, ReferenceKernel, grads_by_autograd, run
+from .triton_ssd import factors, product
+
+log = logging.getLogger("ssmc")
+
+STEP_ELEMENTS = 1 << 25     # elements of one (steps, *state) tensor of a chunk
+
+
+def chunk_steps(state_numel: int, L: int, steps: int | None = None) -> int:
+    """Steps per chunk: as many as `STEP_ELEMENTS` allows, at most ``steps`` (when given) and L."""
+    T = max(1, STEP_ELEMENTS // max(1, state_numel))
+    return max(1, min(T, steps or T, L))
+
+
+def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None = None) -> list:
+    """Every input's gradient (None where not needed); ``scan(region, inputs)`` runs a derived
+    forward region (default: the torch reference)."""
+    r = region
+    g = Grads(r, inputs, grads, needs)
+    cdt, L, state_shape = g.cdt, g.L, g.state_shape
+    scans = chunk_scans(r, ir.dtype_name(cdt))
+    if isinstance(scans, str):          # inputs that cannot be cut along time: autograd on the reference
+        log.info("ssmc: region %s: backward by autograd of the reference forward (%s)", r.name, scans)
+        return grads_by_autograd(lambda xs: run(r, xs), inputs, grads, needs)
+    final, states, adjoint = scans
+    scan = scan or (lambda reg, xs: run(reg, xs))
+    adj = region_adjoint(r)
+    pairs = [(ld, e) for ld, e in mix_loads(r) if ld.input < len(g.acc) and g.acc[ld.input] is not None]
+    T = chunk_steps(math.prod(state_shape), L, steps)
+    bounds = [(t0, min(L, t0 + T)) for t0 in range(0, L, T)]
+    with torch.no_grad():
+        h = g.h0(r, inputs)
+        starts = []
+        for t0, t1 in bounds:
+            starts.append(h)
+            h = scan(final.region, final.inputs(inputs, t0, t1, [h]))[0].to(cdt)
+        lam_next = g.seed_final(r, adj, h)          # dL/dh_(t1-1) from the steps after the chunk
+        for (t0, t1), h0 in reversed(list(zip(bounds, starts))):
+            H = scan(states.region, states.inputs(inputs, t0, t1, [h0]))[0].to(cdt)
+            ev = Evaluator(r, g.allin, t0, t1, cdt)
+            ev.state = H
+            direct = ev.eval(adj.state_steps).expand(t1 - t0, *state_shape) if adj.state_steps is not None \
+                else torch.zeros_like(H)
+            g.put(ev, adj.loads_steps)
+            last = direct[-1] + lam_next
+            gr = torch.cat([direct[:-1].flip(0), torch.zeros_like(direct[:1])])
+            out = scan(adjoint.region, adjoint.inputs(inputs, t0, t1, [gr, last]))[0].to(cdt)
+            lam = torch.cat([out[:-1].flip(0), last.unsqueeze(0)])
+            lam_next = out[-1]                      # a_t0 lam_t0 + m_t0^T lam_t0
+            H_prev = torch.cat([h0.unsqueeze(0), H[:-1]])
+            ev.memo[GRAD_A] = lam * H_prev
+            ev.memo[GRAD_B] = lam
+            g.put(ev, adj.loads_decay)
+            g.put(ev, adj.loads_drive)
+            _mix_grads(r, g, t0, t1, lam, H_prev, pairs)
+    return g.result(r, inputs, lam_next)
+
+
+def _terms(e) -> list:
+    """(sign, term) of a sum tree."""
+    if isinstance(e, Op) and not e.attrs and e.name in ("add", "sub"):
+        right = _terms(e.args[1])
+        return _terms(e.args[0]) + (right if e.name == "add" else [(-s, t) for s, t in right])
+    return [(1, e)]
+
+
+def factored(e, r: Region) -> list | None:
+    """[(sign, f_rows, f_mat)] with e = sum of sign * GRAD_M * f_rows * f_mat, f_rows free of the
+    matrix's axes (the state's last axis and the column) and f_mat free of time and the other
+    state axes; None where e is not of that form."""
+    rowcol = {r.axes[-1], ir.MIX_COL}
+    rows_t = set(r.axes[:-1]) | {"t"}
+    out = []
+    for sign, term in _terms(e):
+        fs = factors(term)
+        if fs.count(GRAD_M) != 1 or any(GRAD_M in ir.walk(f) for f in fs if f != GRAD_M):
+            return None
+        rest = [f for f in fs if f != GRAD_M]
+        ax = [ir.axes_of(f, r.axes) for f in rest]
+        f_mat = [f for f, a in zip(rest, ax) if a & rowcol]
+        if any(a & rowcol and a & rows_t for a in ax):
+            return None
+        out.append((sign, product([f for f, a in zip(rest, ax) if not a & rowcol]), product(f_mat)))
+    return out
+
+
+def split_mix_grads(r: Region, pairs) -> tuple[list, list]:
+    """The transition's (Load, adjoint) pairs as ([(load, `factored` terms)], [(load, adjoint)]):
+    the first need no outer product (the load varies along the matrix's axes only, or along
+    none of them, and its adjoint factors); the second do."""
+    rowcol = {r.axes[-1], ir.MIX_COL}
+    rows_t = set(r.axes[:-1]) | {"t"}
+    fac, dense = [], []
+    for ld, e in pairs:
+        la = ir.axes_of(ld, r.axes)
+        terms = factored(e, r)
+        if terms is None or (la & rowcol and la & rows_t):
+            dense.append((ld, e))
+        else:
+            fac.append((ld, terms))
+    return fac, dense
+
+
+def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, pairs):
+    """The transition's gradients over [t0, t1) into the accumulators of its inputs."""
+    rowcol = {r.axes[-1], ir.MIX_COL}
+    n = lam.shape[-1]
+    ev = Evaluator(r, g.allin, t0, t1, g.cdt, matrix=True)
+    fac, dense = split_mix_grads(r, pairs)
+    for ld, terms in fac:
+        along_matrix = bool(ir.axes_of(ld, r.axes) & rowcol)
+        for sign, f_rows, f_mat in terms:
+            fr = ev.eval(f_rows)                                    # (steps|1, *rows|1, 1, 1)
+            fm = ev.eval(f_mat)
+            fm = fm.reshape(fm.shape[-2:]).expand(n, n)             # (i, j)
+            if along_matrix:    # sum over time and rows: one matrix product
+                G = (fr[..., 0] * lam).reshape(-1, n).T @ H_prev.reshape(-1, n)
+                value = (fm * G).reshape([1] * (len(ev.names) - 2) + [n, n])
+            else:               # per step and row: lam . (f_mat h_prev)
+                value = fr * (lam * (H_prev @ fm.T)).sum(-1, keepdim=True).unsqueeze(-1)
+            ev.accumulate(g.acc[ld.input], ld, value if sign > 0 else -value)
+    if dense:                   # the outer product itself, a few steps at a time
+        state = lam[0].numel()
+        k = max(1, MIX_CHUNK_ELEMENTS // max(1, state * n))
+        for s0 in range(t0, t1, k):
+            s1 = min(t1, s0 + k)
+            evd = Evaluator(r, g.allin, s0, s1, g.cdt, matrix=True)
+            evd.memo[GRAD_M] = lam[s0 - t0:s1 - t0].unsqueeze(-1) * H_prev[s0 - t0:s1 - t0].unsqueeze(-2)
+            g.put(evd, dense)
+
+
+class Scans:
+    """Runs the derived regions of a kernel's backward on kernels of the same target,
+    ``make(region)`` compiling one on first use; a derived region the target cannot compile or
+    run goes to the torch reference, the reason kept in ``declined`` (and logged once)."""
+
+    def __init__(self, make):
+        self.make = make
+        self.kernels: dict = {}
+        self.declined: dict = {}
+
+    def __call__(self, region: Region, inputs):
+        key = region.key()
+        k = self.kernels.get(key)
+        if k is None:
+            try:
+                k = self.make(region)
+            except Exception as e:
+                k = self._decline(region, key, f"compile: {type(e).__name__}: {e}")
+            self.kernels[key] = k
+        try:
+            return k.forward(inputs)
+        except Exception as e:
+            if isinstance(k, ReferenceKernel):
+                raise
+            self.kernels[key] = self._decline(region, key, f"run: {type(e).__name__}: {e}")
+            return self.kernels[key].forward(inputs)
+
+    def _decline(self, region, key, why: str):
+        self.declined[region.name] = why
+        log.warning("ssmc: backward scan %s runs on the torch reference (%s)", region.name, why)
+        return ReferenceKernel(region)
+
+    def note(self, target: str) -> str:
+        text = (f"backward: the adjoint in chunks, its scans (states, and lam with the transposed mask) "
+                f"on {target} block-sparse kernels, the gradients by torch ops (ssmc/targets/mix_adjoint.py)")
+        if self.declined:
+            text += "; on the torch reference: " + "; ".join(f"{n} ({w})" for n, w in self.declined.items())
+        return text

@@ -1,0 +1,165 @@
+"""The backward of regions with a non-diagonal transition (ssmc/targets/mix_adjoint.py): the
+derived forward regions its scans run (ssmc.autodiff.chunk_scans), the transition's gradients
+without the per-row outer product where the matrix factors, and the same backward with the scans
+on the Triton kernel (TRITON_INTERPRET=1) and on the CUDA kernel (the CPU emulator), each against
+float64 autograd."""
+import pytest
+import torch
+
+import block_sparse_programs as P
+from conftest import as_tuple, rel_err, ssmc_run
+from ssmc import ir
+from ssmc.autodiff import chunk_scans, mix_loads
+from ssmc.runtime.op import lookup
+from ssmc.targets import mix_adjoint as M
+from ssmc.targets.reference import grads_by_autograd, run
+from test_block_sparse import _emulate_bsp, _region_and_inputs, interp  # noqa: F401
+from test_cuda_codegen import emu_dir  # noqa: F401
+
+
+def case(form, g, dtype=torch.float64):
+    mask = P.block_mask(4, 2, 0.25, g)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    if form == "euler_matmul":
+        return P.euler_matmul, P.euler_inputs(2, 7, 3, 8, mask, g, dtype)
+    if form == "euler_einsum":                   # returns the final state too
+        return P.euler_einsum, (r(2, 7), torch.rand(2, 7, generator=g, dtype=dtype) * 0.2, r(8, 8) / 3,
+                                mask.to(dtype), r(2, 7, 8), r(2, 7, 8))
+    if form == "given_abar":                     # a matrix per row and step: the outer product formed
+        return P.given_abar, (r(2, 7), r(2, 7, 8, 8) / 3, r(2, 7, 8), r(2, 7, 8))
+    if form == "lti_matmul":
+        return P.lti_matmul, (r(2, 7, 3), r(8, 8) / 3, mask.to(dtype), r(2, 7, 8), r(2, 7, 8))
+    return P.rotary, (r(2, 7, 3), r(2, 7, 3, 4), torch.rand(2, 7, 3, 4, generator=g, dtype=dtype),
+                      r(2, 7, 4), r(2, 7, 4))
+
+
+def test_chunk_scans_structure(monkeypatch):
+    """States and checkpoints read what the forward reads; the adjoint reads only the decay's
+    and the matrix's inputs, its matrix is the transpose (the column axis and the state's last
+    axis swapped) and so is its block mask; its drive and initial state are extra inputs."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.eye(4).repeat_interleave(8, 0).repeat_interleave(8, 1)
+    mask[0:8, 16:24] = 1                                   # block (0, 2): not symmetric
+    r, xs = _region_and_inputs(P.euler_matmul, P.euler_inputs(2, 7, 3, 32, mask, g), monkeypatch)
+    assert r.mix.block == 8 and (0, 2) in r.mix.blocks
+    final, states, adjoint = chunk_scans(r, "float64")
+    reg = r.axes[-1]
+    fwd_reads = {ld.input for e in (r.decay, r.drive, r.mix.expr) for ld in ir.loads(e)}
+    assert set(states.reads) >= fwd_reads and states.reads == final.reads
+    assert [o.kind for o in states.region.outputs] == ["steps"] and [o.kind for o in final.region.outputs] == ["final"]
+    assert states.region.outputs[0].index == ("t", *r.axes)
+    assert set(adjoint.reads) == {ld.input for ld in ir.loads(r.mix.expr)}     # dt and W: no x, B, C
+    assert adjoint.flip and adjoint.extra == ("g", "lam0") and states.extra == ("h0",)
+    assert adjoint.region.mix.blocks == tuple(sorted((c, b) for b, c in r.mix.blocks))
+    assert (2, 0) in adjoint.region.mix.blocks and (0, 2) not in adjoint.region.mix.blocks
+    w = next(ld for ld in ir.loads(r.mix.expr) if reg in ld.index)
+    wt = next(ld for ld in ir.loads(adjoint.region.mix.expr) if ir.MIX_COL in ld.index and reg in ld.index)
+    assert w.index.index(reg) == wt.index.index(ir.MIX_COL) and w.index.index(ir.MIX_COL) == wt.index.index(reg)
+    assert adjoint.region.drive == ir.Load(len(adjoint.reads), ("t", *r.axes))
+    # the matrix's gradient factors (no outer product formed) for m = dt W; not for a given Abar_t
+    fac, dense = M.split_mix_grads(r, mix_loads(r))
+    assert len(fac) == 2 and not dense
+    ra, _ = _region_and_inputs(*case("given_abar", g), monkeypatch)
+    fac, dense = M.split_mix_grads(ra, mix_loads(ra))
+    assert not fac and len(dense) == 1
+    # inputs that cannot be cut into chunks of steps: a reason (the backward then runs autograd)
+    from ssmc.autodiff import time_dims
+    two = ir.Op("add", (ir.Load(0, ("t", "i0")), ir.Load(0, ("i0", "t"))))
+    fixed = ir.Op("add", (ir.Load(0, ("t", "i0")), ir.Load(0, (0, "i0"))))
+    assert "two dims" in time_dims(r, [two]) and "fixed step" in time_dims(r, [fixed])
+    assert time_dims(r, [ir.Load(0, ("t", "i0")), ir.Load(1, ("i0",))]) == {0: 0}
+
+
+@pytest.mark.parametrize("form", ["euler_matmul", "euler_einsum", "given_abar", "lti_matmul", "rotary"])
+@pytest.mark.parametrize("steps", [1, 3, None])
+def test_backward_against_autograd(form, steps, monkeypatch):
+    """Every input's gradient (the initial state's too) against autograd through the reference
+    forward, float64, with chunks of 1, 3 and all 7 steps; each chunk runs the three scans."""
+    g = torch.Generator().manual_seed(2)
+    r, xs = _region_and_inputs(*case(form, g), monkeypatch)
+    outs = run(r, xs)
+    grads = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
+    needs = [x.is_floating_point() for x in xs]
+    calls = []
+
+    def scan(reg, ins):
+        calls.append(reg.name.rsplit("_", 1)[1])
+        return run(reg, ins)
+    got = M.backward(r, xs, grads, needs, scan, steps)
+    want = grads_by_autograd(lambda ins: run(r, ins), xs, grads, needs)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), i
+        if b is not None:
+            assert a.shape == b.shape and rel_err(a, b) < 1e-10, (form, i, rel_err(a, b))
+    chunks = -(-7 // (steps or 7))
+    assert calls == ["final"] * chunks + ["states", "adjoint"] * chunks
+
+
+def grads_of(fn, xs, compiled, **options):
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
+    out, report = ssmc_run(fn, xs, **options) if compiled else (fn(*xs), None)
+    loss = sum((o.double() * torch.cos(torch.arange(o.numel(), dtype=torch.float64)).view(o.shape)).sum()
+               for o in as_tuple(out))
+    return torch.autograd.grad(loss, [x for x in xs if x.requires_grad], allow_unused=True), report
+
+
+@pytest.mark.parametrize("step_elements", [1, 1 << 25])
+@pytest.mark.parametrize("form", ["euler_matmul", "euler_einsum"])
+def test_triton_backward_scans(form, step_elements, interp, monkeypatch):
+    """The Triton kernel's backward: its scans run on Triton block-sparse kernels (the adjoint's
+    with the transposed mask), in chunks of one step and in one chunk; fp32 against float64."""
+    monkeypatch.setattr(M, "STEP_ELEMENTS", step_elements)
+    g = torch.Generator().manual_seed(3)
+    fn, ins = case(form, g, torch.float32)
+    got, report = grads_of(fn, ins, True, target="triton")
+    want, _ = grads_of(fn, [x.double() for x in ins], False)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < 1e-5, (i, rel_err(a, b))
+    k = lookup(report.regions[0].key).kernel
+    assert not k.scans.declined, k.scans.declined
+    names = {kk.region.name.rsplit("_", 1)[1]: kk for kk in k.scans.kernels.values()}
+    assert set(names) == {"final", "states", "adjoint"}
+    assert all(type(kk).__name__ == "BlockSparseKernel" for kk in names.values())
+    assert names["adjoint"].region.mix.blocks == tuple(sorted((c, b) for b, c in k.region.mix.blocks))
+    assert "on Triton block-sparse kernels" in k.backward_note()
+
+
+@pytest.mark.parametrize("dtype,mma", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+def test_cuda_backward_scans_emulated(dtype, mma, emu_dir, monkeypatch, tmp_path):
+    """The CUDA kernel's backward with its scans on CUDA block-sparse kernels run by the CPU
+    emulator (outputs NaN-poisoned; a lane a row, or the tensor-core instances), in chunks of 3
+    steps; against float64 autograd."""
+    from ssmc.runtime.cache import get_cache
+    from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
+    monkeypatch.setattr(M, "STEP_ELEMENTS", 3 * (2 * 3 * 16))        # 3 steps of the (2, 3, 16) state
+    g = torch.Generator().manual_seed(4)
+    mask = P.block_mask(4, 4, 0.3, g)
+    ins = P.euler_inputs(2, 7, 3, 16, mask, g)
+    ins = tuple(t.to(dtype) if t.dim() == 3 else t for t in ins)
+    r, xs = _region_and_inputs(P.euler_matmul, ins, monkeypatch)
+    cache = get_cache(str(tmp_path / "cache"))
+    k = CudaBlockSparseKernel(r, bsp_plan(r), cache)
+    ran = []
+
+    class Emulated:
+        def __init__(self, reg):
+            self.k = CudaBlockSparseKernel(reg, bsp_plan(reg), cache)
+            self.k.poison = True
+            if mma:
+                self.k.force_groups = next(c for c in self.k.choices() if isinstance(c[1], str))
+
+        def forward(self, inputs):
+            out = _emulate_bsp(self.k, inputs, emu_dir)
+            ran.append((self.k.region.name, isinstance(self.k.last_launch["split"], str)))
+            return out
+    k.scans.make = Emulated
+    outs = run(r, [x.double() for x in xs])
+    grads = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in outs]
+    needs = [x.is_floating_point() for x in xs]
+    got = k.backward(xs, [x.to(o.dtype) for x, o in zip(grads, run(r, xs))], needs)
+    want = grads_by_autograd(lambda ins: run(r, ins), [x.double() for x in xs], grads, needs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < tol, (i, rel_err(a, b))
+    assert not k.scans.declined and len(ran) == 3 * 3            # 3 chunks of the 7 steps, 3 scans each
+    assert {m for _, m in ran} == {mma}
