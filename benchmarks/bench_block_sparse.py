@@ -16,8 +16,9 @@ Each ssmc row is first checked against a float64 eager run at L256 (same b and d
 triton.testing.do_bench (median; perf_counter medians on CPU). Time per nonzero block and
 step is reported against dense; the summary compares the fastest sparse row with the fastest
 dense one. A row that fails is recorded with its error; the JSON is
-rewritten after every row. Forward only: the backward of block-sparse regions runs the torch
-reference (not timed here).
+rewritten after every row. With --backward, also forward+backward of the sparse mask (the
+gradients of x, dt, A, B, C; ssmc/targets/mix_adjoint.py) per target, its gradients checked
+against float64 autograd at L256 first, and the eager loop's forward+backward at the eager length.
 """
 from __future__ import annotations
 
@@ -95,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--targets", default=None,
                     help="ssmc targets, comma-separated, each a row pair (default: cuda,triton on CUDA, torch on CPU)")
+    ap.add_argument("--backward", action="store_true",
+                    help="also time forward+backward of the sparse mask per target, and of the eager loop")
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                     help="x, dt, B, C dtype (default: bf16 on CUDA, fp32 on CPU); A and the state are fp32")
     args = ap.parse_args(argv)
@@ -195,6 +198,12 @@ def main(argv=None):
             say(f"[{label}] FAILED: {row['error']}\n{traceback.format_exc()}")
         res["rows"].append(row)
         write()
+    if args.backward:
+        for target in targets:
+            res["rows"].append(backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check))
+            write()
+        res["rows"].append(backward_row(None, cfg, sparse, dev, gen, torch.float32, bench, small, check))
+        write()
     row = {"variant": f"eager loop (L{cfg['eager_L']})", "L": cfg["eager_L"], "b": b, "channels": d, "d_state": n,
            "input_dtype": "float32"}
     try:
@@ -219,6 +228,15 @@ def main(argv=None):
                            sp["ns_per_nonzero_block_step_row"] / de["ns_per_nonzero_block_step_row"]))
     if sp.get("ms") and row.get("ms"):
         summary["speedup_sparse_vs_eager_scaled"] = row["ms_scaled_to_L"] / sp["ms"]
+    tr = [r for r in res["rows"] if r["variant"].startswith("ssmc block-sparse fwd+bwd") and r.get("ms")]
+    eager_tr = next((r for r in res["rows"] if r["variant"].startswith("eager loop fwd+bwd") and r.get("ms")), None)
+    if tr:
+        fastest = min(tr, key=lambda r: r["ms"])
+        summary["train"] = fastest["variant"]
+        if sp.get("ms"):
+            summary["fwd_bwd_over_fwd"] = fastest["ms"] / sp["ms"]
+        if eager_tr:
+            summary["speedup_fwd_bwd_vs_eager_scaled"] = eager_tr["ms_scaled_to_L"] / fastest["ms"]
     res["summary"] = summary
     write()
     say("variant                         ms        rel_err     block  nnz")
@@ -228,6 +246,50 @@ def main(argv=None):
     say(f"summary: {json.dumps(summary)}")
     say(f"wrote {out}")
     return res
+
+
+def backward_row(target, cfg, mask, dev, gen, seq_dtype, bench, small, check) -> dict:
+    """Forward+backward of the sparse mask (gradients of every input but the mask) through ssmc
+    on `target`, checked against float64 autograd at the check length; None: the eager loop at
+    the eager length (fp32 inputs)."""
+    from benchmarks.bench_gpu import lowered_graph
+    b, L, d, n = cfg["b"], cfg["L"], cfg["d"], cfg["n"]
+    label = f"ssmc block-sparse fwd+bwd [{target}]" if target else f"eager loop fwd+bwd (L{cfg['eager_L']})"
+    row = {"variant": label, "L": L if target else cfg["eager_L"], "b": b, "channels": d, "d_state": n}
+
+    def fwd_bwd(fn, ins):
+        xs = [t.detach().requires_grad_(i != 3) for i, t in enumerate(ins)]       # 3: the mask
+        y = fn(*xs)
+        y = y[0] if isinstance(y, (tuple, list)) else y
+        w = torch.cos(torch.arange(y.numel(), device=y.device, dtype=torch.float32)).view(y.shape)
+        return torch.autograd.grad((y.float() * w.to(y.dtype)).sum(), [x for x in xs if x.requires_grad])
+    try:
+        if target is None:
+            ins = make_inputs(b=b, L=cfg["eager_L"], d=d, n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype)
+            row["ms"] = bench(lambda: fwd_bwd(euler_matmul, ins))
+            row["ms_scaled_to_L"] = row["ms"] * L / cfg["eager_L"]
+            say(f"[{label}] {row['ms']:.2f} ms (~{row['ms_scaled_to_L']:.1f} ms at L{L})")
+            return row
+        fn, report = lowered_graph(euler_matmul, make_inputs(n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype,
+                                                             **small), target=target)
+        info = report.regions[0]
+        row.update(target=info.target, strategy=info.strategy)
+        ins = make_inputs(n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype, **check)
+        got = fwd_bwd(fn, ins)
+        want = fwd_bwd(euler_matmul, [t.double() for t in ins])
+        names = ["x", "dt", "A", "B", "C"]
+        row["grad_rel_err_vs_float64"] = {k: rel(a, b_) for k, a, b_ in zip(names, got, want)}
+        say(f"[{label}] gradients' rel err vs float64 at L{check['L']}: {row['grad_rel_err_vs_float64']}")
+        from ssmc.runtime.op import lookup
+        kern = lookup(info.key).kernel
+        row["backward"] = kern.backward_note() if hasattr(kern, "backward_note") else None
+        ins = make_inputs(b=b, L=L, d=d, n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype)
+        row["ms"] = bench(lambda: fwd_bwd(fn, ins))
+        say(f"[{label}] {row['ms']:.3f} ms; {row['backward']}")
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+        say(f"[{label}] FAILED: {row['error']}\n{traceback.format_exc()}")
+    return row
 
 
 if __name__ == "__main__":

@@ -575,9 +575,14 @@ def test_benchmark_tiny_cpu(tmp_path):
     import json
     from benchmarks import bench_block_sparse
     out = tmp_path / "tiny.json"
-    bench_block_sparse.main(["--tiny", "--out", str(out)])
+    bench_block_sparse.main(["--tiny", "--backward", "--out", str(out)])
     data = json.loads(out.read_text())
     rows = {r["variant"]: r for r in data["rows"]}
+    train = rows["ssmc block-sparse fwd+bwd [torch]"]
+    assert "error" not in train and train["ms"] > 0, train
+    assert set(train["grad_rel_err_vs_float64"]) == {"x", "dt", "A", "B", "C"}
+    assert max(train["grad_rel_err_vs_float64"].values()) < 1e-5
+    assert rows["eager loop fwd+bwd (L16)"]["ms"] > 0 and "fwd_bwd_over_fwd" in data["summary"]
     for v in ("ssmc block-sparse [torch]", "ssmc dense A [torch]"):
         assert "error" not in rows[v], rows[v]
         assert rows[v]["ms"] > 0 and rows[v]["rel_err_vs_float64"] < 1e-5
