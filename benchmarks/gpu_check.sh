@@ -2,7 +2,8 @@
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
 # SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune",
-# "ncu", "m1counters", "decode", "bspprobe", "ssdcore" and "train" only when named); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
+# "ncu", "m1counters", "decode", "bspprobe", "ssdcore" and "train" only when named; SSMC_BSP_FLAGS=--backward:
+# bsp also times forward+backward); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
 #   $OUT/fuzz_gpu.json (SSMC_FUZZ_* as in tests/fuzz_harness.py; defaults below fit one call)
@@ -94,7 +95,7 @@ if [[ $STEPS == *moe* ]]; then
 fi
 if [[ $STEPS == *bsp,* || $STEPS == *bsp ]]; then
   timeout ${SSMC_BSP_TIMEOUT:-300} python -m benchmarks.bench_block_sparse --out "$OUT/h200_block_sparse.json" \
-    --targets "${SSMC_BSP_TARGETS:-cuda,triton}" >> "$LOG" 2>&1
+    --targets "${SSMC_BSP_TARGETS:-cuda,triton}" ${SSMC_BSP_FLAGS:-} >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *bspprobe* ]]; then  # the CUDA block-sparse kernel: its pick, then ncu of one call (details, SASS page)
   timeout ${SSMC_BSP_TIMEOUT:-300} python -m benchmarks.probe_bsp --out "$OUT/h200_bsp_probe.json" >> "$LOG" 2>&1
