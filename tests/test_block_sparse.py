@@ -536,14 +536,15 @@ def test_gpu_cuda_block_sparse(dtype):
         kern.force_groups = None
     # gradients of every input: the backward's scans on CUDA kernels (mix_adjoint), against float64
     xs = [t.detach().clone().requires_grad_() for t in ins]
-    out = fast(*xs)
+    out, report = ssmc_run(P.euler_matmul, xs, target="cuda")        # inputs needing gradients: a new graph
     w = torch.randn(out.shape, device=out.device, generator=torch.Generator(out.device).manual_seed(1))
     got = torch.autograd.grad((out.float() * w).sum(), xs)
     x64 = [t.detach().double().requires_grad_() for t in ins]
     want = torch.autograd.grad((P.euler_matmul(*x64) * w.double()).sum(), x64)
-    for i, (a, b) in enumerate(zip(got, want)):       # the mask's too (dense: d mask = A * dW)
-        assert rel_err(a, b) < (1e-4 if dtype == torch.float32 else 3e-2), (i, rel_err(a, b))
-    assert len(kern.scans.kernels) == 3 and not kern.scans.declined, kern.scans.declined
+    errs = [rel_err(a, b) for a, b in zip(got, want)]           # the mask's too (dense: d mask = A * dW)
+    assert max(errs) < (2e-4 if dtype == torch.float32 else 3e-2), errs
+    scans = lookup(report.regions[0].key).kernel.scans
+    assert len(scans.kernels) == 3 and not scans.declined, (scans.kernels, scans.declined)
 
 
 def test_grad_of_transposed_input_under_inductor(monkeypatch):
