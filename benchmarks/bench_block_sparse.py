@@ -98,6 +98,9 @@ def main(argv=None):
                     help="ssmc targets, comma-separated, each a row pair (default: cuda,triton on CUDA, torch on CPU)")
     ap.add_argument("--backward", action="store_true",
                     help="also time forward+backward of the sparse mask per target, and of the eager loop")
+    ap.add_argument("--backward-only", action="store_true", help="--backward without the forward rows")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --backward: one forward+backward under torch.profiler, its top ops in the row")
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                     help="x, dt, B, C dtype (default: bf16 on CUDA, fp32 on CPU); A and the state are fp32")
     args = ap.parse_args(argv)
@@ -139,6 +142,8 @@ def main(argv=None):
     check = dict(b=b, L=min(L, 256), d=d)
     cases = [(f"ssmc {kind} [{t}]", m, t) for t in targets
              for kind, m in (("block-sparse", sparse), ("dense A", torch.ones(n, n)))]
+    if args.backward_only:
+        args.backward, cases = True, []
     for label, mask, target in cases:
         row = {"variant": label, "L": L, "b": b, "channels": d, "d_state": n}
         try:
@@ -200,13 +205,16 @@ def main(argv=None):
         write()
     if args.backward:
         for target in targets:
-            res["rows"].append(backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check))
+            res["rows"].append(backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check,
+                                            args.profile))
             write()
         res["rows"].append(backward_row(None, cfg, sparse, dev, gen, torch.float32, bench, small, check))
         write()
     row = {"variant": f"eager loop (L{cfg['eager_L']})", "L": cfg["eager_L"], "b": b, "channels": d, "d_state": n,
            "input_dtype": "float32"}
     try:
+        if args.backward_only:
+            raise RuntimeError("not run (--backward-only)")
         say(f"[eager] timing the naive loop at L{cfg['eager_L']} on fp32 inputs")
         ins = make_inputs(b=b, L=cfg["eager_L"], d=d, n=n, mask=sparse, dev=dev, gen=gen, seq_dtype=torch.float32)
         with torch.no_grad():
@@ -248,7 +256,7 @@ def main(argv=None):
     return res
 
 
-def backward_row(target, cfg, mask, dev, gen, seq_dtype, bench, small, check) -> dict:
+def backward_row(target, cfg, mask, dev, gen, seq_dtype, bench, small, check, profile=False) -> dict:
     """Forward+backward of the sparse mask (gradients of every input but the mask) through ssmc
     on `target`, checked against float64 autograd at the check length; None: the eager loop at
     the eager length (fp32 inputs)."""
@@ -286,10 +294,29 @@ def backward_row(target, cfg, mask, dev, gen, seq_dtype, bench, small, check) ->
         ins = make_inputs(b=b, L=L, d=d, n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype)
         row["ms"] = bench(lambda: fwd_bwd(fn, ins))
         say(f"[{label}] {row['ms']:.3f} ms; {row['backward']}")
+        if profile:
+            row["profile"] = profiled(lambda: fwd_bwd(fn, ins), dev)
+            say("\n".join(row["profile"]))
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"
         say(f"[{label}] FAILED: {row['error']}\n{traceback.format_exc()}")
     return row
+
+
+def profiled(fn, dev, top: int = 25) -> list[str]:
+    """One call of fn under torch.profiler: the wall time, then the top ops by device (or CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        wall = (time.perf_counter() - t0) * 1e3
+    key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=top)
+    return [f"wall {wall:.1f} ms under the profiler"] + table.splitlines()
 
 
 if __name__ == "__main__":

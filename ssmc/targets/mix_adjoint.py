@@ -77,9 +77,10 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
             lam = torch.cat([out[:-1].flip(0), last.unsqueeze(0)])
             lam_next = out[-1]                      # a_t0 lam_t0 + m_t0^T lam_t0
             H_prev = torch.cat([h0.unsqueeze(0), H[:-1]])
-            ev.memo[GRAD_A] = lam * H_prev
+            if adj.loads_decay:
+                ev.memo[GRAD_A] = lam * H_prev
+                g.put(ev, adj.loads_decay)
             ev.memo[GRAD_B] = lam
-            g.put(ev, adj.loads_decay)
             g.put(ev, adj.loads_drive)
             _mix_grads(r, g, t0, t1, lam, H_prev, pairs)
     return g.result(r, inputs, lam_next)
