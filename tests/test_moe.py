@@ -134,6 +134,42 @@ def test_gradients_match_float64_autograd():
     check_grads(got, want)
 
 
+def moe_spans(S: int):
+    """The second routing form: token spans of S steps, each routed to an expert and run from a
+    zero state, written as sequences of the reshaped input (README, "Which form to write")."""
+    def fn(x, dt, idxs, params):
+        b, L, d = x.shape
+        xs, dts = x.reshape(b * (L // S), S, d), dt.reshape(b * (L // S), S, d)
+        out = torch.zeros_like(xs)
+        for idx, (A, WB, WC, D, bias) in zip(idxs, params):
+            xe = xs[idx]
+            out[idx] = expert(xe, dts[idx], A, xe @ WB, xe @ WC, D, bias)
+        return out.reshape(b, L, d)
+    return fn
+
+
+def test_token_spans_grouped():
+    """Spans of 4 steps (3 sequences of 8: 6 spans), one expert with none; grouped into one op;
+    values and gradients against float64 eager."""
+    fn = moe_spans(4)
+    x, dt, params = inputs(b=3, L=8, seed=4)
+    idxs = split([2, 0, 2, 3, 0, 2], 4)                        # expert 1 gets no span
+
+    def grads(f):
+        leaves = [x.clone().requires_grad_(), dt.clone().requires_grad_()]
+        ps = [tuple(p.clone().requires_grad_() for p in ps) for ps in params]
+        out = f(leaves[0], leaves[1], idxs, ps)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        return out.detach(), [t.grad for t in leaves] + [p.grad for ps_ in ps for p in ps_]
+    torch._dynamo.reset()
+    out, got = grads(torch.compile(fn, backend="ssmc"))
+    ref, want = grads(fn)
+    grp = ssmc.backend.LAST_REPORT.groups[0]
+    assert grp.status.startswith("grouped: 4 experts"), grp.status
+    check(out, ref, 1e-10)
+    check_grads(got, want)
+
+
 @pytest.fixture
 def dynamic_output_shapes():
     """Dynamo captures data-dependent sizes (nonzero, boolean masks) in the graph. Through
