@@ -99,6 +99,9 @@ def main(argv=None):
     ap.add_argument("--backward", action="store_true",
                     help="also time forward+backward of the sparse mask per target, and of the eager loop")
     ap.add_argument("--backward-only", action="store_true", help="--backward without the forward rows")
+    ap.add_argument("--step-elements", default="",
+                    help="with --backward: comma-separated sizes of the backward's chunk tensors "
+                         "(mix_adjoint.STEP_ELEMENTS), a row each (default: its own)")
     ap.add_argument("--profile", action="store_true",
                     help="with --backward: one forward+backward under torch.profiler, its top ops in the row")
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
@@ -204,27 +207,36 @@ def main(argv=None):
         res["rows"].append(row)
         write()
     if args.backward:
+        from ssmc.targets import mix_adjoint
+        default = mix_adjoint.STEP_ELEMENTS
         for target in targets:
-            res["rows"].append(backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check,
-                                            args.profile))
-            write()
+            for k, se in enumerate([int(v) for v in args.step_elements.split(",") if v] or [default]):
+                mix_adjoint.STEP_ELEMENTS = se
+                row = backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check, args.profile and k == 0)
+                row.update(step_elements=se, chunk_steps=mix_adjoint.chunk_steps(b * d * n, L))
+                mix_adjoint.STEP_ELEMENTS = default
+                if args.step_elements:
+                    row["variant"] += f" (chunk tensors of {se} elements)"
+                res["rows"].append(row)
+                write()
         res["rows"].append(backward_row(None, cfg, sparse, dev, gen, torch.float32, bench, small, check))
         write()
-    row = {"variant": f"eager loop (L{cfg['eager_L']})", "L": cfg["eager_L"], "b": b, "channels": d, "d_state": n,
-           "input_dtype": "float32"}
-    try:
-        if args.backward_only:
-            raise RuntimeError("not run (--backward-only)")
-        say(f"[eager] timing the naive loop at L{cfg['eager_L']} on fp32 inputs")
-        ins = make_inputs(b=b, L=cfg["eager_L"], d=d, n=n, mask=sparse, dev=dev, gen=gen, seq_dtype=torch.float32)
-        with torch.no_grad():
-            row["ms"] = bench(lambda: euler_matmul(*ins))
-        row["ms_scaled_to_L"] = row["ms"] * L / cfg["eager_L"]
-        say(f"[eager] {row['ms']:.2f} ms at L{cfg['eager_L']} (~{row['ms_scaled_to_L']:.1f} ms at L{L})")
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        say(f"[eager] FAILED: {row['error']}")
-    res["rows"].append(row)
+    row = {}
+    if not args.backward_only:
+        row = {"variant": f"eager loop (L{cfg['eager_L']})", "L": cfg["eager_L"], "b": b, "channels": d, "d_state": n,
+               "input_dtype": "float32"}
+        try:
+            say(f"[eager] timing the naive loop at L{cfg['eager_L']} on fp32 inputs")
+            ins = make_inputs(b=b, L=cfg["eager_L"], d=d, n=n, mask=sparse, dev=dev, gen=gen, seq_dtype=torch.float32)
+            with torch.no_grad():
+                row["ms"] = bench(lambda: euler_matmul(*ins))
+            row["ms_scaled_to_L"] = row["ms"] * L / cfg["eager_L"]
+            say(f"[eager] {row['ms']:.2f} ms at L{cfg['eager_L']} (~{row['ms_scaled_to_L']:.1f} ms at L{L})")
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            say(f"[eager] FAILED: {row['error']}")
+        res["rows"].append(row)
+
     def best(kind):
         got = [r for r in res["rows"] if r["variant"].startswith(f"ssmc {kind} [") and r.get("ms")]
         return min(got, key=lambda r: r["ms"]) if got else {}
