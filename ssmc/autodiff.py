@@ -251,36 +251,39 @@ def chunk_scans(r: Region, cdt: str) -> tuple[ChunkScan, ChunkScan, ChunkScan] |
     if isinstance(tdim, str):
         return tdim
     axes, reg = tuple(r.axes), r.axes[-1]
+    tdim.setdefault(r.length[0], r.length[1])
     state_in = InputSpec("state", len(axes), cdt)
     steps_out = OutputSpec("steps", State(), ("t", *axes), cdt)
 
-    def derived(name, exprs, extra_specs, init, length, build):
-        reads = tuple(sorted({ld.input for e in exprs for ld in loads(e)} | length))
+    def reads_of(*exprs, also=()):
+        return tuple(sorted({ld.input for e in exprs for ld in loads(e)} | set(also)))
+
+    def renumbered(reads):
         at = {i: k for k, i in enumerate(reads)}
+        return lambda ld: Load(at[ld.input], ld.index)
+
+    def scan(name, reads, extra, init, extra_names, flip=False, **fields):
+        """The region reading `reads`, then the extra inputs; its initial state the init-th extra."""
         n = len(reads)
-        return reads, dict(
-            name=f"{r.name}_{name}", axes=axes, axis_size=tuple((n + init, k) for k in range(len(axes))),
-            inputs=tuple(r.inputs[i] for i in reads) + extra_specs, init=n + init,
-            state_dtype=r.state_dtype, reverse=False, **build(lambda ld: Load(at[ld.input], ld.index), at, n))
+        reg_ = Region(name=f"{r.name}_{name}", axes=axes, axis_size=tuple((n + init, k) for k in range(len(axes))),
+                      inputs=tuple(r.inputs[i] for i in reads) + extra, init=n + init,
+                      state_dtype=r.state_dtype, **fields)
+        return ChunkScan(reg_, reads, tuple(tdim.get(i) for i in reads), extra_names, flip)
 
-    def fwd(mp, at, n):
-        return dict(length=(at[r.length[0]], r.length[1]), decay=map_loads(r.decay, mp),
-                    drive=map_loads(r.drive, mp), mix=dataclasses.replace(m, expr=map_loads(m.expr, mp)))
+    reads = reads_of(*fwd_exprs, also=(r.length[0],))
+    mp = renumbered(reads)
+    fwd = dict(length=(reads.index(r.length[0]), r.length[1]), decay=map_loads(r.decay, mp),
+               drive=map_loads(r.drive, mp), mix=dataclasses.replace(m, expr=map_loads(m.expr, mp)))
+    states = scan("states", reads, (state_in,), 0, ("h0",), outputs=(steps_out,), **fwd)
+    final = scan("final", reads, (state_in,), 0, ("h0",), outputs=(OutputSpec("final", State(), axes, cdt),), **fwd)
 
-    tdim.setdefault(r.length[0], r.length[1])
-    dims = lambda reads: tuple(tdim.get(i) for i in reads)
-    reads, f = derived("states", fwd_exprs, (state_in,), 0, {r.length[0]}, fwd)
-    states = ChunkScan(Region(**f, outputs=(steps_out,)), reads, dims(reads), ("h0",))
-    final = ChunkScan(Region(**{**f, "name": f"{r.name}_final"},
-                             outputs=(OutputSpec("final", State(), axes, cdt),)), reads, dims(reads), ("h0",))
-
-    def adj(mp, at, n):
-        swap = {reg: MIX_COL, MIX_COL: reg}
-        tr = lambda ld: Load(at[ld.input], tuple(swap.get(ix, ix) for ix in ld.index))
-        mt = Mix(map_loads(m.expr, tr), m.block, tuple(sorted((c, b) for b, c in m.blocks)), m.nblocks)
-        return dict(length=(n, 0), decay=map_loads(r.decay, mp), drive=Load(n, ("t", *axes)), mix=mt)
-
-    reads, f = derived("adjoint", (r.decay, m.expr), (InputSpec("grad_state", 1 + len(axes), cdt), state_in),
-                       1, set(), adj)
-    adjoint = ChunkScan(Region(**f, outputs=(steps_out,)), reads, dims(reads), ("g", "lam0"), flip=True)
+    reads = reads_of(r.decay, m.expr)
+    mp = renumbered(reads)
+    swap = {reg: MIX_COL, MIX_COL: reg}
+    mt = map_loads(m.expr, lambda ld: mp(Load(ld.input, tuple(swap.get(ix, ix) for ix in ld.index))))
+    n = len(reads)
+    adjoint = scan("adjoint", reads, (InputSpec("grad_state", 1 + len(axes), cdt), state_in), 1, ("g", "lam0"),
+                   flip=True, outputs=(steps_out,), length=(n, 0), decay=map_loads(r.decay, mp),
+                   drive=Load(n, ("t", *axes)),
+                   mix=Mix(mt, m.block, tuple(sorted((c, b) for b, c in m.blocks)), m.nblocks))
     return final, states, adjoint
