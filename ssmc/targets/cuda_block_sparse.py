@@ -47,7 +47,7 @@ from ssmc.sparsity import PatternCache, uncovered
 
 from .cuda_printer import CTYPES, Unsupported, _check_expr, const, op_expr
 from .triton_block_sparse import _state_outside
-from .triton_ssd import factors, product
+from .triton_ssd import factors, product, summands
 
 log = logging.getLogger("ssmc")
 
@@ -90,7 +90,7 @@ def bsp_plan(r: Region) -> CudaBSPlan:
     if any(isinstance(x, (State, Reduce)) for x in ir.walk(m.expr)):
         raise Unsupported("a reduction or the state inside the transition")
     by_scale: dict = {}
-    for sign, term in _summands(m.expr):
+    for sign, term in summands(m.expr):
         fs = factors(term) + ([Const(-1.0)] if sign < 0 else [])
         scale = product([f for f in fs if not ir.axes_of(f, r.axes) & rowcol])
         mat = product([f for f in fs if ir.axes_of(f, r.axes) & rowcol])
@@ -125,13 +125,6 @@ def bsp_plan(r: Region) -> CudaBSPlan:
         if s.dtype not in CTYPES:
             raise Unsupported(f"input {s.name} has dtype {s.dtype}")
     return CudaBSPlan(reg, rows, n, m.block, tuple(m.blocks), tuple(by_scale.items()), compute)
-
-
-def _summands(e, sign: int = 1) -> list:
-    """(sign, term) of a sum tree (add and sub flattened)."""
-    if isinstance(e, Op) and not e.attrs and e.name in ("add", "sub"):
-        return _summands(e.args[0], sign) + _summands(e.args[1], sign if e.name == "add" else -sign)
-    return [(sign, e)]
 
 
 def _outside(e):

@@ -25,10 +25,10 @@ import torch
 
 from ssmc import ir
 from ssmc.autodiff import GRAD_A, GRAD_B, GRAD_M, chunk_scans, mix_loads, region_adjoint
-from ssmc.ir import Op, Region
+from ssmc.ir import Region
 
 from .reference import MIX_CHUNK_ELEMENTS, Evaluator, Grads, ReferenceKernel, grads_by_autograd, run
-from .triton_ssd import factors, product
+from .triton_ssd import factors, product, summands
 
 log = logging.getLogger("ssmc")
 
@@ -86,14 +86,6 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
     return g.result(r, inputs, lam_next)
 
 
-def _terms(e) -> list:
-    """(sign, term) of a sum tree."""
-    if isinstance(e, Op) and not e.attrs and e.name in ("add", "sub"):
-        right = _terms(e.args[1])
-        return _terms(e.args[0]) + (right if e.name == "add" else [(-s, t) for s, t in right])
-    return [(1, e)]
-
-
 def factored(e, r: Region) -> list | None:
     """[(sign, f_rows, f_mat)] with e = sum of sign * GRAD_M * f_rows * f_mat, f_rows free of the
     matrix's axes (the state's last axis and the column) and f_mat free of time and the other
@@ -101,7 +93,7 @@ def factored(e, r: Region) -> list | None:
     rowcol = {r.axes[-1], ir.MIX_COL}
     rows_t = set(r.axes[:-1]) | {"t"}
     out = []
-    for sign, term in _terms(e):
+    for sign, term in summands(e):
         fs = factors(term)
         if fs.count(GRAD_M) != 1 or any(GRAD_M in ir.walk(f) for f in fs if f != GRAD_M):
             return None

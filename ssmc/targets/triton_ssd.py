@@ -81,6 +81,13 @@ def factors(e) -> list:
     return [e]
 
 
+def summands(e, sign: int = 1) -> list:
+    """(sign, term) of a sum tree (add and sub flattened)."""
+    if isinstance(e, Op) and not e.attrs and e.name in ("add", "sub"):
+        return summands(e.args[0], sign) + summands(e.args[1], sign if e.name == "add" else -sign)
+    return [(sign, e)]
+
+
 def product(fs: list):
     """The product of factors (Const(1.0) for none); constants are multiplied out."""
     c = math.prod(f.value for f in fs if isinstance(f, Const))
