@@ -101,7 +101,7 @@ def main(argv=None):
     ap.add_argument("--backward-only", action="store_true", help="--backward without the forward rows")
     ap.add_argument("--step-elements", default="",
                     help="with --backward: comma-separated sizes of the backward's chunk tensors "
-                         "(mix_adjoint.STEP_ELEMENTS), a row each (default: its own)")
+                         "(mix_adjoint's STEP_ELEMENTS and GPU_STEP_ELEMENTS), a row each (default: its own)")
     ap.add_argument("--profile", action="store_true",
                     help="with --backward: one forward+backward under torch.profiler, its top ops in the row")
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
@@ -207,15 +207,17 @@ def main(argv=None):
         res["rows"].append(row)
         write()
     if args.backward:
-        from ssmc.targets import mix_adjoint
-        default = mix_adjoint.STEP_ELEMENTS
+        from ssmc.targets import mix_adjoint as M
+        default = M.STEP_ELEMENTS, M.GPU_STEP_ELEMENTS
         for target in targets:
-            for k, se in enumerate([int(v) for v in args.step_elements.split(",") if v] or [default]):
-                mix_adjoint.STEP_ELEMENTS = se
+            for k, se in enumerate([int(v) for v in args.step_elements.split(",") if v] or [None]):
+                if se:
+                    M.STEP_ELEMENTS = M.GPU_STEP_ELEMENTS = se
                 row = backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check, args.profile and k == 0)
-                row.update(step_elements=se, chunk_steps=mix_adjoint.chunk_steps(b * d * n, L))
-                mix_adjoint.STEP_ELEMENTS = default
-                if args.step_elements:
+                elements = M.step_elements(dev, 4)
+                row.update(step_elements=elements, chunk_steps=M.chunk_steps(b * d * n, L, None, elements))
+                M.STEP_ELEMENTS, M.GPU_STEP_ELEMENTS = default
+                if se:
                     row["variant"] += f" (chunk tensors of {se} elements)"
                 res["rows"].append(row)
                 write()

@@ -109,6 +109,7 @@ def test_triton_backward_scans(form, step_elements, interp, monkeypatch):
     """The Triton kernel's backward: its scans run on Triton block-sparse kernels (the adjoint's
     with the transposed mask), in chunks of one step and in one chunk; fp32 against float64."""
     monkeypatch.setattr(M, "STEP_ELEMENTS", step_elements)
+    monkeypatch.setattr(M, "GPU_STEP_ELEMENTS", step_elements)
     g = torch.Generator().manual_seed(3)
     fn, ins = case(form, g, torch.float32)
     got, report = grads_of(fn, ins, True, target="triton")
@@ -163,3 +164,19 @@ def test_cuda_backward_scans_emulated(dtype, mma, emu_dir, monkeypatch, tmp_path
         assert rel_err(a, b) < tol, (i, rel_err(a, b))
     assert not k.scans.declined and len(ran) == 3 * 3            # 3 chunks of the 7 steps, 3 scans each
     assert {m for _, m in ran} == {mma}
+
+
+def test_chunk_size_policy(monkeypatch):
+    """Chunk tensors of GPU_STEP_ELEMENTS on a GPU whose free memory holds twenty of them, halved
+    down to STEP_ELEMENTS on one that does not; STEP_ELEMENTS on the CPU; steps capped by L."""
+    assert M.step_elements(torch.device("cpu"), 4) == M.STEP_ELEMENTS
+    free = {"bytes": 64 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (free["bytes"], 141 << 30))
+    gpu = torch.device("cuda", 0)
+    assert M.step_elements(gpu, 4) == M.GPU_STEP_ELEMENTS == 1 << 27
+    free["bytes"] = 20 * 4 * (1 << 26)
+    assert M.step_elements(gpu, 4) == 1 << 26
+    free["bytes"] = 1 << 20
+    assert M.step_elements(gpu, 4) == M.STEP_ELEMENTS
+    assert M.chunk_steps(32 * 256 * 64, 4096, None, 1 << 27) == 256
+    assert M.chunk_steps(32 * 256 * 64, 100, None, 1 << 27) == 100 and M.chunk_steps(10, 100, 7) == 7

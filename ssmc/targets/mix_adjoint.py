@@ -13,8 +13,9 @@ never formed where the matrix's adjoint is a product of a part along time and th
 part along (i, j) (m = s_t W: dW = sum over time and rows of s lam h_prev^T, one matrix product;
 ds = lam . (W h_prev)); otherwise it is formed a few steps at a time.
 
-Memory: a chunk holds a few (steps, *state) tensors of at most `STEP_ELEMENTS` elements each,
-never (L, *state).
+Memory: a chunk holds about ten (steps, *state) tensors of at most `STEP_ELEMENTS` elements
+each (on a GPU, `GPU_STEP_ELEMENTS` where a twentieth of its free memory holds one: fewer,
+larger chunks, each a fixed number of kernel calls and torch ops), never (L, *state).
 """
 from __future__ import annotations
 
@@ -32,12 +33,24 @@ from .triton_ssd import factors, product, summands
 
 log = logging.getLogger("ssmc")
 
-STEP_ELEMENTS = 1 << 25     # elements of one (steps, *state) tensor of a chunk
+STEP_ELEMENTS = 1 << 25       # elements of one (steps, *state) tensor of a chunk
+GPU_STEP_ELEMENTS = 1 << 27   # ... on a GPU with the memory for it
 
 
-def chunk_steps(state_numel: int, L: int, steps: int | None = None) -> int:
-    """Steps per chunk: as many as `STEP_ELEMENTS` allows, at most ``steps`` (when given) and L."""
-    T = max(1, STEP_ELEMENTS // max(1, state_numel))
+def step_elements(device: torch.device, esize: int) -> int:
+    if device.type != "cuda":
+        return STEP_ELEMENTS
+    free, _ = torch.cuda.mem_get_info(device)
+    big = GPU_STEP_ELEMENTS
+    while big > STEP_ELEMENTS and 20 * big * esize > free:
+        big //= 2
+    return max(big, STEP_ELEMENTS)
+
+
+def chunk_steps(state_numel: int, L: int, steps: int | None = None, elements: int | None = None) -> int:
+    """Steps per chunk: as many as `elements` (default `STEP_ELEMENTS`) allows, at most
+    ``steps`` (when given) and L."""
+    T = max(1, (elements or STEP_ELEMENTS) // max(1, state_numel))
     return max(1, min(T, steps or T, L))
 
 
@@ -55,7 +68,8 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
     scan = scan or (lambda reg, xs: run(reg, xs))
     adj = region_adjoint(r)
     pairs = [(ld, e) for ld, e in mix_loads(r) if ld.input < len(g.acc) and g.acc[ld.input] is not None]
-    T = chunk_steps(math.prod(state_shape), L, steps)
+    esize = torch.empty((), dtype=cdt).element_size()
+    T = chunk_steps(math.prod(state_shape), L, steps, step_elements(inputs[0].device, esize))
     bounds = [(t0, min(L, t0 + T)) for t0 in range(0, L, T)]
     with torch.no_grad():
         h = g.h0(r, inputs)
