@@ -210,10 +210,10 @@ def main(argv=None):
         from ssmc.targets import mix_adjoint as M
         default = M.STEP_ELEMENTS, M.GPU_STEP_ELEMENTS
         for target in targets:
-            for k, se in enumerate([int(v) for v in args.step_elements.split(",") if v] or [None]):
+            for se in [int(v) for v in args.step_elements.split(",") if v] or [None]:
                 if se:
                     M.STEP_ELEMENTS = M.GPU_STEP_ELEMENTS = se
-                row = backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check, args.profile and k == 0)
+                row = backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check, args.profile)
                 elements = M.step_elements(dev, 4)
                 row.update(step_elements=elements, chunk_steps=M.chunk_steps(b * d * n, L, None, elements))
                 M.STEP_ELEMENTS, M.GPU_STEP_ELEMENTS = default
