@@ -86,9 +86,9 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
                 else torch.zeros_like(H)
             g.put(ev, adj.loads_steps)
             last = direct[-1] + lam_next
-            gr = torch.cat([direct[:-1].flip(0), torch.zeros_like(direct[:1])])
+            gr = _reversed_then(direct[:-1], torch.zeros_like(last))     # g', the adjoint's drive
             out = scan(adjoint.region, adjoint.inputs(inputs, t0, t1, [gr, last]))[0].to(cdt)
-            lam = torch.cat([out[:-1].flip(0), last.unsqueeze(0)])
+            lam = _reversed_then(out[:-1], last)
             lam_next = out[-1]                      # a_t0 lam_t0 + m_t0^T lam_t0
             H_prev = torch.cat([h0.unsqueeze(0), H[:-1]])
             if adj.loads_decay:
@@ -98,6 +98,14 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
             g.put(ev, adj.loads_drive)
             _mix_grads(r, g, t0, t1, lam, H_prev, pairs)
     return g.result(r, inputs, lam_next)
+
+
+def _reversed_then(x, last):
+    """(x reversed along dim 0, then `last`) in one new tensor, each element written once."""
+    out = torch.empty((x.shape[0] + 1, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    torch.index_select(x, 0, torch.arange(x.shape[0] - 1, -1, -1, device=x.device), out=out[:-1])
+    out[-1] = last
+    return out
 
 
 def factored(e, r: Region) -> list | None:
@@ -139,29 +147,28 @@ def split_mix_grads(r: Region, pairs) -> tuple[list, list]:
 
 def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, pairs):
     """The transition's gradients over [t0, t1) into the accumulators of its inputs."""
-    rowcol = {r.axes[-1], ir.MIX_COL}
-    n = lam.shape[-1]
     ev = Evaluator(r, g.allin, t0, t1, g.cdt, matrix=True)
+    lam_i, h_j = lam.unsqueeze(-1), H_prev.unsqueeze(-2)       # dm = lam_i h_j, never formed here
     fac, dense = split_mix_grads(r, pairs)
+    n = lam.shape[-1]
     for ld, terms in fac:
-        along_matrix = bool(ir.axes_of(ld, r.axes) & rowcol)
         for sign, f_rows, f_mat in terms:
-            fr = ev.eval(f_rows)                                    # (steps|1, *rows|1, 1, 1)
-            fm = ev.eval(f_mat)
-            fm = fm.reshape(fm.shape[-2:]).expand(n, n)             # (i, j)
-            if along_matrix:    # sum over time and rows: one matrix product
-                G = (fr[..., 0] * lam).reshape(-1, n).T @ H_prev.reshape(-1, n)
-                value = (fm * G).reshape([1] * (len(ev.names) - 2) + [n, n])
-            else:               # per step and row: lam . (f_mat h_prev)
-                value = fr * (lam * (H_prev @ fm.T)).sum(-1, keepdim=True).unsqueeze(-1)
-            ev.accumulate(g.acc[ld.input], ld, value if sign > 0 else -value)
+            fr, fm = ev.eval(f_rows), ev.eval(f_mat)
+            fr = fr if sign > 0 else -fr
+            if ir.axes_of(ld, r.axes) & {r.axes[-1], ir.MIX_COL}:
+                # along the matrix's axes: (f_rows lam)^T h_prev, one product over time and rows
+                # (f_rows lam written in lam's layout, so that the product reads it as it is)
+                x = torch.mul(lam, fr[..., 0], out=torch.empty_like(lam))
+                G = (x.reshape(-1, n).T @ H_prev.reshape(-1, n)).reshape([1] * (len(ev.names) - 2) + [n, n])
+                ev.accumulate(g.acc[ld.input], ld, [G, fm])
+            else:               # along time and rows: lam . (f_mat h_prev), one einsum
+                ev.accumulate(g.acc[ld.input], ld, [lam_i, fm, h_j, fr])
     if dense:                   # the outer product itself, a few steps at a time
-        state = lam[0].numel()
-        k = max(1, MIX_CHUNK_ELEMENTS // max(1, state * n))
+        k = max(1, MIX_CHUNK_ELEMENTS // max(1, lam[0].numel() * n))
         for s0 in range(t0, t1, k):
             s1 = min(t1, s0 + k)
             evd = Evaluator(r, g.allin, s0, s1, g.cdt, matrix=True)
-            evd.memo[GRAD_M] = lam[s0 - t0:s1 - t0].unsqueeze(-1) * H_prev[s0 - t0:s1 - t0].unsqueeze(-2)
+            evd.memo[GRAD_M] = lam_i[s0 - t0:s1 - t0] * h_j[s0 - t0:s1 - t0]
             g.put(evd, dense)
 
 

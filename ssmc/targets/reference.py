@@ -11,6 +11,7 @@ is `ssmc.targets.mix_adjoint` (its scans run by this module's `run`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -150,13 +151,22 @@ class Evaluator:
         order = sorted(range(len(names)), key=lambda i: self.names.index(names[i]))
         return _unsqueeze_to(v.permute(order), [names[i] for i in order], self.names)
 
-    def accumulate(self, grad: torch.Tensor, ld: Load, value: torch.Tensor):
-        """grad[ld's elements] += value, summed over the axes the load does not vary along."""
+    def accumulate(self, grad: torch.Tensor, ld: Load, value):
+        """grad[ld's elements] += value, summed over the axes the load does not vary along. A
+        list of values is their product, summed by one einsum (`contract`): the full-size
+        product is never formed."""
         view = self.view_of(grad, ld)
+        if isinstance(value, list):
+            value = contract(value, view.shape)
         dims = [d for d, (vs, xs) in enumerate(zip(view.shape, value.shape)) if vs == 1 and xs != 1]
         if dims:
             value = value.sum(dim=dims, keepdim=True)
         view.add_(value.expand(view.shape).to(view.dtype))
+
+    def factor_values(self, e) -> list:
+        """The values of the factors of a product (`triton_ssd.factors`), or [value of e]."""
+        from .triton_ssd import factors
+        return [self.eval(f) for f in factors(e)]
 
     def eval(self, e) -> torch.Tensor:
         if e in self.memo:
@@ -180,6 +190,25 @@ class Evaluator:
             raise TypeError(f"unknown expression {e!r}")
         self.memo[e] = v
         return v
+
+
+def contract(values: list, shape) -> torch.Tensor:
+    """The product of broadcastable tensors (one rank, size 1 where constant) summed over every
+    dim where `shape` is 1, by torch.einsum: a dim only some values vary along is not
+    broadcast out. The result has size 1 where no value varies."""
+    nd = len(shape)
+    full = [max(v.shape[d] for v in values) for d in range(nd)]
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in values])
+    values = [v.to(dtype) for v in values]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    ops, subs = [], []
+    for v in values:
+        ones = tuple(d for d in range(nd) if v.shape[d] == 1)
+        ops.append(v.squeeze(ones) if ones else v)
+        subs.append("".join(letters[d] for d in range(nd) if d not in ones))
+    keep = [d for d in range(nd) if shape[d] != 1 and full[d] != 1]
+    out = torch.einsum(",".join(subs) + "->" + "".join(letters[d] for d in keep), *ops)
+    return out.reshape([full[d] if d in keep else 1 for d in range(nd)])
 
 
 def _unsqueeze_to(v, present, names):
@@ -331,7 +360,7 @@ class Grads:
     def put(self, ev, pairs):
         for ld, e in pairs:
             if ld.input < len(self.acc) and self.acc[ld.input] is not None:
-                ev.accumulate(self.acc[ld.input], ld, ev.eval(e))
+                ev.accumulate(self.acc[ld.input], ld, ev.factor_values(e))
 
     def h0(self, r: Region, inputs):
         if r.init is not None:
