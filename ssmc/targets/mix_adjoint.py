@@ -38,6 +38,7 @@ GPU_STEP_ELEMENTS = 1 << 27   # ... on a GPU with the memory for it
 
 
 def step_elements(device: torch.device, esize: int) -> int:
+    """Elements of a chunk tensor on `device` (`esize` bytes each): see the module docstring."""
     if device.type != "cuda":
         return STEP_ELEMENTS
     free, _ = torch.cuda.mem_get_info(device)
