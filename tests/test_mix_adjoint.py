@@ -180,3 +180,24 @@ def test_chunk_size_policy(monkeypatch):
     assert M.step_elements(gpu, 4) == M.STEP_ELEMENTS
     assert M.chunk_steps(32 * 256 * 64, 4096, None, 1 << 27) == 256
     assert M.chunk_steps(32 * 256 * 64, 100, None, 1 << 27) == 100 and M.chunk_steps(10, 100, 7) == 7
+
+
+def test_scan_that_fails_falls_back_with_the_reason(monkeypatch):
+    """A derived region its target cannot compile runs on the torch reference: the gradients
+    stay right and the kernel's backward note (what explain shows) names the region and why."""
+    g = torch.Generator().manual_seed(5)
+    r, xs = _region_and_inputs(*case("euler_matmul", g), monkeypatch)
+    outs = run(r, xs)
+    grads = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
+    needs = [x.is_floating_point() for x in xs]
+
+    def make(reg):
+        raise RuntimeError(f"no kernel for {reg.name}")
+    scans = M.Scans(make)
+    got = M.backward(r, xs, grads, needs, scans, 3)
+    want = grads_by_autograd(lambda ins: run(r, ins), xs, grads, needs)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None) and (b is None or rel_err(a, b) < 1e-10)
+    assert set(scans.declined) == {f"{r.name}_final", f"{r.name}_states", f"{r.name}_adjoint"}
+    note = scans.note("CUDA")
+    assert f"{r.name}_adjoint (compile: RuntimeError: no kernel for {r.name}_adjoint)" in note

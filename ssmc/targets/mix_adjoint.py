@@ -68,7 +68,8 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
     final, states, adjoint = scans
     scan = scan or (lambda reg, xs: run(reg, xs))
     adj = region_adjoint(r)
-    pairs = [(ld, e) for ld, e in mix_loads(r) if ld.input < len(g.acc) and g.acc[ld.input] is not None]
+    fac, dense = split_mix_grads(r, [(ld, e) for ld, e in mix_loads(r)
+                                     if ld.input < len(g.acc) and g.acc[ld.input] is not None])
     esize = torch.empty((), dtype=cdt).element_size()
     T = chunk_steps(math.prod(state_shape), L, steps, step_elements(inputs[0].device, esize))
     bounds = [(t0, min(L, t0 + T)) for t0 in range(0, L, T)]
@@ -97,7 +98,7 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
                 g.put(ev, adj.loads_decay)
             ev.memo[GRAD_B] = lam
             g.put(ev, adj.loads_drive)
-            _mix_grads(r, g, t0, t1, lam, H_prev, pairs)
+            _mix_grads(r, g, t0, t1, lam, H_prev, fac, dense)
     return g.result(r, inputs, lam_next)
 
 
@@ -146,11 +147,11 @@ def split_mix_grads(r: Region, pairs) -> tuple[list, list]:
     return fac, dense
 
 
-def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, pairs):
-    """The transition's gradients over [t0, t1) into the accumulators of its inputs."""
+def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, fac, dense):
+    """The transition's gradients over [t0, t1) into the accumulators of its inputs (``fac``,
+    ``dense``: `split_mix_grads`)."""
     ev = Evaluator(r, g.allin, t0, t1, g.cdt, matrix=True)
     lam_i, h_j = lam.unsqueeze(-1), H_prev.unsqueeze(-2)       # dm = lam_i h_j, never formed here
-    fac, dense = split_mix_grads(r, pairs)
     n = lam.shape[-1]
     for ld, terms in fac:
         for sign, f_rows, f_mat in terms:
@@ -190,17 +191,17 @@ class Scans:
             try:
                 k = self.make(region)
             except Exception as e:
-                k = self._decline(region, key, f"compile: {type(e).__name__}: {e}")
+                k = self._decline(region, f"compile: {type(e).__name__}: {e}")
             self.kernels[key] = k
         try:
             return k.forward(inputs)
         except Exception as e:
             if isinstance(k, ReferenceKernel):
                 raise
-            self.kernels[key] = self._decline(region, key, f"run: {type(e).__name__}: {e}")
+            self.kernels[key] = self._decline(region, f"run: {type(e).__name__}: {e}")
             return self.kernels[key].forward(inputs)
 
-    def _decline(self, region, key, why: str):
+    def _decline(self, region, why: str):
         self.declined[region.name] = why
         log.warning("ssmc: backward scan %s runs on the torch reference (%s)", region.name, why)
         return ReferenceKernel(region)
