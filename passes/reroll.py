@@ -85,8 +85,9 @@ def _freeze(a, ref):
 class _Segment:
     """Signatures of the nodes in [s, s + L*K) for one candidate start s."""
 
-    def __init__(self, nodes, pos, reads, s, K, L):
+    def __init__(self, nodes, pos, reads, s, K, L, step=1):
         self.nodes, self.pos, self.reads, self.s, self.K, self.L = nodes, pos, reads, s, K, L
+        self.step = step                   # +1: step k reads index i0 + k; -1: i0 - k (reverse)
         self.e = s + K * L
 
     def inside(self, n) -> bool:
@@ -99,7 +100,7 @@ class _Segment:
         n, k = self.nodes[p], self.it(p)
         if n in self.reads:
             fam, idx, rest = self.reads[n]
-            return ("read", fam, idx - k, _freeze(rest, str))
+            return ("read", fam, idx - self.step * k, _freeze(rest, str))
 
         def ref(a):
             pa = self.pos.get(a)
@@ -108,12 +109,12 @@ class _Segment:
                 return ("L", j) if ka == k else ("C", j) if ka == k - 1 else ("F", k - ka, j)
             if a in self.reads:
                 fam, idx, rest = self.reads[a]
-                return ("R", fam, idx - k, _freeze(rest, str))
+                return ("R", fam, idx - self.step * k, _freeze(rest, str))
             return ("I", pa)
         if n.op == "call_function" and n.target is operator.setitem:
             buf, idx, val = n.args
             idx = idx if isinstance(idx, tuple) else (idx,)
-            idx = tuple(("T", i - k) if _is_int(i) else _freeze(i, ref) for i in idx)
+            idx = tuple(("T", i - self.step * k) if _is_int(i) else _freeze(i, ref) for i in idx)
             return ("setitem", ref(buf), idx, _freeze(val, ref))
         return (n.op, n.target, _freeze(n.args, ref), _freeze(n.kwargs, ref))
 
@@ -159,14 +160,14 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
         if run is not None:
             runs.append((*run, key))
     loops, covered = [], []
-    for a0, K, L, key in sorted(runs):
+    for a0, K, L, step, key in sorted(runs):
         if any(lo <= a0 < hi for lo, hi in covered):
             continue
         found, why = None, "the steps do not repeat the same operations"
         # the latest start that works: the step then ends with what it computes from its new
         # state (outputs), rather than beginning with the previous step's outputs
         for s in range(a0, max(0, a0 - K + 1) - 1, -1):
-            seg = _Segment(nodes, pos, reads, s, K, L)
+            seg = _Segment(nodes, pos, reads, s, K, L, step)
             if seg.e >= len(nodes):
                 continue
             try:
@@ -176,6 +177,9 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
                 continue
             if found is not None:
                 covered.append((seg.s, seg.e))
+                if _reads_previous_state(found):
+                    found, seg = _rotated(gm, seg, found)
+                    covered.append((seg.s, seg.e))
                 break
         if found is None:
             src = nodes[key[0]]
@@ -183,34 +187,94 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
             ctx.fallbacks.append((src.name, msg))
             log.info("ssmc: %s", msg)
         else:
+            if seg.step < 0:
+                _run_forward(gm, found)
             loops.append(found)
     return loops
 
 
+def _run_forward(gm, lp: Loop) -> None:
+    """A loop over decreasing indices as a loop forward in time: its reads come from the sources
+    flipped along their time dim (outer nodes made here, before the loop; `Loop.made` lists
+    them), and its per-step results are flipped back when lowered (`Result.reverse`)."""
+    flips: dict = {}
+    for k, r in enumerate(lp.reads):
+        key = (r.source, r.dim)
+        if key not in flips:
+            with gm.graph.inserting_after(r.source):
+                flips[key] = _flip(gm, r.source, r.dim)
+        lp.reads[k] = Read(flips[key], r.dim, shape(r.source)[r.dim] - 1 - r.start)
+    lp.made.extend(flips.values())
+
+
+def _flip(gm, src: fx.Node, dim: int) -> fx.Node:
+    f = gm.graph.call_function(torch.flip, (src, [dim]))
+    mode = _fake_mode(gm.graph)
+    with (mode if mode is not None else contextlib.nullcontext()):
+        f.meta["example_value"] = torch.flip(value_of(src), [dim])
+    return f
+
+
+def _reads_previous_state(lp: Loop) -> bool:
+    """True when a step reads a carried value other than to compute the new carried values
+    (``y = C @ h; h = A @ h + B @ x``: the output reads the state before the update)."""
+    carries = set(lp.carry_nodes())
+    anc = {o for o in lp.carry_outputs() if isinstance(o, fx.Node)}
+    for n in reversed(list(lp.body.graph.nodes)):
+        if n in anc:
+            anc.update(n.all_input_nodes)
+    return any(u not in anc for c in carries for u in c.users)
+
+
+def _rotated(gm, seg: _Segment, found: Loop):
+    """The same loop cut one step later: each step runs the update, then what the next step
+    computed from the state before its update, now reading the new state. The first step's
+    outputs (from the initial state) and the last step's update stay outside as peeled steps.
+    Returns (loop, segment); the given ones when no cut of L - 1 steps avoids the previous state."""
+    if seg.L < 3:
+        return found, seg
+    for s in range(seg.s + 1, seg.s + seg.K):
+        rot = _Segment(seg.nodes, seg.pos, seg.reads, s, seg.K, seg.L - 1, seg.step)
+        if rot.e >= len(seg.nodes):
+            break
+        try:
+            lp = _try_segment(gm, rot)
+        except _NotALoop:
+            continue
+        if lp is not None and not _reads_previous_state(lp):
+            log.info("ssmc: the step's outputs read the state before its update; the loop is cut "
+                     "one step later (%d steps, the first step's outputs and the last update peeled)",
+                     rot.L)
+            return lp, rot
+    return found, seg
+
+
 def _longest_run(by_idx: dict, pos: dict):
-    """(first anchor, K, L): the longest chain of consecutive step indices whose reads are first
-    used K nodes apart. An index may be read by several nodes (x[:, 0] also read before the
-    loop to size the state); each is a candidate anchor."""
+    """(first anchor, K, L, step): the longest chain of consecutive step indices whose reads are
+    first used K nodes apart, with the index going up (step 1) or down (step -1: a loop over
+    ``reversed(range(L))``). An index may be read by several nodes (x[:, 0] also read before
+    the loop to size the state); each is a candidate anchor."""
     cands = {i: sorted({min((pos[u] for u in n.users), default=pos[n]) for n in nodes})
              for i, nodes in by_idx.items()}
     sets = {i: set(c) for i, c in cands.items()}
-    diffs: dict[int, int] = defaultdict(int)
-    for i, c in cands.items():
-        for a in c[:4]:
-            for b in cands.get(i + 1, [])[:4]:
-                if b > a:
-                    diffs[b - a] += 1
     best = None
-    for K in sorted(diffs, key=lambda k: -diffs[k])[:3]:
-        for i0 in sorted(cands):
-            if i0 - 1 in sets and any(a - K in sets[i0 - 1] for a in cands[i0]):
-                continue    # not the start of a chain
-            for a in cands[i0]:
-                m = 1
-                while i0 + m in sets and a + m * K in sets[i0 + m]:
-                    m += 1
-                if m >= 2 and (best is None or m > best[2]):
-                    best = (a, K, m)
+    for step in (1, -1):
+        diffs: dict[int, int] = defaultdict(int)
+        for i, c in cands.items():
+            for a in c[:4]:
+                for b in cands.get(i + step, [])[:4]:
+                    if b > a:
+                        diffs[b - a] += 1
+        for K in sorted(diffs, key=lambda k: -diffs[k])[:3]:
+            for i0 in sorted(cands):
+                if i0 - step in sets and any(a - K in sets[i0 - step] for a in cands[i0]):
+                    continue    # not the start of a chain
+                for a in cands[i0]:
+                    m = 1
+                    while i0 + step * m in sets and a + m * K in sets[i0 + step * m]:
+                        m += 1
+                    if m >= 2 and (best is None or m > best[2]):
+                        best = (a, K, m, step)
     return best
 
 
@@ -277,7 +341,7 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
             fx.node.map_aggregate((n.args, n.kwargs), collect)
     def read_key(r):
         (src_pos, dim), idx, rest = seg.reads[r]
-        return (src_pos, dim, idx - 1)       # template is step 1 (hoisted reads included)
+        return (src_pos, dim, idx - seg.step)    # index at step 0 (the template is step 1)
 
     for r in outer_reads:
         key = read_key(r)
@@ -339,11 +403,14 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
             if not full or len(tpos) != 1 or any(not (isinstance(x, slice) and x == slice(None))
                                                    for i, x in enumerate(full) if i != tpos[0]):
                 raise _NotALoop(f"`{buf.name}[...] = ...` writes are supported as out[:, t] = y only")
-            start = full[tpos[0]] - 1                               # template is step 1
+            start = full[tpos[0]] - seg.step                        # template is step 1
+            if seg.step < 0:
+                start -= L - 1                  # the steps write buffer[start + L - 1 - t]
             if start < 0 or start + L > shape(buf)[tpos[0]]:
                 raise _NotALoop(f"writes into {buf.name} do not cover it step by step")
             writes = [nodes[s + k * K + j] for k in range(L)]
-            results.append(Result("steps", "setitem", tpos[0], writes, buffer=buf, start=start))
+            results.append(Result("steps", "setitem", tpos[0], writes, buffer=buf, start=start,
+                                  reverse=seg.step < 0))
             result_vals.append(fx.node.map_arg(val, body_arg))
             continue
         env[n] = body.node_copy(n, body_arg)
@@ -366,8 +433,8 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
                 last_uses[j].append(n)
             else:
                 raise _NotALoop(f"{u.name} uses {n.name}, a value of step {k}, after the loop")
-    for u, (j, kind, dim, pre, post) in sinks.items():
-        results.append(Result("steps", kind, dim, [u], prefix=pre, suffix=post))
+    for u, (j, kind, dim, pre, post, rev) in sinks.items():
+        results.append(Result("steps", kind, dim, [u], prefix=pre, suffix=post, reverse=rev))
         result_vals.append(env[tmpl[j]])
     for j, outer in last_uses.items():
         results.append(Result("last", replace=list(dict.fromkeys(outer))))
@@ -385,8 +452,9 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
 
 
 def _stack_sink(u: fx.Node, seg: _Segment):
-    """(template position, "stack"|"cat", dim, prefix, suffix) when u stacks one value per step,
-    in order; values before and after the steps (peeled steps, an initial state) are kept."""
+    """(template position, "stack"|"cat", dim, prefix, suffix, reverse) when u stacks one value
+    per step, in order or in reverse order (reverse); values before and after the steps (peeled
+    steps, an initial state) are kept."""
     if u.op != "call_function" or u.target not in (torch.stack, torch.cat):
         return None
     seq = u.args[0] if u.args else u.kwargs.get("tensors")
@@ -397,10 +465,12 @@ def _stack_sink(u: fx.Node, seg: _Segment):
     if len(inside) != seg.L or inside != list(range(inside[0], inside[0] + seg.L)):
         return None
     js = set()
-    for k, i in enumerate(inside):
+    its = [seg.it(seg.pos[seq[i]]) for i in inside]
+    rev = its == list(range(seg.L - 1, -1, -1))
+    if its != list(range(seg.L)) and not rev:
+        return None
+    for i in inside:
         x = seq[i]
-        if seg.it(seg.pos[x]) != k:
-            return None
         js.add((seg.pos[x] - seg.s) % seg.K)
     if len(js) != 1:
         return None
@@ -408,7 +478,7 @@ def _stack_sink(u: fx.Node, seg: _Segment):
     if not all(isinstance(x, fx.Node) and not seg.inside(x) for x in pre + post):
         return None
     ndim = len(shape(u))
-    return js.pop(), "stack" if u.target is torch.stack else "cat", dim % ndim, pre, post
+    return js.pop(), "stack" if u.target is torch.stack else "cat", dim % ndim, pre, post, rev
 
 
 # -- the scan higher-order op ------------------------------------------------------------------

@@ -136,6 +136,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     for c in ctx.candidates:
         if c.declined:
             greport.fallbacks.append((c.name, f"{c.declined_by}: {c.declined} (the loop runs as written)"))
+            _erase_unused(gm, c.loop.made)
     if not live:
         return 0
     pkg = {p.name: f"{p.package} {p.version}" for p in loaded if p.group == "ssmc.targets"}
@@ -173,6 +174,15 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     if dumper:
         dumper.write("999_lowered.py", gm.code)
     return len(lowered)
+
+
+def _erase_unused(gm, nodes) -> None:
+    """Erase outer nodes a pass made for a loop that then runs as written."""
+    for n in reversed(nodes):
+        if n.graph is gm.graph and not n.users:
+            gm.graph.erase_node(n)
+    if nodes:
+        gm.recompile()
 
 
 def _lower_group(gm, group, opts, device, arch):

@@ -32,6 +32,7 @@ class Result:
     start: int = 0                     # setitem: the loop writes buffer[start : start + L] along dim
     prefix: list = dataclasses.field(default_factory=list)   # stack/cat: peeled values before
     suffix: list = dataclasses.field(default_factory=list)   # ... and after the loop's steps
+    reverse: bool = False              # the sink holds the steps last first (a reverse-time loop)
 
 
 @dataclasses.dataclass
@@ -47,6 +48,8 @@ class Loop:
     anchor: fx.Node | None = None      # insert the region before this outer node
     origin: str = "unrolled"           # "unrolled" | "scan"
     foreign: frozenset = frozenset()   # outer nodes other loops replace (fusion stops at them)
+    made: list = dataclasses.field(default_factory=list)   # outer nodes made for the loop (flipped
+                                                           # reads); erased when it is declined
     complex_results: frozenset = frozenset()   # results the body gives as real (..., 2) pairs of
                                                # complex values (ssmc.complex_state); lowering
                                                # turns them back with view_as_complex
@@ -89,6 +92,8 @@ class Loop:
             lines.append(f"#   {ph.name} = {inv.name if isinstance(inv, fx.Node) else inv!r}")
         for i, r in enumerate(self.results):
             where = f"{r.sink} along dim {r.dim}" if r.kind == "steps" else "value after the last step"
+            if r.reverse:
+                where += ", last step first"
             if i in self.complex_results:
                 where += ", complex: the body gives view_as_real of it"
             lines.append(f"#   result {i}: {where}")

@@ -97,6 +97,8 @@ class Lowering:
             for r, how in zip(lp.results, plan.results):
                 if how[0] == "out":
                     v = outs[how[1]]
+                    if r.reverse:          # a reverse-time loop: its steps, last first
+                        v = g.call_function(torch.flip, (v, [r.dim]))
                     if how[2] is not None:
                         v = g.call_function(torch.flatten, (v, how[2], how[2] + 1))
                 else:
@@ -164,6 +166,8 @@ class Lowering:
         if last:
             return res
         res = self.g.call_function(torch.movedim, (res, 0, r.dim))
+        if r.reverse:
+            res = self.g.call_function(torch.flip, (res, [r.dim]))
         if r.sink == "cat":
             res = self.g.call_function(torch.flatten, (res, r.dim, r.dim + 1))
         return res

@@ -266,6 +266,66 @@ def gated():
     return fn
 
 
+# -- reverse-time loops and outputs read before the update ----------------------------------------
+
+def reversed_loop(form: str):
+    """A Mamba-1 step run from the last token to the first (the backward half of a bidirectional
+    block), its outputs collected in several ways."""
+    def fn(x, dt, A, B, C, D, z):
+        b, L, d = x.shape
+        h = torch.zeros(b, d, A.shape[1], dtype=x.dtype)
+        ys = [None] * L
+        out = torch.empty_like(x)
+        order = []
+        steps = reversed(range(L)) if form in ("append", "append_flip") else range(L - 1, -1, -1)
+        for t in steps:
+            dA = torch.exp(dt[:, t, :, None] * A)
+            h = dA * h + dt[:, t, :, None] * B[:, t, None] * x[:, t, :, None]
+            y = (h * C[:, t, None]).sum(-1)
+            if form == "list":
+                ys[t] = y
+            elif form == "setitem":
+                out[:, t] = y
+            else:
+                order.append(y)
+        if form == "list":
+            y = torch.stack(ys, 1)
+        elif form == "setitem":
+            y = out
+        elif form == "append":                 # kept in loop order: last token first
+            y = torch.stack(order, 1)
+        else:
+            y = torch.stack(order[::-1], 1)
+        if form == "setitem":
+            return y * F.silu(z) + D * x, h
+        return y * F.silu(z) + D * x
+    return fn
+
+
+def output_before_update(form: str):
+    """The textbook state-space form: y_k = C h_k + D u_k, then h_{k+1} = A h_k + B u_k; the
+    output reads the state before the step's update."""
+    def fn(x, A, B, C, D, h0):
+        h = h0
+        ys = []
+        out = torch.empty_like(x)
+        for t in range(x.shape[1]):
+            if form == "einsum_setitem":
+                out[:, t] = torch.einsum("bdn,bn->bd", h, C[:, t]) + D * x[:, t]
+            else:
+                ys.append((h * C[:, t, None]).sum(-1) + D * x[:, t])
+            h = torch.exp(A) * h + B[:, t, None] * x[:, t, :, None]
+        return (out if form == "einsum_setitem" else torch.stack(ys, 1)), h
+    return fn
+
+
+def output_before_update_inputs(b=2, L=7, d=3, n=4, seed=0):
+    g = _gen(seed)
+    return (torch.randn(b, L, d, generator=g), -torch.rand(d, n, generator=g),
+            torch.randn(b, L, n, generator=g), torch.randn(b, L, n, generator=g),
+            torch.randn(d, generator=g), torch.randn(b, d, n, generator=g))
+
+
 # -- loops that are not linear recurrences --------------------------------------------------------
 
 def nonlinear(kind: str):

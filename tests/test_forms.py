@@ -168,3 +168,97 @@ def test_setitem_into_a_buffer_passed_in():
     assert len(rep.regions) == 1
     ref = fn(x.double(), a.double(), torch.empty(2, 6, 3, dtype=torch.float64))
     assert rel_err(buf, ref) < 1e-6 and out.data_ptr() == buf.data_ptr()
+
+
+def _reversed_inputs(seed):
+    x, dt, A, B, C, D, z, _ = P.mamba1_inputs(seed=seed)
+    return (x, dt.abs(), A, B, C, D, z)
+
+
+@pytest.mark.parametrize("form", ["list", "setitem", "append", "append_flip"])
+def test_reverse_time_loop(form):
+    """A loop from the last token to the first runs forward on flipped reads; its per-step
+    results come back in the order the code collects them."""
+    rep = check(P.reversed_loop(form), _reversed_inputs(seed=hash(form) % 100))
+    assert "flip" in rep.regions[0].loop or form == "append", rep.regions[0].loop
+
+
+def test_reverse_time_scan_hop():
+    from torch._higher_order_ops.scan import scan
+
+    def fn(x, a, C):
+        def step(h, xt):
+            h = a * h + xt[..., None]
+            return h, (h * C).sum(-1)
+        return scan(step, x.new_zeros(x.shape[1], x.shape[2], C.shape[-1]), x, reverse=True)
+    g = torch.Generator().manual_seed(3)
+    check(fn, (torch.randn(6, 2, 3, generator=g), torch.rand(3, 4, generator=g), torch.randn(4, generator=g)))
+
+
+def test_reverse_loop_with_time_dependent_work_after_it():
+    """Elementwise work on the stacked result that reads other per-step tensors is not pulled
+    into a reverse loop's region (its steps run in the other order)."""
+    def fn(x, a, w):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in reversed(range(x.shape[1])):
+            h = a[:, t] * h + x[:, t]
+            ys.append(h)
+        return torch.stack(ys[::-1], 1) * w + 1
+    g = torch.Generator().manual_seed(4)
+    check(fn, (torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g), torch.randn(2, 6, 3, generator=g)))
+
+
+@pytest.mark.parametrize("form", ["stack", "einsum_setitem"])
+def test_output_read_before_the_update(form):
+    """y_k = C h_k + D u_k before h_{k+1} = A h_k + B u_k: the loop is cut one step later, so
+    each step's output reads its new state; the first output (from h0) and the last update are
+    peeled."""
+    rep = check(P.output_before_update(form), P.output_before_update_inputs(seed=len(form)))
+    assert rep.regions[0].strategy == "chunked_scan"
+
+
+def test_output_read_before_the_update_dense_matrix():
+    """The control-textbook loop with a dense A: x_{k+1} = A x_k + B u_k, y_k = C x_k."""
+    def fn(u, A, B, C):
+        x = u.new_zeros(u.shape[0], A.shape[0])
+        ys = []
+        for k in range(u.shape[1]):
+            ys.append(x @ C.T)
+            x = x @ A.T + u[:, k] @ B.T
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(5)
+    check(fn, (torch.randn(2, 7, 2, generator=g), 0.3 * torch.randn(4, 4, generator=g),
+               torch.randn(4, 2, generator=g), torch.randn(3, 4, generator=g)))
+
+
+def test_output_reading_both_states_is_declined_with_the_reason():
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            new = a * h + x[:, t]
+            ys.append(new + h)
+            h = new
+        return torch.stack(ys, 1)
+    ins = (torch.randn(2, 6, 3), torch.rand(3))
+    out, rep = ssmc_run(fn, ins)
+    assert not rep.regions
+    assert any("reads both the previous and the new state" in why for _, why in rep.fallbacks), str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-6
+
+
+def test_declined_reverse_loop_leaves_the_graph_as_captured():
+    """The flipped reads made for a reverse loop go again when the loop is declined."""
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in reversed(range(x.shape[1])):
+            h = torch.tanh(a[:, t] * h + x[:, t])
+            ys.append(h)
+        return torch.stack(ys, 1)
+    ins = (torch.randn(2, 6, 3), torch.rand(2, 6, 3))
+    out, rep = ssmc_run(fn, ins)
+    assert not rep.regions and rep.graphs[0].nodes_out == rep.graphs[0].nodes_in, str(rep)
+    assert any("tanh" in why for _, why in rep.fallbacks), str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-6

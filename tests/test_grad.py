@@ -26,6 +26,8 @@ CASES = {
     "s4d": (P.s4d(), lambda: P.s4d_inputs(seed=26)),
     "gated": (P.gated(), lambda: P.gated_inputs(seed=27)),
     "scan": (P.mamba1_scan(), lambda: P.mamba1_inputs(seed=28)),
+    "reverse_time": (P.reversed_loop("setitem"), lambda: P.mamba1_inputs(seed=29)[:7]),
+    "output_before_update": (P.output_before_update("stack"), lambda: P.output_before_update_inputs(seed=30)),
 }
 
 
@@ -33,7 +35,7 @@ CASES = {
 def test_gradients_match_eager(case):
     fn, make = CASES[case]
     inputs = make()
-    if case == "mamba1_h0":
+    if case in ("mamba1_h0", "reverse_time"):
         inputs = (inputs[0], inputs[1].abs(), *inputs[2:])
     outs = as_tuple(fn(*inputs))
     g = torch.Generator().manual_seed(99)

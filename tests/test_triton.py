@@ -930,3 +930,11 @@ def test_replayed_launch_reads_new_data(interp):
     assert len(kern._replays) == 2
     for g, w in match_outputs(got, reference(fn, args)):
         assert rel_err(g, w) <= TOL[torch.float32]
+
+
+def test_reverse_time_and_output_before_update(interp):
+    """Loops re-rolled into forward regions (a reverse-time loop on flipped reads; a loop whose
+    output reads the state before its update, cut one step later) on the Triton kernel."""
+    x, dt, A, B, C, D, z, _ = P.mamba1_inputs(L=9, d=6, n=5, seed=31)
+    check(P.reversed_loop("list"), (x, dt.abs(), A, B, C, D, z))
+    check(P.output_before_update("stack"), P.output_before_update_inputs(L=9, seed=32))
