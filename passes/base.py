@@ -44,6 +44,7 @@ class Candidate:
     target_reasons: dict = dataclasses.field(default_factory=dict)
     alternatives: list = dataclasses.field(default_factory=list)   # other targets to time against
     notes: list = dataclasses.field(default_factory=list)
+    split: Any = None                           # split_states: the pieces of one loop (a Split)
 
     @property
     def name(self) -> str:

@@ -230,7 +230,8 @@ def _rotated(gm, seg: _Segment, found: Loop):
     """The same loop cut one step later: each step runs the update, then what the next step
     computed from the state before its update, now reading the new state. The first step's
     outputs (from the initial state) and the last step's update stay outside as peeled steps.
-    Returns (loop, segment); the given ones when no cut of L - 1 steps avoids the previous state."""
+    Returns (loop, segment); the given ones when no cut of L - 1 steps avoids the previous state
+    without carrying more values from one step to the next."""
     if seg.L < 3:
         return found, seg
     for s in range(seg.s + 1, seg.s + seg.K):
@@ -241,12 +242,58 @@ def _rotated(gm, seg: _Segment, found: Loop):
             lp = _try_segment(gm, rot)
         except _NotALoop:
             continue
-        if lp is not None and not _reads_previous_state(lp):
+        if lp is not None:
+            _recompute_delays(lp)
+        if lp is not None and not _reads_previous_state(lp) and lp.n_carry <= found.n_carry:
             log.info("ssmc: the step's outputs read the state before its update; the loop is cut "
                      "one step later (%d steps, the first step's outputs and the last update peeled)",
                      rot.L)
             return lp, rot
     return found, seg
+
+
+def _recompute_delays(lp: Loop) -> None:
+    """Carried values that are no state: a value computed from the step's inputs alone and used
+    by the next step (``ek = exp(k[t])`` made before a cut and used after it) is computed again
+    in the step that uses it, from its inputs one step back (reads at start - 1), and stops
+    being carried. Left carried where a read would start before index 0."""
+    g = lp.body.graph
+    for j in reversed(range(lp.n_carry)):
+        carries, outs = lp.carry_nodes(), lp.carry_outputs()
+        o = outs[j]
+        if not isinstance(o, fx.Node):
+            continue
+        anc, todo = set(), [o]
+        while todo:
+            n = todo.pop()
+            if n not in anc:
+                anc.add(n)
+                todo.extend(n.all_input_nodes)
+        reads = dict(zip(lp.read_nodes(), lp.reads))
+        if any(c in anc for c in carries) or any(reads[p].start < 1 for p in anc if p in reads):
+            continue
+        invs = lp.invariant_nodes()
+        env = {p: p for p in invs}
+        with g.inserting_before(invs[0] if invs else next(n for n in g.nodes if n.op != "placeholder")):
+            for p in (p for p in lp.read_nodes() if p in anc):
+                r = reads[p]
+                env[p] = g.placeholder(f"read_{len(lp.reads)}")
+                env[p].meta.update(p.meta)
+                lp.reads.append(Read(r.source, r.dim, r.start - 1))
+        first = next(n for n in g.nodes if n.op != "placeholder")
+        with g.inserting_before(first):
+            for n in g.nodes:
+                if n in anc and n.op != "placeholder":
+                    env[n] = g.node_copy(n, lambda a: env[a])
+        carries[j].replace_all_uses_with(env[o])
+        out = next(n for n in g.nodes if n.op == "output")
+        vals = list(out.args[0])
+        del vals[j]
+        out.args = (tuple(vals),)
+        g.erase_node(carries[j])
+        del lp.carry_init[j]
+        g.eliminate_dead_code()
+    lp.body.recompile()
 
 
 def _longest_run(by_idx: dict, pos: dict):

@@ -16,7 +16,7 @@ import torch.fx as fx
 from .plugins import load as load_plugins
 from .assemble import AssembleError
 from .explain import Dumper, GraphReport, RegionInfo, Report
-from .lower import Lowering
+from .lower import Lowering, finish_lowering
 from .options import Options, make_options
 
 log = logging.getLogger("ssmc")
@@ -132,6 +132,10 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     greport.passes = run_pipeline(ctx, dumper.after_pass if dumper else None)
     greport.log.extend(ctx.log)
     greport.fallbacks.extend(ctx.fallbacks)
+    for c in ctx.candidates:       # a split loop's pieces run as regions together or not at all
+        bad = next((m for m in c.split.members if m.declined), None) if c.split and not c.declined else None
+        if bad is not None:
+            c.decline(bad.declined_by, f"{bad.name}, another state of {c.split.name}, was declined: {bad.declined}")
     live = [c for c in ctx.candidates if c.declined is None]
     for c in ctx.candidates:
         if c.declined:
@@ -145,7 +149,22 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     cache = get_cache(opts.cache_dir)
     seen_events = len(cache.events)
     lowered = []
+
+    def info(cand, entry):
+        if dumper and entry.source:
+            dumper.write(f"kernel_{entry.key}.{'cu' if entry.target == 'cuda' else 'py'}", entry.source)
+        names = entry.target.removeprefix("auto(").rstrip(")").split("|")
+        plugin = ", ".join(dict.fromkeys(pkg.get(n, "?") for n in names))
+        return RegionInfo(cand.name, entry.strategy, cand.strategy_reason or "default", entry.target,
+                          dict(cand.target_reasons), plugin, str(entry.region),
+                          cand.loop.python(), entry.source, entry.key, list(cand.notes),
+                          getattr(entry.kernel, "cache_status", ""), entry.region)
+
     for cand in reversed(live):
+        if cand.split is not None:
+            if cand is cand.split.members[-1]:       # the whole split loop, once
+                lowered.extend(reversed([info(m, e) for m, e in _lower_split(gm, cand.split, ctx, opts, greport)]))
+            continue
         try:
             entry = _compile_region(cand, ctx, opts)
         except Exception as e:
@@ -157,14 +176,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
         except Exception as e:
             log.debug("ssmc: lowering failed", exc_info=True)
             raise RuntimeError(f"lowering {cand.name} failed: {e}") from e
-        if dumper and entry.source:
-            dumper.write(f"kernel_{entry.key}.{'cu' if entry.target == 'cuda' else 'py'}", entry.source)
-        names = entry.target.removeprefix("auto(").rstrip(")").split("|")
-        plugin = ", ".join(dict.fromkeys(pkg.get(n, "?") for n in names))
-        lowered.append(RegionInfo(cand.name, entry.strategy, cand.strategy_reason or "default", entry.target,
-                                  dict(cand.target_reasons), plugin, str(entry.region),
-                                  cand.loop.python(), entry.source, entry.key, list(cand.notes),
-                                  getattr(entry.kernel, "cache_status", ""), entry.region))
+        lowered.append(info(cand, entry))
     greport.regions.extend(reversed(lowered))
     for group in getattr(ctx, "groups", []):
         greport.groups.append(_lower_group(gm, group, opts, device, arch))
@@ -174,6 +186,42 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     if dumper:
         dumper.write("999_lowered.py", gm.code)
     return len(lowered)
+
+
+def _lower_split(gm, split, ctx, opts, greport) -> list:
+    """The pieces of a split loop (split_states), lowered in order before the loop: each piece's
+    stacked per-step values replace the stand-ins later pieces read; the loop's nodes go at the
+    end. When a piece fails to compile, the loop runs as written. Returns [(candidate, entry)]."""
+    from ssmc.loop import Read
+    from ssmc.runtime.op import register
+    entries = []
+    for m in split.members:
+        try:
+            entries.append(_compile_region(m, ctx, opts))
+        except Exception as e:
+            greport.fallbacks.append((m.name, f"compile failed, {split.name} runs as written: {type(e).__name__}: {e}"))
+            for c in split.members:
+                _erase_unused(gm, c.loop.made)
+            return []
+    given = {}
+    for m, entry in zip(split.members, entries):
+        register(entry)
+        lp = m.loop
+        lp.reads[:] = [Read(given.get(r.source, r.source), r.dim, r.start) for r in lp.reads]
+        m.plan.sources[:] = [(s[0], given.get(s[1], s[1]), *s[2:]) if s[0] == "outer" else s for s in m.plan.sources]
+        try:
+            low = Lowering(gm, m, entry.key)
+            low.run(finish=False)
+        except Exception as e:
+            log.debug("ssmc: lowering failed", exc_info=True)
+            raise RuntimeError(f"lowering {m.name} failed: {e}") from e
+        for r, v in zip(lp.results, low.values):
+            for n in r.replace:
+                if n in split.bridges:
+                    v.meta.setdefault("example_value", n.meta.get("example_value"))
+                    given[n] = v
+    finish_lowering(gm, split.erase)
+    return list(zip(split.members, entries))
 
 
 def _erase_unused(gm, nodes) -> None:

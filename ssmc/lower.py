@@ -79,7 +79,10 @@ class Lowering:
             return lp.invariants[invs.index(ph)], None
         raise ValueError(f"{ph.name} is not available outside the loop")
 
-    def run(self):
+    def run(self, finish: bool = True):
+        """Insert the region call and route the loop's results to it. `finish=False` leaves the
+        loop's nodes and dead code in place (a split loop's pieces are finished together);
+        `values` holds the outer value of each result afterwards."""
         lp, plan, g = self.loop, self.plan, self.g
         with g.inserting_before(lp.anchor):
             pre_vals = self._pre()
@@ -116,14 +119,10 @@ class Lowering:
                 self._reroute(r, v)
         for n in reversed(pulled):
             g.erase_node(n)
-        for n in reversed(lp.erase):
-            if n.graph is g:
-                for u in list(n.users):
-                    if u.op == "call_function" and u.target is operator.setitem:
-                        g.erase_node(u)
-                g.erase_node(n)
-        g.eliminate_dead_code(is_impure_node=_impure)   # in-place writes stay (out.index_add_(...))
-        self.gm.recompile()
+        self.values = vals
+        if finish:
+            finish_lowering(self.gm, lp.erase)
+
 
     def _pre(self) -> dict:
         pre = [s[1] for s in self.plan.sources if s[0] == "pre"]
@@ -198,6 +197,19 @@ class Lowering:
                 v = g.call_function(torch.cat, (parts, r.dim))
         for n in r.replace:
             n.replace_all_uses_with(v)
+
+
+def finish_lowering(gm: fx.GraphModule, erase: list) -> None:
+    """Erase a loop's outer nodes (its writes into buffers too) and what became dead."""
+    g = gm.graph
+    for n in reversed(erase):
+        if n.graph is g and not getattr(n, "_erased", False):
+            for u in list(n.users):
+                if u.op == "call_function" and u.target is operator.setitem:
+                    g.erase_node(u)
+            g.erase_node(n)
+    g.eliminate_dead_code(is_impure_node=_impure)   # in-place writes stay (out.index_add_(...))
+    gm.recompile()
 
 
 def _impure(n: fx.Node) -> bool:

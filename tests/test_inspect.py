@@ -56,9 +56,9 @@ def test_debug_dir(tmp_path):
     ssmc.explain(P.mamba1("stack"), *P.mamba1_inputs(seed=52), debug_dir=str(tmp_path))
     (gdir,) = list(tmp_path.iterdir())
     names = sorted(p.name for p in gdir.iterdir())
-    assert names[:8] == ["000_input.py", "001_reroll.py", "002_detect_recurrence.py",
-                         "003_fuse_prologue.py", "004_fuse_epilogue.py", "005_block_sparse.py", "006_moe_grouping.py",
-                         "007_select_strategy.py"]
+    assert names[:9] == ["000_input.py", "001_reroll.py", "002_split_states.py", "003_detect_recurrence.py",
+                         "004_fuse_prologue.py", "005_fuse_epilogue.py", "006_block_sparse.py", "007_moe_grouping.py",
+                         "008_select_strategy.py"]
     assert "999_lowered.py" in names
     assert "def forward" in (gdir / "001_reroll.py").read_text()
     assert "torch.ops.ssmc.region" in (gdir / "999_lowered.py").read_text()

@@ -1,0 +1,131 @@
+"""split_states: loops carrying several states run as one region per state, equal to float64
+eager, gradients too; loops whose states cannot be split run as written, with the reason."""
+import pytest
+import torch
+
+from conftest import as_tuple, reference, rel_err, ssmc_run
+
+
+def rwkv_wkv(k, v, w, u):
+    """RWKV-4's time mixing without the max-stabiliser: two accumulators, the output read from
+    them before the step's update."""
+    b, L, d = k.shape
+    num = torch.zeros(b, d, dtype=k.dtype)
+    den = torch.zeros(b, d, dtype=k.dtype)
+    ys = []
+    for t in range(L):
+        ek, euk = torch.exp(k[:, t]), torch.exp(u + k[:, t])
+        ys.append((num + euk * v[:, t]) / (den + euk))
+        num = torch.exp(-torch.exp(w)) * num + ek * v[:, t]
+        den = torch.exp(-torch.exp(w)) * den + ek
+    return torch.stack(ys, 1)
+
+
+def mlstm(q, k, v, f_pre, i_pre):
+    """An mLSTM-style memory: a matrix state C and a normaliser n of another shape, read
+    together (C q) / max(|n . q|, 1); the final states returned."""
+    b, L, dk = q.shape
+    C = q.new_zeros(b, dk, v.shape[-1])
+    n = q.new_zeros(b, dk)
+    hs = []
+    for t in range(L):
+        f, i = torch.sigmoid(f_pre[:, t]), torch.exp(i_pre[:, t])
+        C = f[:, None, None] * C + i[:, None, None] * k[:, t, :, None] * v[:, t, None, :]
+        n = f[:, None] * n + i[:, None] * k[:, t]
+        num = torch.einsum("bkv,bk->bv", C, q[:, t])
+        den = torch.clamp((n * q[:, t]).sum(-1, keepdim=True).abs(), min=1.0)
+        hs.append(num / den)
+    return torch.stack(hs, 1), C, n
+
+
+def cascade(x, a1, a2):
+    """Two states in series: the second reads the first's new value."""
+    h1 = torch.zeros_like(x[:, 0])
+    h2 = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h1 = a1[:, t] * h1 + x[:, t]
+        h2 = a2 * h2 + 0.5 * h1
+        ys.append(h2 - h1)
+    return torch.stack(ys, 1), h1
+
+
+def _inputs(name, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)
+    if name == "rwkv":
+        return (0.5 * r(2, 7, 4), r(2, 7, 4), r(4), 0.5 * r(4))
+    if name == "mlstm":
+        return (r(2, 6, 3), r(2, 6, 3), r(2, 6, 5), r(2, 6), 0.3 * r(2, 6))
+    return (r(2, 7, 3), torch.rand(2, 7, 3, generator=g), torch.rand(3, generator=g))
+
+
+PROGRAMS = {"rwkv": rwkv_wkv, "mlstm": mlstm, "cascade": cascade}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_split_values_and_gradients(name):
+    fn, ins = PROGRAMS[name], _inputs(name, seed=len(name))
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 2 and not rep.fallbacks, str(rep)
+    assert all("split from loop0" in " ".join(r.notes) for r in rep.regions), str(rep)
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o, r) < 1e-5, str(rep)
+    xs = [x.clone().requires_grad_() for x in ins]
+    out = as_tuple(ssmc_run(fn, xs)[0])
+    g = torch.Generator().manual_seed(1)
+    cots = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in out]
+    got = torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(out, cots)), xs)
+    x64 = [x.double().requires_grad_() for x in ins]
+    want = torch.autograd.grad(sum((o * c).sum() for o, c in zip(as_tuple(fn(*x64)), cots)), x64)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}"
+
+
+def test_split_pieces_on_the_triton_interpreter(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    ins = _inputs("cascade", seed=3)
+    out, rep = ssmc_run(cascade, ins, target="triton")
+    assert [r.target for r in rep.regions] == ["triton", "triton"], str(rep)
+    for o, r in zip(as_tuple(out), reference(cascade, ins)):
+        assert rel_err(o, r) < 1e-5
+
+
+def _coupled(x, a):
+    p = torch.zeros_like(x[:, 0])
+    q = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        p, q = a * p - 0.5 * q + x[:, t], a * q + 0.5 * p      # a rotation: p and q read each other
+        ys.append(p)
+    return torch.stack(ys, 1)
+
+
+def _one_nonlinear(x, a):
+    h1 = torch.zeros_like(x[:, 0])
+    h2 = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h1 = a * h1 + x[:, t]
+        h2 = torch.tanh(a * h2 + x[:, t])
+        ys.append(h1 + h2)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_coupled, "update each other"),
+    (_one_nonlinear, "another state of loop0, was declined"),
+])
+def test_unsplittable_loops_run_as_written(fn, why):
+    ins = (torch.randn(2, 6, 3), torch.rand(3))
+    out, rep = ssmc_run(fn, ins)
+    assert not rep.regions and any(why in w for _, w in rep.fallbacks), str(rep)
+    assert rep.graphs[0].nodes_out == rep.graphs[0].nodes_in, str(rep)   # stand-ins erased
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-6
+
+
+def test_split_states_can_be_disabled():
+    ins = _inputs("cascade", seed=4)
+    out, rep = ssmc_run(cascade, ins, disable_passes=["split_states"])
+    assert not rep.regions and any("carries 2 values" in w for _, w in rep.fallbacks), str(rep)
