@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ssmc.capture import _expand_index, _fake_mode, _is_int, find_reads
+from ssmc.capture import _expand_index, _fake_mode, _is_int, find_reads, functionalize_updates
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import shape, value as value_of
 
@@ -40,6 +40,9 @@ class Reroll(Pass):
     required = True
 
     def run(self, ctx) -> bool:
+        n = functionalize_updates(ctx.gm)
+        if n:
+            ctx.note(f"reroll: {n} in-place update(s) of tensors the graph allocates rewritten as new values")
         loops = []
         hops = {getattr(torch.ops.higher_order, "scan", None): loop_from_scan,
                 getattr(torch.ops.higher_order, "associative_scan", None): loop_from_associative_scan}

@@ -148,7 +148,7 @@ def split(gm: fx.GraphModule, lp: Loop):
         reads_from = sorted({str(b) for b in needed[i] if b in stand_in and b not in bridges[i]})
         parts = [f"state {names[i]}"]
         if bridges[i]:
-            parts.append(f"its per-step {', '.join(map(str, bridges[i]))} feed later pieces")
+            parts.append(f"its per-step values {', '.join(map(str, bridges[i]))} feed later pieces")
         if reads_from:
             parts.append(f"reads {', '.join(reads_from)} from earlier pieces")
         text[name] = "; ".join(parts)

@@ -141,3 +141,105 @@ def find_reads(graph: fx.Graph) -> dict[fx.Node, list[ReadOf]]:
             if r:
                 out[n] = r
     return out
+
+
+# -- in-place state updates ------------------------------------------------------------------------
+
+_INPLACE = {"add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_", "lerp_", "copy_"}
+_FRESH = {"zeros", "zeros_like", "empty", "empty_like", "ones", "ones_like", "full", "full_like",
+          "new_zeros", "new_empty", "new_ones", "new_full", "clone"}
+
+
+def _name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+
+
+def _inplace_self(n: fx.Node):
+    """The tensor `n` updates in place (``h.mul_(a)``, ``h.add_(b)``, ``h.copy_(v)``), or None."""
+    if n.op == "call_method" and n.target in _INPLACE and n.args and isinstance(n.args[0], fx.Node):
+        return n.args[0]
+    return None
+
+
+def functionalize_updates(gm: fx.GraphModule) -> int:
+    """Rewrite in-place updates of a tensor the graph allocates itself (``h = torch.zeros(..)``
+    then ``h.mul_(dA).add_(dBx)`` each step) as new values: each update becomes its out-of-place
+    op, and every later use of the tensor reads the latest value, so the step-to-step data flow
+    a recurrence needs is in the graph. Only where that cannot change a result: the tensor is a
+    fresh allocation (not an input, not a view), no view of it is ever taken, and each update
+    keeps its shape and dtype (no broadcasting or promotion). Returns the updates rewritten."""
+    g = gm.graph
+    root: dict = {}
+    for n in g.nodes:
+        s = _inplace_self(n)
+        if s is not None:
+            root[n] = root.get(s, s)
+    if not root:
+        return 0
+    members: dict = {}
+    for n, r in root.items():
+        members.setdefault(r, []).append(n)
+    ok = set()
+    for r, ms in members.items():
+        if r.op not in ("call_function", "call_method") or _name(r) not in _FRESH:
+            continue
+        rv = value(r)
+        if not is_tensor(rv):
+            continue
+        safe = True
+        for a in [r, *ms]:
+            for u in a.users:
+                if root.get(u) is r and u.args[0] is a:
+                    continue
+                if u.op == "output" or _name(u) in ("sum", "mean", "einsum", "matmul", "bmm", "stack", "cat") \
+                        or (u.op in ("call_function", "call_method") and not _maybe_view(u)):
+                    continue
+                safe = False
+        for m in ms:
+            args = [value(x) for x in m.args[1:] if isinstance(x, fx.Node)]
+            if any(not is_tensor(x) or x.dtype != rv.dtype for x in args):
+                safe = False
+            elif m.target == "copy_" and (len(args) != 1 or tuple(args[0].shape) != tuple(rv.shape)):
+                safe = False
+            elif args and tuple(torch.broadcast_shapes(rv.shape, *(x.shape for x in args))) != tuple(rv.shape):
+                safe = False
+        if safe:
+            ok.add(r)
+    if not ok:
+        return 0
+    current = {r: r for r in ok}
+    count = 0
+
+    def latest(a):
+        r = root.get(a, a)
+        return current[r] if r in current else a
+
+    for n in list(g.nodes):
+        r = root.get(n)
+        n.args = fx.node.map_arg(n.args, lambda a: latest(a) if a is not n else a)
+        n.kwargs = fx.node.map_arg(n.kwargs, latest)
+        if r in ok:
+            if n.target == "copy_":
+                current[r] = n.args[1]
+            else:
+                n.target = n.target[:-1]
+                current[r] = n
+            count += 1
+    for n in reversed(list(g.nodes)):
+        if n.op == "call_method" and n.target == "copy_" and not n.users and root.get(n) in ok:
+            g.erase_node(n)
+    gm.recompile()
+    return count
+
+
+_VIEWS = {"getitem", "select", "narrow", "view", "view_as", "reshape", "reshape_as", "expand",
+          "expand_as", "transpose", "t", "permute", "squeeze", "unsqueeze", "flatten", "unflatten",
+          "unbind", "split", "chunk", "diagonal", "as_strided", "movedim", "swapaxes", "contiguous",
+          "detach", "unfold", "view_as_real", "view_as_complex", "real", "imag", "to", "type_as",
+          "float", "double", "half", "bfloat16", "getattr", "__getitem__"}
+
+
+def _maybe_view(u: fx.Node) -> bool:
+    """Whether `u` may return a tensor sharing memory with its input (a view, or the input
+    itself: ``.to()`` and ``.float()`` of a tensor already of that type)."""
+    return _name(u) in _VIEWS or _name(u).endswith("_")

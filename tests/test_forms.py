@@ -262,3 +262,45 @@ def test_declined_reverse_loop_leaves_the_graph_as_captured():
     assert not rep.regions and rep.graphs[0].nodes_out == rep.graphs[0].nodes_in, str(rep)
     assert any("tanh" in why for _, why in rep.fallbacks), str(rep)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-6
+
+
+def test_in_place_state_updates():
+    """``h.mul_(dA).add_(dBx)`` on a state the loop allocates: rewritten as new values, one region."""
+    def fn(dA, dBx, C):
+        h = torch.zeros_like(dA[:, 0])
+        ys = []
+        for t in range(dA.shape[1]):
+            h.mul_(dA[:, t]).add_(dBx[:, t])
+            ys.append((h * C[:, t, None]).sum(-1))
+        return torch.stack(ys, 1), h
+    g = torch.Generator().manual_seed(6)
+    ins = (torch.rand(2, 6, 3, 4, generator=g), torch.randn(2, 6, 3, 4, generator=g), torch.randn(2, 6, 4, generator=g))
+    rep = check(fn, ins)
+    assert any("in-place update" in line for line in rep.graphs[0].log), rep.graphs[0].log
+
+
+def test_in_place_updates_that_must_stay():
+    """A state passed in is updated in place as written (the caller sees it); a state with a
+    view taken of it is left alone; results equal eager."""
+    def into_input(x, a, h):
+        ys = []
+        for t in range(x.shape[1]):
+            h.mul_(a).add_(x[:, t])
+            ys.append(h * 2)
+        return torch.stack(ys, 1)
+
+    def with_view(x, a):
+        h = torch.zeros_like(x[:, 0])
+        first = h[:, 0]                       # a view: sees every later update
+        ys = []
+        for t in range(x.shape[1]):
+            h.mul_(a).add_(x[:, t])
+            ys.append(first * 1)
+        return torch.stack(ys, 1)
+    x, a = torch.randn(2, 5, 3), torch.rand(3)
+    h_ssmc, h_eager = torch.randn(2, 3), None
+    h_eager = h_ssmc.clone()
+    out, _ = ssmc_run(into_input, (x, a, h_ssmc))
+    assert rel_err(out, into_input(x, a, h_eager)) < 1e-6 and rel_err(h_ssmc, h_eager) < 1e-6
+    out, _ = ssmc_run(with_view, (x, a))
+    assert rel_err(out, with_view(x, a)) < 1e-6
