@@ -12,6 +12,13 @@ signature that abstracts the step: reads become "X at this step", values of the 
 1..L-1 must have equal signatures; iteration 0 may differ only where later iterations read a
 carried value, and what it reads there is the initial value. Linear in the graph size.
 A ``torch.ops.higher_order.scan`` node already is one step body and is taken as it is.
+
+Also: in-place updates of a tensor the graph allocates become new values first
+(`ssmc.capture.functionalize_updates`); indices that go down (``reversed(range(L))``) give a
+loop run forward on flipped reads, its results flipped back (`Result.reverse`); a step whose
+outputs read the state before its update is cut one step later (`_rotated`); a carried value
+computed from the step's inputs alone is recomputed from the previous step's inputs
+(`_recompute_delays`).
 """
 from __future__ import annotations
 
