@@ -4,10 +4,15 @@ Expects candidates with a step body (reroll). Leaves, for a loop carrying k valu
 of one carried value each (`Candidate.split` ties them together), in an order where every loop
 comes after the loops whose states it reads; other candidates are left alone.
 
+States that update each other (``p, q = a*p - b*q + x, b*p + a*q``: a rotation written as two
+real states; a damped oscillator's position and velocity) are first stacked into one state with
+a new last axis, their transition a small matrix per element (`stack_states`), which
+detect_recurrence proves and block_sparse runs like any non-diagonal transition.
+
 Two accumulators updated side by side (RWKV's numerator and denominator), an mLSTM's matrix
 memory and its normaliser, a cascade (h2 = a * h2 + h1): each state's update may read its own
 previous value and the new values of states earlier in that order, never each other in a
-cycle (a coupled system is declined with the two states named). What a step computes from
+cycle (other than the stacked groups above). What a step computes from
 several states (``num / den``) goes to the last loop among the states it reads; the values it
 takes from earlier loops (``num + e^k v``, computed from one state only) are stacked outputs
 of those loops, read by the later loop step by step like any input. Each loop is then proved,
@@ -17,6 +22,7 @@ piece is declined they all run as written.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from contextlib import nullcontext
 
 import torch
@@ -57,6 +63,12 @@ class SplitStates(Pass):
                 cand.decline(self.name, str(e))
                 out.append(cand)
                 continue
+            if len(loops) == 1:                  # coupled states stacked into one
+                cand.loop = loops[0]
+                cand.notes.append(f"{cand.loop.name}: {text[cand.loop.name]}")
+                out.append(cand)
+                changed = True
+                continue
             group = Split(cand.loop.name, [], list(cand.loop.erase), bridges)
             for lp in loops:
                 member = Candidate(loop=lp, split=group)
@@ -91,7 +103,18 @@ def split(gm: fx.GraphModule, lp: Loop):
         if i not in S[o]:
             raise Decline(f"the carried value {names[i]} does not depend on its previous value "
                           "(a value passed from one step to the next, not a state)")
-    order = _topo(k, {i: S[outs[i]] - {i} for i in range(k)}, names)
+    deps = {i: S[outs[i]] - {i} for i in range(k)}
+    coupled = _coupled(k, deps)
+    if coupled:                               # one group at a time: the carries renumber
+        g = coupled[0]
+        stack_states(gm, lp, g)
+        why = (f"the states {' and '.join(names[i] for i in g)} update each other: stacked into one "
+               f"state with a last axis of {len(g)} ({len(g)}x{len(g)} transition blocks)")
+        if lp.n_carry == 1:
+            return [lp], {}, {lp.name: why}
+        loops, made_by, text = split(gm, lp)
+        return loops, made_by, {k: f"{why}; {v}" for k, v in text.items()}
+    order = _topo(k, deps, names)
     pos = {c: p for p, c in enumerate(order)}
     results = lp.result_values()
 
@@ -153,6 +176,192 @@ def split(gm: fx.GraphModule, lp: Loop):
             parts.append(f"reads {', '.join(reads_from)} from earlier pieces")
         text[name] = "; ".join(parts)
     return loops, made_by, text
+
+
+def _coupled(k: int, deps: dict) -> list:
+    """Groups of two or more states whose updates read each other (strongly connected)."""
+    reach = {i: set(deps[i]) for i in range(k)}
+    changed = True
+    while changed:
+        changed = False
+        for i in range(k):
+            more = set().union(*(reach[j] for j in reach[i])) - reach[i]
+            if more:
+                reach[i] |= more
+                changed = True
+    groups, seen = [], set()
+    for i in range(k):
+        g = sorted({i} | {j for j in reach[i] if i in reach[j]})
+        if len(g) > 1 and i not in seen:
+            groups.append(g)
+            seen.update(g)
+    return groups
+
+
+def stack_states(gm: fx.GraphModule, lp: Loop, group: list) -> None:
+    """States that update each other (``p, q = a*p - b*q + x, b*p + a*q``; a second-order
+    recurrence carrying h_(t-1)) become one state with a new last axis of len(group): each new
+    value is proved linear in every state of the group (detect_recurrence's algebra, one state
+    at a time), h'_i = sum_j a_ij h_j + b_i, written as a matrix product along that axis, which
+    detect_recurrence then finds as a non-diagonal transition. What read a new value reads its
+    slot of the stacked state. Rewrites `lp` in place; Decline when the states differ in shape
+    or dtype, or a coefficient depends on a state of the group."""
+    from .detect_recurrence import _Linear, _Mat, _fake_mode_outer
+    from ssmc.capture import _Builder
+    body = lp.body.graph
+    carries, outs = lp.carry_nodes(), lp.carry_outputs()
+    cs, os_ = [carries[i] for i in group], [outs[i] for i in group]
+    names = " and ".join(str(o) for o in os_)
+    sshape, dt = shape(cs[0]), dtype(cs[0])
+    if any(shape(c) != sshape or dtype(c) != dt for c in cs) or any(shape(o) != sshape for o in os_):
+        raise Decline(f"the carried values {names} update each other but differ in shape or dtype")
+    if dt is None or not dt.is_floating_point:
+        raise Decline(f"the carried values {names} are not floating-point")
+    mode = _fake_mode(lp.body.graph) or _fake_mode_outer(lp)
+    b = _Builder(body, mode)
+    m = len(group)
+    first = next(n for n in body.nodes if n.op != "placeholder")
+    out_node = next(n for n in body.nodes if n.op == "output")
+    dev = cs[0].meta["example_value"].device
+
+    def depends(v, on) -> bool:
+        seen, todo = set(), [v]
+        while todo:
+            n = todo.pop()
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            if n in on:
+                return True
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+        return False
+
+    def path_from(c, v):
+        dep = {c}
+        for n in body.nodes:
+            if any(a in dep for a in n.all_input_nodes) and n.op != "output":
+                dep.add(n)
+        anc, todo = set(), [v]
+        while todo:
+            n = todo.pop()
+            if isinstance(n, fx.Node) and n not in anc and n in dep:
+                anc.add(n)
+                todo.extend(n.all_input_nodes)
+        return anc
+
+    def full(x, anchor):
+        """A coefficient as a tensor of the state's shape."""
+        if x is None or isinstance(x, (int, float)):
+            return b.call(anchor, torch.full, (tuple(sshape), float(x or 0.0)), {"dtype": dt, "device": dev})
+        return b.call(anchor, torch.broadcast_to, (x, tuple(sshape)))
+
+    rows, drives = [], []
+    for o in os_:
+        v, coef = o, []
+        for c in cs:
+            if not depends(v, {c}):
+                coef.append(None)
+                continue
+            a, v = _Linear(b, c, path_from(c, v), sshape).of(v)
+            if isinstance(a, _Mat):
+                raise Decline(f"the carried values {names} update each other through a matrix product")
+            if isinstance(a, fx.Node) and depends(a, set(cs)):
+                raise Decline(f"the update of {o} is not linear in the states {names}")
+            coef.append(a)
+        if isinstance(v, fx.Node) and depends(v, set(cs)):
+            raise Decline(f"the update of {o} is not linear in the states {names}")
+        rows.append(coef)
+        drives.append(v)
+    # the stacked state and the slots of the old states
+    with body.inserting_before(cs[0]):
+        H = body.placeholder(f"carry_{group[0]}_stacked")
+    with (mode if mode is not None else nullcontext()):
+        H.meta["example_value"] = torch.stack([c.meta["example_value"] for c in cs], -1)
+    for j, c in enumerate(cs):
+        with body.inserting_before(first):
+            sel = body.call_function(operator.getitem, (H, (Ellipsis, j)))
+        sel.meta["example_value"] = c.meta["example_value"]
+        c.replace_all_uses_with(sel)
+    anchor = out_node
+    M = b.call(anchor, torch.stack, ([b.call(anchor, torch.stack, ([full(a, anchor) for a in row], -1))
+                                      for row in rows], -2))
+    letters = "abcdefgh"[:len(sshape)]
+    Mh = b.call(anchor, torch.einsum, (f"{letters}ij,{letters}j->{letters}i", M, H))
+    new = b.call(anchor, operator.add, (Mh, b.call(anchor, torch.stack, ([full(d, anchor) for d in drives], -1))))
+    eye = b.call(anchor, torch.eye, (m,), {"dtype": dt, "device": dev})
+    slots = []
+    for j, o in enumerate(os_):
+        e = b.call(anchor, operator.getitem, (eye, j))
+        slots.append(b.call(anchor, torch.sum, (b.call(anchor, operator.mul, (new, e)), -1)))
+    vals = list(out_node.args[0])
+    for o, slot in zip(os_, slots):
+        for u in list(o.users):
+            if u is not out_node and u not in slots:
+                u.replace_input_with(o, slot)
+        vals = [slot if (v is o and i >= lp.n_carry) else v for i, v in enumerate(vals)]
+    keep = [i for i in range(lp.n_carry) if i not in group[1:]]
+    carry_vals = [new if i == group[0] else vals[i] for i in keep]
+    out_node.args = ((*carry_vals, *vals[lp.n_carry:]),)
+    inits = [lp.carry_init[i] for i in group]
+    for c in cs:
+        body.erase_node(c)
+    _resort(body)
+    body.eliminate_dead_code()
+    lp.body.recompile()
+    lp.carry_init[:] = [_stacked_init(gm, lp, inits, sshape, dt) if i == group[0] else lp.carry_init[i] for i in keep]
+
+
+def _resort(g: fx.Graph) -> None:
+    """Order the nodes so that each comes after its inputs, keeping the order they had where
+    it already does (the slots read before the stacked update was formed)."""
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    done, order = set(), []
+
+    def visit(n):
+        stack = [(n, False)]
+        while stack:
+            x, expanded = stack.pop()
+            if x in done:
+                continue
+            if expanded:
+                done.add(x)
+                order.append(x)
+                continue
+            stack.append((x, True))
+            for a in sorted(x.all_input_nodes, key=pos.get, reverse=True):
+                if a not in done:
+                    stack.append((a, False))
+    for n in list(g.nodes):
+        visit(n)
+    out = next(n for n in g.nodes if n.op == "output")
+    for n in order:
+        if n.op not in ("placeholder", "output"):
+            out.prepend(n)
+
+
+def _stacked_init(gm, lp: Loop, inits: list, sshape, dt):
+    """The stacked state's initial value: None (zeros) when every part starts at zero."""
+    if all(x is None or (isinstance(x, (int, float)) and x == 0) for x in inits):
+        return None
+    if any(not isinstance(x, fx.Node) and x is not None and x != 0 for x in inits):
+        raise Decline("coupled states starting at a non-zero constant")
+    ref = next(x for x in inits if isinstance(x, fx.Node))
+    mode = _fake_mode(gm.graph)
+    g = gm.graph
+    parts = []
+    with g.inserting_before(lp.anchor):
+        for x in inits:
+            if not isinstance(x, fx.Node):
+                x = g.call_function(torch.zeros_like, (ref,))
+                with (mode if mode is not None else nullcontext()):
+                    x.meta["example_value"] = torch.zeros_like(ref.meta["example_value"])
+                lp.made.append(x)
+            parts.append(x)
+        st = g.call_function(torch.stack, (parts, -1))
+        with (mode if mode is not None else nullcontext()):
+            st.meta["example_value"] = torch.stack([p.meta["example_value"] for p in parts], -1)
+    lp.made.append(st)
+    return st
 
 
 def _topo(k: int, deps: dict, names: list) -> list:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import as_tuple, reference, rel_err, ssmc_run
+from ssmc.runtime.op import lookup
 
 
 def rwkv_wkv(k, v, w, u):
@@ -82,22 +83,37 @@ def test_split_values_and_gradients(name):
         assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}"
 
 
-def test_split_pieces_on_the_triton_interpreter(monkeypatch, tmp_path):
+@pytest.mark.parametrize("name", ["cascade", "rotation_pair"])
+def test_split_and_stacked_states_on_the_triton_interpreter(name, monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
-    ins = _inputs("cascade", seed=3)
-    out, rep = ssmc_run(cascade, ins, target="triton")
-    assert [r.target for r in rep.regions] == ["triton", "triton"], str(rep)
-    for o, r in zip(as_tuple(out), reference(cascade, ins)):
+    fn, ins, n = (cascade, _inputs("cascade", seed=3), 2) if name == "cascade" else \
+        (rotation_pair, _coupled_inputs(name, seed=3), 1)
+    out, rep = ssmc_run(fn, ins, target="triton")
+    assert [r.target for r in rep.regions] == ["triton"] * n, str(rep)
+    for r in rep.regions:                      # the generated kernel ran, not a fallback
+        entry = lookup(r.key)
+        assert entry.failure is None and getattr(entry.kernel, "fallback", None) is None, entry.failure
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
         assert rel_err(o, r) < 1e-5
 
 
-def _coupled(x, a):
+def _coupled_nonlinear(x, a):
     p = torch.zeros_like(x[:, 0])
     q = torch.zeros_like(x[:, 0])
     ys = []
     for t in range(x.shape[1]):
-        p, q = a * p - 0.5 * q + x[:, t], a * q + 0.5 * p      # a rotation: p and q read each other
+        p, q = a * p - 0.5 * q * p + x[:, t], a * q + 0.5 * p      # p and q read each other, q * p
+        ys.append(p)
+    return torch.stack(ys, 1)
+
+
+def _coupled_shapes(x, a):
+    p = torch.zeros_like(x[:, 0])
+    q = torch.zeros_like(x[:, 0, :1])
+    ys = []
+    for t in range(x.shape[1]):
+        p, q = a * p - q + x[:, t], 0.5 * q + p.sum(-1, keepdim=True)
         ys.append(p)
     return torch.stack(ys, 1)
 
@@ -114,7 +130,8 @@ def _one_nonlinear(x, a):
 
 
 @pytest.mark.parametrize("fn, why", [
-    (_coupled, "update each other"),
+    (_coupled_nonlinear, "is not linear in the states"),
+    (_coupled_shapes, "differ in shape"),
     (_one_nonlinear, "another state of loop0, was declined"),
 ])
 def test_unsplittable_loops_run_as_written(fn, why):
@@ -129,3 +146,69 @@ def test_split_states_can_be_disabled():
     ins = _inputs("cascade", seed=4)
     out, rep = ssmc_run(cascade, ins, disable_passes=["split_states"])
     assert not rep.regions and any("carries 2 values" in w for _, w in rep.fallbacks), str(rep)
+
+
+def rotation_pair(x, a, b):
+    """A rotation-scale written as two real states that read each other."""
+    p = torch.zeros_like(x[:, 0])
+    q = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        p, q = a * p - b * q + x[:, t], b * p + a * q
+        ys.append(p + 0.5 * q)
+    return torch.stack(ys, 1), q
+
+
+def oscillator(x, w, g):
+    """A damped oscillator (semi-implicit Euler), damping read from the input at each step."""
+    pos = torch.zeros_like(x[:, 0])
+    vel = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        vel = (1 - g[:, t]) * vel - w * pos + x[:, t]
+        pos = pos + 0.1 * vel
+        ys.append(pos)
+    return torch.stack(ys, 1)
+
+
+def pair_and_energy(x, a, b):
+    """A coupled pair, and an accumulator of a nonlinear function of it (a third state)."""
+    p = torch.zeros_like(x[:, 0])
+    q = torch.zeros_like(x[:, 0])
+    s = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        p, q = a * p - b * q + x[:, t], b * p + a * q
+        s = 0.9 * s + p * p + q * q
+        ys.append(s / (1 + q.abs()))
+    return torch.stack(ys, 1)
+
+
+def _coupled_inputs(name, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 7, 3, generator=g)
+    if name == "oscillator":
+        return (x, torch.rand(3, generator=g), 0.2 * torch.rand(2, 7, 3, generator=g))
+    return (x, 0.8 * torch.rand(3, generator=g), 0.3 * torch.randn(3, generator=g))
+
+
+COUPLED = {"rotation_pair": (rotation_pair, 1), "oscillator": (oscillator, 1), "pair_and_energy": (pair_and_energy, 2)}
+
+
+@pytest.mark.parametrize("name", sorted(COUPLED))
+def test_coupled_states_stacked(name):
+    """States that read each other become one state with a 2x2 transition per element."""
+    fn, n_regions = COUPLED[name]
+    ins = _coupled_inputs(name, seed=len(name))
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == n_regions and not rep.fallbacks, str(rep)
+    assert rep.regions[0].strategy == "block_sparse" and "update each other: stacked" in " ".join(rep.regions[0].notes)
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o, r) < 1e-5, str(rep)
+    xs = [x.clone().requires_grad_() for x in ins]
+    out = as_tuple(ssmc_run(fn, xs)[0])
+    x64 = [x.double().requires_grad_() for x in ins]
+    got = torch.autograd.grad(sum(o.sum() for o in out), xs)
+    want = torch.autograd.grad(sum(o.sum() for o in as_tuple(fn(*x64))), x64)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}"
