@@ -99,10 +99,6 @@ def split(gm: fx.GraphModule, lp: Loop):
             S[n] = frozenset([carries.index(n)]) if n in carries else frozenset()
         elif n.op != "output":
             S[n] = frozenset().union(*(S[a] for a in n.all_input_nodes))
-    for i, o in enumerate(outs):
-        if i not in S[o]:
-            raise Decline(f"the carried value {names[i]} does not depend on its previous value "
-                          "(a value passed from one step to the next, not a state)")
     deps = {i: S[outs[i]] - {i} for i in range(k)}
     coupled = _coupled(k, deps)
     if coupled:                               # one group at a time: the carries renumber
@@ -114,6 +110,10 @@ def split(gm: fx.GraphModule, lp: Loop):
             return [lp], {}, {lp.name: why}
         loops, made_by, text = split(gm, lp)
         return loops, made_by, {k: f"{why}; {v}" for k, v in text.items()}
+    for i, o in enumerate(outs):
+        if i not in S[o]:
+            raise Decline(f"the carried value {names[i]} does not depend on its previous value "
+                          "(a value passed from one step to the next, not a state)")
     order = _topo(k, deps, names)
     pos = {c: p for p, c in enumerate(order)}
     results = lp.result_values()

@@ -184,15 +184,31 @@ def pair_and_energy(x, a, b):
     return torch.stack(ys, 1)
 
 
+def second_order(x, a1, a2):
+    """h_t = a1_t h_(t-1) + a2 h_(t-2) + x_t, the value two steps back carried as its own state."""
+    h = torch.zeros_like(x[:, 0])
+    hp = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        new = a1[:, t] * h + a2 * hp + x[:, t]
+        hp = h.clone()
+        h = new
+        ys.append(h)
+    return torch.stack(ys, 1), hp
+
+
 def _coupled_inputs(name, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 7, 3, generator=g)
     if name == "oscillator":
         return (x, torch.rand(3, generator=g), 0.2 * torch.rand(2, 7, 3, generator=g))
+    if name == "second_order":
+        return (x, 0.5 * torch.rand(2, 7, 3, generator=g), 0.3 * torch.randn(3, generator=g))
     return (x, 0.8 * torch.rand(3, generator=g), 0.3 * torch.randn(3, generator=g))
 
 
-COUPLED = {"rotation_pair": (rotation_pair, 1), "oscillator": (oscillator, 1), "pair_and_energy": (pair_and_energy, 2)}
+COUPLED = {"rotation_pair": (rotation_pair, 1), "oscillator": (oscillator, 1), "pair_and_energy": (pair_and_energy, 2),
+           "second_order": (second_order, 1)}
 
 
 @pytest.mark.parametrize("name", sorted(COUPLED))
