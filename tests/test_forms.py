@@ -304,3 +304,17 @@ def test_in_place_updates_that_must_stay():
     assert rel_err(out, into_input(x, a, h_eager)) < 1e-6 and rel_err(h_ssmc, h_eager) < 1e-6
     out, _ = ssmc_run(with_view, (x, a))
     assert rel_err(out, with_view(x, a)) < 1e-6
+
+
+def test_reverse_loop_with_output_before_update():
+    """Both rewrites at once: reversed indices, and the output read before the update."""
+    def fn(x, A, B, C):
+        h = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
+        ys = [None] * x.shape[1]
+        for t in reversed(range(x.shape[1])):
+            ys[t] = (h * C[:, t, None]).sum(-1)
+            h = torch.exp(A) * h + B[:, t, None] * x[:, t, :, None]
+        return torch.stack(ys, 1), h
+    g = torch.Generator().manual_seed(8)
+    check(fn, (torch.randn(2, 7, 3, generator=g), -torch.rand(3, 4, generator=g),
+               torch.randn(2, 7, 4, generator=g), torch.randn(2, 7, 4, generator=g)))

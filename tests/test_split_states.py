@@ -228,3 +228,20 @@ def test_coupled_states_stacked(name):
     want = torch.autograd.grad(sum(o.sum() for o in as_tuple(fn(*x64))), x64)
     for i, (a, b) in enumerate(zip(got, want)):
         assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}"
+
+
+def test_reverse_loop_with_two_states():
+    def fn(k, v, w):
+        num = torch.zeros_like(k[:, 0])
+        den = torch.zeros_like(k[:, 0])
+        ys = []
+        for t in range(k.shape[1] - 1, -1, -1):
+            num = torch.exp(-w) * num + torch.exp(k[:, t]) * v[:, t]
+            den = torch.exp(-w) * den + torch.exp(k[:, t])
+            ys.append(num / den)
+        return torch.stack(ys[::-1], 1)
+    g = torch.Generator().manual_seed(9)
+    ins = (0.5 * torch.randn(2, 7, 3, generator=g), torch.randn(2, 7, 3, generator=g), torch.rand(3, generator=g))
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 2 and not rep.fallbacks, str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-5
