@@ -30,7 +30,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ssmc.capture import _expand_index, _fake_mode, _is_int, find_reads, functionalize_updates
+from ssmc.capture import _expand_index, _fake_mode, _is_int, _unit_slice, find_reads, functionalize_updates
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import shape, value as value_of
 
@@ -124,7 +124,9 @@ class _Segment:
         if n.op == "call_function" and n.target is operator.setitem:
             buf, idx, val = n.args
             idx = idx if isinstance(idx, tuple) else (idx,)
-            idx = tuple(("T", i - self.step * k) if _is_int(i) else _freeze(i, ref) for i in idx)
+            idx = tuple(("T", i - self.step * k) if _is_int(i) else
+                        ("TS", _unit_slice(i) - self.step * k) if _unit_slice(i) is not None else
+                        _freeze(i, ref) for i in idx)
             return ("setitem", ref(buf), idx, _freeze(val, ref))
         return (n.op, n.target, _freeze(n.args, ref), _freeze(n.kwargs, ref))
 
@@ -197,6 +199,7 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
             ctx.fallbacks.append((src.name, msg))
             log.info("ssmc: %s", msg)
         else:
+            _cat_accumulators(found)
             if seg.step < 0:
                 _run_forward(gm, found)
             loops.append(found)
@@ -223,6 +226,54 @@ def _flip(gm, src: fx.Node, dim: int) -> fx.Node:
     with (mode if mode is not None else contextlib.nullcontext()):
         f.meta["example_value"] = torch.flip(value_of(src), [dim])
     return f
+
+
+def _cat_accumulators(lp: Loop) -> None:
+    """``out = torch.cat([out, y.unsqueeze(1)], 1)`` each step: `out` is no state but the
+    steps' values collected along dim 1 after its initial value. The carry becomes a per-step
+    result with a cat sink (its initial value as the prefix), replacing the final value."""
+    g = lp.body.graph
+    for j in reversed(range(lp.n_carry)):
+        c, o = lp.carry_nodes()[j], lp.carry_outputs()[j]
+        if not (isinstance(o, fx.Node) and o.op == "call_function" and o.target is torch.cat):
+            continue
+        seq = o.args[0] if o.args else o.kwargs.get("tensors")
+        dim = o.args[1] if len(o.args) > 1 else o.kwargs.get("dim", 0)
+        if not isinstance(seq, (list, tuple)) or len(seq) != 2 or seq[0] is not c or not _is_int(dim):
+            continue
+        v = seq[1]
+        outs = lp.outputs()
+        last = [i for i, r in enumerate(lp.results) if r.kind == "last" and outs[lp.n_carry + i] is o]
+        if list(c.users) != [o] or not isinstance(v, fx.Node) or len(shape(v)) != len(shape(c)) \
+                or any(u.op != "output" for u in o.users) or len(last) != 1 or _depends_on(v, c):
+            continue
+        init = lp.carry_init[j]
+        if not isinstance(init, fx.Node):
+            continue
+        k = last[0]
+        old = lp.results[k]
+        lp.results[k] = Result("steps", "cat", dim % len(shape(c)), old.replace, prefix=[init])
+        out = next(n for n in g.nodes if n.op == "output")
+        vals = list(out.args[0])
+        vals[lp.n_carry + k] = v
+        del vals[j]
+        out.args = (tuple(vals),)
+        g.erase_node(o)
+        g.erase_node(c)
+        del lp.carry_init[j]
+    lp.body.recompile()
+
+
+def _depends_on(v: fx.Node, c: fx.Node) -> bool:
+    seen, todo = set(), [v]
+    while todo:
+        n = todo.pop()
+        if n is c:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
 
 
 def _reads_previous_state(lp: Loop) -> bool:
@@ -456,11 +507,19 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
             if seg.inside(buf) if isinstance(buf, fx.Node) else True:
                 raise _NotALoop("writes into a tensor made inside the loop")
             full = _expand_index(idx, len(shape(buf)))
-            tpos = [i for i, x in enumerate(full or []) if _is_int(x)]
+            tpos = [i for i, x in enumerate(full or []) if _is_int(x) or _unit_slice(x) is not None]
             if not full or len(tpos) != 1 or any(not (isinstance(x, slice) and x == slice(None))
                                                    for i, x in enumerate(full) if i != tpos[0]):
-                raise _NotALoop(f"`{buf.name}[...] = ...` writes are supported as out[:, t] = y only")
-            start = full[tpos[0]] - seg.step                        # template is step 1
+                raise _NotALoop(f"`{buf.name}[...] = ...` writes are supported as out[:, t] = y "
+                                "or out[:, t:t+1] = y only")
+            at = full[tpos[0]]
+            unit = not _is_int(at)                 # out[:, t:t+1] = y: y keeps a dim of size 1 there
+            if unit:
+                v = val if isinstance(val, fx.Node) else None
+                if v is None or len(shape(v)) != len(shape(buf)) or shape(v)[tpos[0]] != 1:
+                    raise _NotALoop(f"`{buf.name}[..., t:t+1] = ...` writes a value without its size-1 time dim")
+                at = _unit_slice(at)
+            start = at - seg.step                                   # template is step 1
             if seg.step < 0:
                 start -= L - 1                  # the steps write buffer[start + L - 1 - t]
             if start < 0 or start + L > shape(buf)[tpos[0]]:
@@ -468,7 +527,15 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
             writes = [nodes[s + k * K + j] for k in range(L)]
             results.append(Result("steps", "setitem", tpos[0], writes, buffer=buf, start=start,
                                   reverse=seg.step < 0))
-            result_vals.append(fx.node.map_arg(val, body_arg))
+            rv = fx.node.map_arg(val, body_arg)
+            if unit:
+                sq = body.call_function(torch.squeeze, (rv, tpos[0]))
+                ex = rv.meta.get("example_value")
+                if ex is not None:
+                    with (_fake_mode(gm.graph) or contextlib.nullcontext()):
+                        sq.meta["example_value"] = torch.squeeze(ex, tpos[0])
+                rv = sq
+            result_vals.append(rv)
             continue
         env[n] = body.node_copy(n, body_arg)
 

@@ -318,3 +318,31 @@ def test_reverse_loop_with_output_before_update():
     g = torch.Generator().manual_seed(8)
     check(fn, (torch.randn(2, 7, 3, generator=g), -torch.rand(3, 4, generator=g),
                torch.randn(2, 7, 4, generator=g), torch.randn(2, 7, 4, generator=g)))
+
+
+def test_unit_slice_writes():
+    """``out[:, t:t+1] = y[:, None]``: a write of one step that keeps its size-1 time dim."""
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        out = torch.zeros_like(x)
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            out[:, t:t + 1] = (2 * h).unsqueeze(1)
+        return out
+    g = torch.Generator().manual_seed(10)
+    check(fn, (torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g)))
+
+
+@pytest.mark.parametrize("start", ["empty", "none"])
+def test_growing_cat(start):
+    """``out = torch.cat([out, y[:, None]], 1)`` each step: a collected output, not a state."""
+    def fn(x, a, C):
+        h = torch.zeros(x.shape[0], x.shape[2], C.shape[-1], dtype=x.dtype)
+        out = x[:, :0] if start == "empty" else None
+        for t in range(x.shape[1]):
+            h = a[:, t, :, None] * h + x[:, t, :, None]
+            y = (h * C[:, t, None]).sum(-1)
+            out = y[:, None] if out is None else torch.cat((out, y[:, None]), 1)
+        return out, h
+    g = torch.Generator().manual_seed(11)
+    check(fn, (torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g), torch.randn(2, 6, 4, generator=g)))
