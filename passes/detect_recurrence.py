@@ -101,6 +101,10 @@ def detect(loop) -> Recurrence:
     for n in dep - path - after_new:
         if n.op != "output" and n.users:
             raise Decline(f"{_describe(n)} reads the previous state outside the update h = a*h + b")
+    for v in loop.result_values():
+        if isinstance(v, fx.Node) and v in path and v is not new:
+            raise Decline(f"{_describe(v)}, a result of the step, is computed from the state before "
+                          "its update")
     for n in epilogue:
         bad = [a for a in n.all_input_nodes if a in path and a is not new]
         if bad:

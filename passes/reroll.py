@@ -96,9 +96,18 @@ class _Segment:
     """Signatures of the nodes in [s, s + L*K) for one candidate start s."""
 
     def __init__(self, nodes, pos, reads, s, K, L, step=1):
-        self.nodes, self.pos, self.reads, self.s, self.K, self.L = nodes, pos, reads, s, K, L
+        self.nodes, self.pos, self.s, self.K, self.L = nodes, pos, s, K, L
         self.step = step                   # +1: step k reads index i0 + k; -1: i0 - k (reverse)
         self.e = s + K * L
+        # families read at the same indices in every step (a[l] of an inner loop over layers,
+        # unrolled inside each step) are loop invariants here, not reads along this loop's time
+        seen: dict = defaultdict(lambda: (set(), set()))
+        for p in range(s, min(s + 2 * K, len(nodes))):
+            r = reads.get(nodes[p])
+            if r is not None:
+                seen[r[0]][(p - s) // K].add(r[1])
+        fixed = {f for f, (a, b) in seen.items() if a and a == b}
+        self.reads = {n: r for n, r in reads.items() if r[0] not in fixed} if fixed else reads
 
     def inside(self, n) -> bool:
         return self.s <= self.pos[n] < self.e
@@ -171,7 +180,7 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
         run = _longest_run(by_idx, pos)
         if run is not None:
             runs.append((*run, key))
-    loops, covered = [], []
+    loops, covered, failed = [], [], []
     for a0, K, L, step, key in sorted(runs):
         if any(lo <= a0 < hi for lo, hi in covered):
             continue
@@ -195,14 +204,17 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
                 break
         if found is None:
             src = nodes[key[0]]
-            msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
-            ctx.fallbacks.append((src.name, msg))
-            log.info("ssmc: %s", msg)
+            failed.append((a0, src.name, f"reads of {src.name} along dim {key[1]} ({L} steps) "
+                                         f"were not re-rolled: {why}"))
         else:
             _cat_accumulators(found)
             if seg.step < 0:
                 _run_forward(gm, found)
             loops.append(found)
+    for a0, name, msg in failed:       # reads inside a loop found later (an inner loop unrolled
+        if not any(lo <= a0 < hi for lo, hi in covered):      # within each step) are not news
+            ctx.fallbacks.append((name, msg))
+            log.info("ssmc: %s", msg)
     return loops
 
 

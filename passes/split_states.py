@@ -118,9 +118,13 @@ def split(gm: fx.GraphModule, lp: Loop):
     pos = {c: p for p, c in enumerate(order)}
     results = lp.result_values()
 
-    def owner(v) -> int:
+    def latest(v):
         deps = S.get(v, frozenset()) if isinstance(v, fx.Node) else frozenset()
-        return max(deps, key=pos.get) if deps else order[0]
+        return max(deps, key=pos.get) if deps else None
+
+    def owner(v) -> int:
+        o = latest(v)
+        return order[0] if o is None else o
 
     roots = {i: [outs[i]] for i in range(k)}
     own_results = {i: [] for i in range(k)}
@@ -138,12 +142,11 @@ def split(gm: fx.GraphModule, lp: Loop):
             if n in seen or not isinstance(n, fx.Node):
                 continue
             seen.add(n)
-            src = S[n]
-            if len(src) == 1 and next(iter(src)) != i:
-                (j,) = src
-                if n in carries:
-                    raise Decline(f"the step reads the state before the update of {names[j]} "
-                                  f"together with other states")
+            j = latest(n)
+            if j is not None and j != i:       # made by the piece of an earlier state
+                if _reads_old(n, carries[j], outs[j]):
+                    raise Decline(f"the step reads the state {names[j]} before its update together "
+                                  f"with other states")
                 if n not in bridges[j]:
                     bridges[j].append(n)
                 continue
@@ -176,6 +179,20 @@ def split(gm: fx.GraphModule, lp: Loop):
             parts.append(f"reads {', '.join(reads_from)} from earlier pieces")
         text[name] = "; ".join(parts)
     return loops, made_by, text
+
+
+def _reads_old(n: fx.Node, carry: fx.Node, new: fx.Node) -> bool:
+    """Whether n reads the carried value other than through its new value."""
+    seen, todo = set(), [n]
+    while todo:
+        x = todo.pop()
+        if x is carry:
+            return True
+        if x is new or x in seen:
+            continue
+        seen.add(x)
+        todo.extend(x.all_input_nodes)
+    return False
 
 
 def _coupled(k: int, deps: dict) -> list:

@@ -245,3 +245,39 @@ def test_reverse_loop_with_two_states():
     out, rep = ssmc_run(fn, ins)
     assert len(rep.regions) == 2 and not rep.fallbacks, str(rep)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-5
+
+
+def test_layers_unrolled_inside_each_step():
+    """A stack of recurrent layers written as an inner loop over layers inside the time loop:
+    a[l] is read at the same index in every step (an invariant, not a time read), each layer's
+    state is a piece, tanh between layers runs after each piece."""
+    def fn(x, a):
+        hs = [torch.zeros_like(x[:, 0]) for _ in range(3)]
+        ys = []
+        for t in range(x.shape[1]):
+            inp = x[:, t]
+            for layer in range(3):
+                hs[layer] = a[layer] * hs[layer] + inp
+                inp = torch.tanh(hs[layer])
+            ys.append(inp)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(12)
+    ins = (torch.randn(2, 6, 3, generator=g), torch.rand(3, 3, generator=g))
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 3 and not rep.fallbacks, str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-5
+
+
+def test_result_read_from_the_state_before_its_update_is_declined():
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            m = a * h
+            h = m + x[:, t]
+            ys.append(m)
+        return torch.stack(ys, 1)
+    ins = (torch.randn(2, 6, 3), torch.rand(3))
+    out, rep = ssmc_run(fn, ins)
+    assert not rep.regions and any("before its update" in w for _, w in rep.fallbacks), str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-6
