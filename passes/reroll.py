@@ -166,12 +166,12 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
     fams: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for n, rs in found.items():
         for r in rs:
-            fams[(pos[r.source], r.dim)][r.index].append(n)
+            fams[(pos[r.source], r.dim, r.width)][r.index].append(n)
     fams = {k: v for k, v in fams.items() if len(v) >= 2}
     reads: dict[fx.Node, tuple] = {}
     for n, rs in found.items():
         for r in rs:
-            key = (pos[r.source], r.dim)
+            key = (pos[r.source], r.dim, r.width)
             if key in fams:
                 reads[n] = (key, r.index, r.rest)
                 break
@@ -208,6 +208,7 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
                                          f"were not re-rolled: {why}"))
         else:
             _cat_accumulators(found)
+            _chunk_views(gm, found)
             if seg.step < 0:
                 _run_forward(gm, found)
             loops.append(found)
@@ -216,6 +217,29 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
             ctx.fallbacks.append((name, msg))
             log.info("ssmc: %s", msg)
     return loops
+
+
+def _chunk_views(gm, lp: Loop) -> None:
+    """A loop over chunks (reads ``x[:, t*w:(t+1)*w]``) reads step t of the source viewed as
+    (..., chunks, w, ...) along its time dim: an outer node made here (`Loop.made`)."""
+    views: dict = {}
+    for k, r in enumerate(lp.reads):
+        if r.width == 1:
+            continue
+        key = (r.source, r.dim, r.width)
+        if key not in views:
+            n = shape(r.source)[r.dim] // r.width
+            with gm.graph.inserting_after(r.source):
+                cut = gm.graph.call_function(torch.narrow, (r.source, r.dim, 0, n * r.width))
+            with gm.graph.inserting_after(cut):
+                view = gm.graph.call_function(torch.unflatten, (cut, r.dim, (n, r.width)))
+            mode = _fake_mode(gm.graph)
+            with (mode if mode is not None else contextlib.nullcontext()):
+                cut.meta["example_value"] = torch.narrow(value_of(r.source), r.dim, 0, n * r.width)
+                view.meta["example_value"] = torch.unflatten(cut.meta["example_value"], r.dim, (n, r.width))
+            views[key] = view
+            lp.made.extend([cut, view])
+        lp.reads[k] = Read(views[key], r.dim, r.start)
 
 
 def _run_forward(gm, lp: Loop) -> None:
@@ -352,7 +376,7 @@ def _recompute_delays(lp: Loop) -> None:
                 r = reads[p]
                 env[p] = g.placeholder(f"read_{len(lp.reads)}")
                 env[p].meta.update(p.meta)
-                lp.reads.append(Read(r.source, r.dim, r.start - 1))
+                lp.reads.append(Read(r.source, r.dim, r.start - 1, r.width))
         first = next(n for n in g.nodes if n.op != "placeholder")
         with g.inserting_before(first):
             for n in g.nodes:
@@ -460,21 +484,22 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
         else:
             fx.node.map_aggregate((n.args, n.kwargs), collect)
     def read_key(r):
-        (src_pos, dim), idx, rest = seg.reads[r]
-        return (src_pos, dim, idx - seg.step)    # index at step 0 (the template is step 1)
+        (src_pos, dim, width), idx, rest = seg.reads[r]
+        return (src_pos, dim, idx - seg.step, width)    # index at step 0 (the template is step 1)
 
     for r in outer_reads:
         key = read_key(r)
         if key not in read_keys:
             read_keys[key] = r
-            reads.append(Read(nodes[key[0]], key[1], key[2]))
+            reads.append(Read(nodes[key[0]], key[1], key[2], key[3]))
     read_ph = {}
     mode = _fake_mode(gm.graph)
     for i, (key, r) in enumerate(read_keys.items()):
         ph = read_ph[key] = body.placeholder(f"read_{i}")
         src = value_of(nodes[key[0]])
         with (mode if mode is not None else contextlib.nullcontext()):
-            ph.meta["example_value"] = torch.select(src, key[1], 0)
+            ph.meta["example_value"] = torch.select(src, key[1], 0) if key[3] == 1 else \
+                torch.narrow(src, key[1], 0, key[3])
     for i, inv in enumerate(invariants):
         inv_ph[inv] = body.placeholder(f"inv_{i}")
         inv_ph[inv].meta["example_value"] = inv.meta.get("example_value")

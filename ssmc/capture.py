@@ -2,7 +2,8 @@
 
 Step t is read as ``x[:, t]``, ``x[:, t, :, None]``, ``x.select(1, t)``, ``x.unbind(1)[t]``
 (what ``for x_t in x.unbind(1)`` and ``zip(...)`` trace to), ``x[:, t:t+1]``,
-``x.narrow(1, t, 1)`` or ``x.split(1, dim=1)[t]``. Each is described as a `ReadOf`: the
+``x.narrow(1, t, 1)`` or ``x.split(1, dim=1)[t]``; a loop over chunks reads
+``x[:, t*w:(t+1)*w]`` (`ReadOf.width`). Each is described as a `ReadOf`: the
 tensor, the time dim, the step index, and the index still applied to ``x.select(dim, t)``
 afterwards (``rest``: extra ``None``s, unit slices, constant indices). The graph is not
 changed, so this is one cheap pass over the nodes.
@@ -24,6 +25,7 @@ class ReadOf:
     dim: int
     index: int
     rest: tuple | None = None     # getitem index applied after select(dim, index); None: nothing
+    width: int = 1                # > 1: x[:, i*w:(i+1)*w], step i of x.unflatten(dim, (-1, w))
 
 
 def _fake_mode(graph: fx.Graph):
@@ -76,6 +78,15 @@ def _unit_slice(s) -> int | None:
     return None
 
 
+def _chunk_slice(s):
+    """(i, w) for a slice i*w : (i+1)*w with w > 1 (one chunk of a loop over chunks), or None."""
+    if isinstance(s, slice) and _is_int(s.start) and _is_int(s.stop) and s.step in (None, 1):
+        w = s.stop - s.start
+        if w > 1 and s.start >= 0 and s.start % w == 0:
+            return s.start // w, w
+    return None
+
+
 def _nd(x) -> int:
     return len(shape(x))
 
@@ -124,6 +135,11 @@ def reads_of(node: fx.Node) -> list[ReadOf]:
         if i is None:
             continue
         t = i if _is_int(i) else _unit_slice(i)
+        w = _chunk_slice(i)
+        if t is None and w is not None and shape(src)[d] >= max(2, w[0] + 1) * w[1]:   # whole chunks
+            rest = tuple(full[:k] + [slice(None)] + full[k + 1:])
+            trivial = all(isinstance(r, slice) and r == slice(None) for r in rest)
+            out.append(ReadOf(src, d, w[0], None if trivial else rest, w[1]))
         if t is not None:
             rest = full[:k] + ([None] if not _is_int(i) else []) + full[k + 1:]
             rest = tuple(rest)

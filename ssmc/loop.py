@@ -20,6 +20,8 @@ class Read:
     source: fx.Node
     dim: int
     start: int = 0
+    width: int = 1                     # reroll only: a chunk of w steps (made a plain read of a
+                                       # (chunks, w) view of the source before the loop leaves it)
 
 
 @dataclasses.dataclass

@@ -346,3 +346,26 @@ def test_growing_cat(start):
         return out, h
     g = torch.Generator().manual_seed(11)
     check(fn, (torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g), torch.randn(2, 6, 4, generator=g)))
+
+
+@pytest.mark.parametrize("L", [16, 18])
+def test_loop_over_chunks(L):
+    """Chunked linear attention written as a loop over ``x[:, i:i+C]`` (the last chunk partial
+    when C does not divide L): the chunks are the steps, read from a (chunks, C) view; the
+    output reads the state before the update."""
+    C = 4
+
+    def fn(q, k, v):
+        S = q.new_zeros(q.shape[0], q.shape[2], v.shape[-1])
+        mask = torch.ones(C, C, dtype=q.dtype).tril()
+        outs = []
+        for i in range(0, q.shape[1], C):
+            qc, kc, vc = q[:, i:i + C], k[:, i:i + C], v[:, i:i + C]
+            c = qc.shape[1]
+            attn = (qc @ kc.transpose(1, 2)) * mask[:c, :c]
+            outs.append(qc @ S + attn @ vc)
+            S = S + kc.transpose(1, 2) @ vc
+        return torch.cat(outs, 1), S
+    g = torch.Generator().manual_seed(L)
+    rep = check(fn, (torch.randn(2, L, 3, generator=g), torch.randn(2, L, 3, generator=g), torch.randn(2, L, 5, generator=g)))
+    assert "unflatten" in rep.regions[0].loop
