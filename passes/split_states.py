@@ -46,8 +46,8 @@ class Split:
 
 class SplitStates(Pass):
     """Expects: candidates with a step body. Leaves: one candidate per carried value of a loop
-    that carries several, tied by `Candidate.split`; a loop whose states update each other is
-    declined with the reason."""
+    that carries several, tied by `Candidate.split` (states that update each other stacked into
+    one first); what cannot be split or stacked is declined with the reason."""
     name = "split_states"
     after = "reroll"
 
