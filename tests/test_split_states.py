@@ -281,3 +281,19 @@ def test_result_read_from_the_state_before_its_update_is_declined():
     out, rep = ssmc_run(fn, ins)
     assert not rep.regions and any("before its update" in w for _, w in rep.fallbacks), str(rep)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["rwkv", "mlstm", "cascade", "rotation_pair", "oscillator"])
+def test_new_forms_on_the_gpu(name):
+    """Split and stacked loops on CUDA (target auto: the generated kernels), against float64
+    eager on the CPU, with fresh inputs of a moderate length."""
+    fn = {**PROGRAMS, **{k: v[0] for k, v in COUPLED.items()}}[name]
+    ins = _inputs(name, seed=7) if name in PROGRAMS else _coupled_inputs(name, seed=7)
+    if name == "rotation_pair":          # |eigenvalues| under 1 over the longer run
+        ins = (ins[0], 0.8 * ins[1], ins[2].clamp(-0.3, 0.3))
+    ins = tuple(torch.cat([x] * 40, 1) if x.dim() >= 2 and x.shape[1] in (6, 7) else x for x in ins)
+    out, rep = ssmc_run(fn, tuple(x.cuda() for x in ins))
+    assert rep.regions and not rep.fallbacks, str(rep)
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o.cpu(), r) < 1e-4, str(rep)
