@@ -3,7 +3,7 @@
 Expects a candidate with a step body (reroll). Walks from the carried state to the new state:
 every node on the way must be linear in the state (a product with a state-free factor, sums
 and differences of state terms and state-free terms, division by a state-free value,
-negation, float casts, identity views). Builds a_t (sum over paths of the products of the
+negation, float casts, identity views, ``torch.where`` on a state-free condition). Builds a_t (sum over paths of the products of the
 multipliers) and b_t (the new state with the state set to zero) as new, state-free nodes of
 the step body. Everything else is declined with the op that broke linearity: h inside a
 nonlinearity, a gate computed from h, h*h. Leaves `rec` on the candidate and a first,
@@ -160,6 +160,9 @@ class _Linear:
             return None, n
         if n in self.memo:
             return self.memo[n]
+        if (n.target is torch.zeros_like or n.target == "new_zeros" or n.target == "zero_") \
+                and shape(n) == self.sshape:
+            return None, None             # zeros made from the state (a reset): 0 * h + 0
         c = canonical(n)
         if c is None:
             raise Decline(f"the state goes through {_describe(n)}, which ssmc does not know to be linear")
@@ -317,4 +320,20 @@ class _Linear:
             a1, b1 = self.of(s)
             f = self.mul(f, c.params["value"])
             return self.plus(ax, self.scale(a1, f)), self.add(bx, self.mul(b1, f))
+        if c.op == "where":      # where(m, a1 h + b1, a2 h + b2): a padding mask, a reset
+            cond, x, y = args
+            if cond in state:
+                raise Decline(f"{_describe(n)} selects by a condition computed from the state")
+            (a1, b1), (a2, b2) = self.of(x), self.of(y)
+            if isinstance(a1, _Mat) or isinstance(a2, _Mat):
+                raise Decline(f"{_describe(n)} selects between matrix transitions")
+            return self.select(cond, a1, a2), self.select(cond, b1, b2)
         raise Decline(f"the state goes through {_describe(n)}, which is not linear")
+
+    def select(self, cond, x, y):
+        """where(cond, x, y) of two coefficients (None: zero)."""
+        if x is None and y is None:
+            return None
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x == y:
+            return x
+        return self.b.call(self.stack[-1], torch.where, (cond, 0.0 if x is None else x, 0.0 if y is None else y))

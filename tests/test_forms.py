@@ -369,3 +369,53 @@ def test_loop_over_chunks(L):
     g = torch.Generator().manual_seed(L)
     rep = check(fn, (torch.randn(2, L, 3, generator=g), torch.randn(2, L, 3, generator=g), torch.randn(2, L, 5, generator=g)))
     assert "unflatten" in rep.regions[0].loop
+
+
+def _masked(x, a, m):
+    """Padding: the state stays where the mask is off."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.where(m[:, t, None], a[:, t] * h + x[:, t], h)
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _reset(x, a, m):
+    """Document boundaries: the state restarts from zero where the mask is on."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.where(m[:, t, None], torch.zeros_like(h), h)
+        h = a[:, t] * h + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_masked, _reset])
+def test_masked_and_reset_updates(fn):
+    """torch.where on a state-free condition is linear in the state: where(m, a, 1) * h + ..."""
+    g = torch.Generator().manual_seed(13)
+    ins = (torch.randn(2, 7, 3, generator=g), torch.rand(2, 7, 3, generator=g), torch.rand(2, 7, generator=g) > 0.4)
+    check(fn, ins)
+    xs = [ins[0].clone().requires_grad_(), ins[1].clone().requires_grad_(), ins[2]]
+    out, _ = ssmc_run(fn, xs)
+    got = torch.autograd.grad(out.sum(), xs[:2])
+    x64 = [ins[0].double().requires_grad_(), ins[1].double().requires_grad_(), ins[2]]
+    want = torch.autograd.grad(fn(*x64).sum(), x64[:2])
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_where_on_the_state_is_declined():
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.where(h > 1, a * h, h) + x[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+    ins = (torch.randn(2, 6, 3), torch.rand(3))
+    out, rep = ssmc_run(fn, ins)
+    assert not rep.regions and any("condition computed from the state" in w for _, w in rep.fallbacks), str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-6
