@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ssmc.capture import _expand_index, _fake_mode, _is_int, _unit_slice, find_reads, functionalize_updates
 from ssmc.loop import Loop, Read, Result
-from ssmc.ops import shape, value as value_of
+from ssmc.ops import is_tensor, shape, value as value_of
 
 from .base import Candidate, Pass
 
@@ -533,6 +533,11 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
             return read_value(a)
         return inv_ph[a]
 
+    for n in tmpl:
+        x = _written(n)
+        if x is not None and (not n.users or any(pos[u] > pos[n] for u in x.users if u is not n)):
+            raise _NotALoop(f"`{n.target if isinstance(n.target, str) else n.target.__name__}` "
+                            f"(node {n.name}) updates {x.name} in place where later code reads it")
     results: list[Result] = []
     result_vals: list[fx.Node] = []
     for j, n in enumerate(tmpl):
@@ -610,6 +615,20 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
         b = binding[j]
         inits.append(nodes[b[1]] if isinstance(b, tuple) and b and b[0] == "I" else b)
     return Loop("", gm_body, L, inits, reads, invariants, results, erase, anchor=nodes[seg.s])
+
+
+def _written(n: fx.Node):
+    """The tensor node `n` writes in place, besides ``out[:, t] = y`` sinks: a method ending in
+    an underscore, an augmented assignment (``h += x``), an ``out=`` argument; or None."""
+    if n.op == "call_method" and isinstance(n.target, str) and n.target.endswith("_") \
+            and not n.target.startswith("_") and n.args and isinstance(n.args[0], fx.Node):
+        return n.args[0]
+    if n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator" \
+            and n.target.__name__.startswith("i") and n.target.__name__ not in ("is_", "is_not", "index", "inv", "invert") \
+            and n.args and isinstance(n.args[0], fx.Node) and is_tensor(value_of(n.args[0])):
+        return n.args[0]
+    out = n.kwargs.get("out") if n.op == "call_function" else None
+    return out if isinstance(out, fx.Node) else None
 
 
 def _stack_sink(u: fx.Node, seg: _Segment):

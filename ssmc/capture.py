@@ -161,7 +161,8 @@ def find_reads(graph: fx.Graph) -> dict[fx.Node, list[ReadOf]]:
 
 # -- in-place state updates ------------------------------------------------------------------------
 
-_INPLACE = {"add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_", "lerp_", "copy_"}
+_INPLACE = {"add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_", "lerp_", "copy_", "exp_", "neg_",
+            "tanh_", "sigmoid_", "relu_", "clamp_", "abs_", "sqrt_", "pow_", "log_", "sin_", "cos_"}
 _FRESH = {"zeros", "zeros_like", "empty", "empty_like", "ones", "ones_like", "full", "full_like",
           "new_zeros", "new_empty", "new_ones", "new_full", "clone"}
 
@@ -170,11 +171,29 @@ def _name(n: fx.Node) -> str:
     return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
 
 
+_AUGMENTED = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+              operator.itruediv: operator.truediv}
+
+
 def _inplace_self(n: fx.Node):
-    """The tensor `n` updates in place (``h.mul_(a)``, ``h.add_(b)``, ``h.copy_(v)``), or None."""
-    if n.op == "call_method" and n.target in _INPLACE and n.args and isinstance(n.args[0], fx.Node):
+    """The tensor `n` updates in place (``h.mul_(a)``, ``h.add_(b)``, ``h.copy_(v)``,
+    ``h += x``), or None."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    if n.op == "call_method" and n.target in _INPLACE:
+        return n.args[0]
+    if n.op == "call_function" and n.target in _AUGMENTED and is_tensor(value(n.args[0])):
         return n.args[0]
     return None
+
+
+def _fresh(r: fx.Node) -> bool:
+    """Whether `r` is memory of its own: an allocation, or the result of an op that always
+    makes a new tensor (not a view, not an op that may return its input, not an input)."""
+    if r.op not in ("call_function", "call_method"):
+        return False
+    name = _name(r)
+    return name in _FRESH or not (_maybe_view(r) or name in _MAY_ALIAS or r.target in _AUGMENTED)
 
 
 def functionalize_updates(gm: fx.GraphModule) -> int:
@@ -197,7 +216,7 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
         members.setdefault(r, []).append(n)
     ok = set()
     for r, ms in members.items():
-        if r.op not in ("call_function", "call_method") or _name(r) not in _FRESH:
+        if not _fresh(r):
             continue
         rv = value(r)
         if not is_tensor(rv):
@@ -206,6 +225,9 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
         for a in [r, *ms]:
             for u in a.users:
                 if root.get(u) is r and u.args[0] is a:
+                    continue
+                if u.target is operator.setitem or _name(u) in _WRITES or "out" in u.kwargs:
+                    safe = False          # written by an op this rewrite does not follow
                     continue
                 if u.op == "output" or _name(u) in ("sum", "mean", "einsum", "matmul", "bmm", "stack", "cat") \
                         or (u.op in ("call_function", "call_method") and not _maybe_view(u)):
@@ -237,6 +259,9 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
         if r in ok:
             if n.target == "copy_":
                 current[r] = n.args[1]
+            elif n.target in _AUGMENTED:
+                n.target = _AUGMENTED[n.target]
+                current[r] = n
             else:
                 n.target = n.target[:-1]
                 current[r] = n
@@ -248,6 +273,9 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
     return count
 
 
+_WRITES = {"ifloordiv", "ipow", "imod", "iand", "ior", "ixor", "ilshift", "irshift", "imatmul"}
+_MAY_ALIAS = {"broadcast_to", "atleast_1d", "atleast_2d", "atleast_3d", "cpu", "cuda", "type", "alias",
+              "data", "requires_grad_", "set_"}
 _VIEWS = {"getitem", "select", "narrow", "view", "view_as", "reshape", "reshape_as", "expand",
           "expand_as", "transpose", "t", "permute", "squeeze", "unsqueeze", "flatten", "unflatten",
           "unbind", "split", "chunk", "diagonal", "as_strided", "movedim", "swapaxes", "contiguous",

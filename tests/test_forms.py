@@ -279,6 +279,49 @@ def test_in_place_state_updates():
     assert any("in-place update" in line for line in rep.graphs[0].log), rep.graphs[0].log
 
 
+@pytest.mark.parametrize("form", ["mul_then_iadd", "iadd_of_a_product", "exp_of_a_clone"])
+def test_in_place_forms(form):
+    """Mixed in-place spellings: each update's effect is followed (a discarded ``h.mul_(a)``
+    result used to be dropped silently), or the loop runs as written."""
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            if form == "mul_then_iadd":
+                h.mul_(a)
+                h += x[:, t]
+                ys.append(h * 1)
+            elif form == "iadd_of_a_product":
+                h = h * a
+                h += x[:, t]
+                ys.append(h)
+            else:
+                h = a * h + x[:, t]
+                g = h.clone()
+                g.exp_()
+                ys.append(g + h)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(14)
+    check(fn, (torch.randn(2, 6, 3, generator=g), torch.rand(3, generator=g)))
+
+
+def test_in_place_write_that_is_not_followed_declines():
+    """A partial write of the state (``h[:, 0] = 0``) is not rewritten; the loop runs as written
+    and equals eager."""
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h.mul_(a).add_(x[:, t])
+            h[:, 0] = 0.0
+            ys.append(h * 1)
+        return torch.stack(ys, 1)
+    ins = (torch.randn(2, 6, 3), torch.rand(3))
+    out, rep = ssmc_run(fn, ins)
+    assert not rep.regions and rep.fallbacks, str(rep)
+    assert rel_err(out, fn(*ins)) < 1e-6
+
+
 def test_in_place_updates_that_must_stay():
     """A state passed in is updated in place as written (the caller sees it); a state with a
     view taken of it is left alone; results equal eager."""
