@@ -346,12 +346,28 @@ def elementwise_closure(nodes) -> set:
     return seen
 
 
+_RANDOM = {"rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
+           "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
+           "native_dropout", "multinomial", "normal", "poisson", "rrelu", "uniform_", "normal_",
+           "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_"}
+
+
+def is_random(n: fx.Node) -> bool:
+    """Whether the op draws random numbers (each step draws its own)."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return n.op in ("call_function", "call_method") and name in _RANDOM
+
+
 def _time_dependent(loop) -> set:
     """Body nodes whose value changes from step to step (depend on a read or the carry)."""
     dep = set(loop.read_nodes()) | set(loop.carry_nodes())
     for n in loop.body.graph.nodes:
         if n.op in ("call_function", "call_method") and any(a in dep for a in n.all_input_nodes):
             dep.add(n)
+        elif is_random(n):
+            raise AssembleError(f"`{n.target if isinstance(n.target, str) else n.target.__name__}` "
+                                f"(node {n.name}) draws random numbers from no per-step input; "
+                                "computed once for all steps, they would repeat")
     return dep
 
 

@@ -50,7 +50,8 @@ class _Vmapped:
     def __call__(self, *args):
         if all(d is None for d in self.in_dims):
             return self.fn(*args)
-        return torch.func.vmap(self.fn, in_dims=self.in_dims, out_dims=0)(*args)
+        # random ops (dropout on a step's input) draw anew for every step, as the loop did
+        return torch.func.vmap(self.fn, in_dims=self.in_dims, out_dims=0, randomness="different")(*args)
 
 
 class Lowering:

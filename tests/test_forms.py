@@ -462,3 +462,33 @@ def test_where_on_the_state_is_declined():
     out, rep = ssmc_run(fn, ins)
     assert not rep.regions and any("condition computed from the state" in w for _, w in rep.fallbacks), str(rep)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-6
+
+
+def test_random_ops_in_the_step():
+    """Dropout on a step's input draws a new mask every step (vmap with different randomness);
+    a draw that depends on no per-step input is declined rather than repeated."""
+    def drop(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = a * h + torch.nn.functional.dropout(x[:, t], 0.5, training=True)
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+    def pure_noise(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = a * h + x[:, t] + torch.randn(x.shape[0], x.shape[2])
+            ys.append(h)
+        return torch.stack(ys, 1)
+    torch.manual_seed(15)
+    out, rep = ssmc_run(drop, (torch.ones(4, 50, 64), torch.zeros(64)))      # a = 0: y_t = dropout(1)
+    assert len(rep.regions) == 1, str(rep)
+    assert set(out.unique().tolist()) <= {0.0, 2.0}
+    assert 0.4 < (out == 0).float().mean().item() < 0.6                      # 12800 draws
+    assert 0.3 < (out[:, 1:] != out[:, :-1]).float().mean().item() < 0.7     # a new mask each step
+    ins = (torch.randn(2, 6, 3), torch.rand(3))
+    out, rep = ssmc_run(pure_noise, ins)
+    assert not rep.regions and any("draws random numbers" in w for _, w in rep.fallbacks), str(rep)
+    assert out.shape == (2, 6, 3)
