@@ -204,8 +204,11 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
                 break
         if found is None:
             src = nodes[key[0]]
-            failed.append((a0, src.name, f"reads of {src.name} along dim {key[1]} ({L} steps) "
-                                         f"were not re-rolled: {why}"))
+            msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
+            if key[2] == 1:
+                failed.append((a0, src.name, msg))
+            else:        # equal slices (q, k, v cut from one tensor) are often no loop at all
+                log.debug("ssmc: slices of width %d: %s", key[2], msg)
         else:
             _cat_accumulators(found)
             _chunk_views(gm, found)

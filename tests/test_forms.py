@@ -492,3 +492,16 @@ def test_random_ops_in_the_step():
     out, rep = ssmc_run(pure_noise, ins)
     assert not rep.regions and any("draws random numbers" in w for _, w in rep.fallbacks), str(rep)
     assert out.shape == (2, 6, 3)
+
+
+def test_equal_slices_that_are_no_loop_stay_quiet():
+    """q, k, v cut from one tensor by equal slices look like chunk reads; with no loop behind
+    them nothing is reported and the graph runs as written."""
+    def fn(x, W):
+        qkv = x @ W
+        q, k, v = qkv[..., 0:4], qkv[..., 4:8], qkv[..., 8:12]
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+    ins = (torch.randn(2, 5, 8), torch.randn(8, 12))
+    out, rep = ssmc_run(fn, ins)
+    assert not rep.regions and not rep.fallbacks, str(rep)
+    assert rel_err(out, fn(*ins)) < 1e-6
