@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ssmc.ir import Load, Op, OutputSpec, Reduce, Region, walk
-from ssmc.ops import UNBACKED, shape
+from ssmc.ops import UNBACKED, reaches, shape
 
 from .base import Pass
 
@@ -153,20 +153,6 @@ def scatter_kind(results) -> str:
     return ""
 
 
-def _ancestors(roots, stop: set) -> bool:
-    """True when some node in `stop` is an ancestor of `roots`."""
-    seen, stack = set(), [r for r in roots if isinstance(r, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        if n in stop:
-            return True
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
-
-
 def _outer_inputs(cand) -> list:
     lp = cand.loop
     roots = [r.source for r in lp.reads] + [i for i in lp.invariants if isinstance(i, fx.Node)]
@@ -215,7 +201,7 @@ class MoeGrouping(Pass):
             outs = set()
             for c in cands:
                 outs.update(c.loop.erase)
-            if any(_ancestors(_outer_inputs(c), outs - set(c.loop.erase)) for c in cands):
+            if any(reaches(list(_outer_inputs(c)), outs - set(c.loop.erase)) for c in cands):
                 for c in cands:
                     c.notes.append("moe_grouping declined: an expert reads another expert's result")
                 continue

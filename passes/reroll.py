@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ssmc.capture import _expand_index, _fake_mode, _is_int, _unit_slice, find_reads, functionalize_updates
 from ssmc.loop import Loop, Read, Result
-from ssmc.ops import is_tensor, shape, value as value_of
+from ssmc.ops import is_tensor, reaches, shape, value as value_of
 
 from .base import Candidate, Pass
 
@@ -284,7 +284,7 @@ def _cat_accumulators(lp: Loop) -> None:
         outs = lp.outputs()
         last = [i for i, r in enumerate(lp.results) if r.kind == "last" and outs[lp.n_carry + i] is o]
         if list(c.users) != [o] or not isinstance(v, fx.Node) or len(shape(v)) != len(shape(c)) \
-                or any(u.op != "output" for u in o.users) or len(last) != 1 or _depends_on(v, c):
+                or any(u.op != "output" for u in o.users) or len(last) != 1 or reaches(v, {c}):
             continue
         init = lp.carry_init[j]
         if not isinstance(init, fx.Node):
@@ -301,18 +301,6 @@ def _cat_accumulators(lp: Loop) -> None:
         g.erase_node(c)
         del lp.carry_init[j]
     lp.body.recompile()
-
-
-def _depends_on(v: fx.Node, c: fx.Node) -> bool:
-    seen, todo = set(), [v]
-    while todo:
-        n = todo.pop()
-        if n is c:
-            return True
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return False
 
 
 def _reads_previous_state(lp: Loop) -> bool:

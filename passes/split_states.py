@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from ssmc.capture import _fake_mode
 from ssmc.loop import Loop, Read, Result
-from ssmc.ops import dtype, shape
+from ssmc.ops import dtype, reaches, shape
 
 from .base import Candidate, Decline, Pass
 
@@ -183,16 +183,7 @@ def split(gm: fx.GraphModule, lp: Loop):
 
 def _reads_old(n: fx.Node, carry: fx.Node, new: fx.Node) -> bool:
     """Whether n reads the carried value other than through its new value."""
-    seen, todo = set(), [n]
-    while todo:
-        x = todo.pop()
-        if x is carry:
-            return True
-        if x is new or x in seen:
-            continue
-        seen.add(x)
-        todo.extend(x.all_input_nodes)
-    return False
+    return n is not new and reaches(n, {carry}, through_not={new})
 
 
 def _coupled(k: int, deps: dict) -> list:
@@ -241,17 +232,7 @@ def stack_states(gm: fx.GraphModule, lp: Loop, group: list) -> None:
     out_node = next(n for n in body.nodes if n.op == "output")
     dev = cs[0].meta["example_value"].device
 
-    def depends(v, on) -> bool:
-        seen, todo = set(), [v]
-        while todo:
-            n = todo.pop()
-            if not isinstance(n, fx.Node) or n in seen:
-                continue
-            if n in on:
-                return True
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-        return False
+    depends = reaches
 
     def path_from(c, v):
         dep = {c}

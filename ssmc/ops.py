@@ -88,6 +88,23 @@ def value(node: Any):
     return node
 
 
+def reaches(roots, targets, through_not=()) -> bool:
+    """Whether a node of `targets` is among `roots` or their inputs, transitively; the walk does
+    not go on past nodes in `through_not`."""
+    seen, todo = set(), [r for r in (roots if isinstance(roots, (list, tuple)) else [roots])
+                         if isinstance(r, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        if n in targets:
+            return True
+        seen.add(n)
+        if n not in through_not:
+            todo.extend(n.all_input_nodes)
+    return False
+
+
 def shape(node: Any) -> tuple:
     """The node's shape; a data-dependent size (an unbacked symbol, e.g. the row count of
     ``x[nonzero(mask)]`` under ``capture_dynamic_output_shape_ops``) reads as a stand-in
