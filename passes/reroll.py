@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ssmc.capture import _expand_index, _fake_mode, _is_int, _unit_slice, find_reads, functionalize_updates
 from ssmc.loop import Loop, Read, Result
-from ssmc.ops import is_tensor, reaches, shape, value as value_of
+from ssmc.ops import is_tensor, mutated, reaches, shape, value as value_of
 
 from .base import Candidate, Pass
 
@@ -611,9 +611,8 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
 def _written(n: fx.Node):
     """The tensor node `n` writes in place, besides ``out[:, t] = y`` sinks: a method ending in
     an underscore, an augmented assignment (``h += x``), an ``out=`` argument; or None."""
-    if n.op == "call_method" and isinstance(n.target, str) and n.target.endswith("_") \
-            and not n.target.startswith("_") and n.args and isinstance(n.args[0], fx.Node):
-        return n.args[0]
+    if n.target is not operator.setitem and mutated(n) is not None:
+        return mutated(n)
     if n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator" \
             and n.target.__name__.startswith("i") and n.target.__name__ not in ("is_", "is_not", "index", "inv", "invert") \
             and n.args and isinstance(n.args[0], fx.Node) and is_tensor(value_of(n.args[0])):

@@ -12,7 +12,7 @@ detect_recurrence proves and block_sparse runs like any non-diagonal transition.
 Two accumulators updated side by side (RWKV's numerator and denominator), an mLSTM's matrix
 memory and its normaliser, a cascade (h2 = a * h2 + h1): each state's update may read its own
 previous value and the new values of states earlier in that order, never each other in a
-cycle (other than the stacked groups above). What a step computes from
+cycle (those are the stacked groups above). What a step computes from
 several states (``num / den``) goes to the last loop among the states it reads; the values it
 takes from earlier loops (``num + e^k v``, computed from one state only) are stacked outputs
 of those loops, read by the later loop step by step like any input. Each loop is then proved,
@@ -41,7 +41,7 @@ class Split:
     name: str
     members: list                        # Candidates, earlier states first
     erase: list                          # the outer nodes of the loop (erased once, at the end)
-    bridges: dict                        # stand-in outer node -> the piece whose output it is
+    bridges: set                         # stand-in outer nodes later pieces read (earlier pieces' outputs)
 
 
 class SplitStates(Pass):
@@ -74,7 +74,6 @@ class SplitStates(Pass):
                 member = Candidate(loop=lp, split=group)
                 member.notes.append(f"split from {group.name} (it carries {len(loops)} states): {text[lp.name]}")
                 group.members.append(member)
-            group.bridges = {d: group.members[i] for d, i in bridges.items()}
             out.extend(group.members)
             changed = True
         ctx.candidates[:] = out
@@ -82,7 +81,7 @@ class SplitStates(Pass):
 
 
 def split(gm: fx.GraphModule, lp: Loop):
-    """(loops, {stand-in node: index of the loop that makes it}, {loop name: note})."""
+    """(loops, the stand-in nodes later loops read, {loop name: note})."""
     if lp.complex_results:
         raise Decline("a loop carrying several complex states is not split")
     body = lp.body.graph
@@ -107,14 +106,14 @@ def split(gm: fx.GraphModule, lp: Loop):
         why = (f"the states {' and '.join(names[i] for i in g)} update each other: stacked into one "
                f"state with a last axis of {len(g)} ({len(g)}x{len(g)} transition blocks)")
         if lp.n_carry == 1:
-            return [lp], {}, {lp.name: why}
-        loops, made_by, text = split(gm, lp)
-        return loops, made_by, {k: f"{why}; {v}" for k, v in text.items()}
+            return [lp], set(), {lp.name: why}
+        loops, stand_ins, text = split(gm, lp)
+        return loops, stand_ins, {k: f"{why}; {v}" for k, v in text.items()}
     for i, o in enumerate(outs):
         if i not in S[o]:
             raise Decline(f"the carried value {names[i]} does not depend on its previous value "
                           "(a value passed from one step to the next, not a state)")
-    order = _topo(k, deps, names)
+    order = _topo(k, deps)
     pos = {c: p for p, c in enumerate(order)}
     results = lp.result_values()
 
@@ -164,13 +163,10 @@ def split(gm: fx.GraphModule, lp: Loop):
                 with (mode if mode is not None else nullcontext()):
                     d.meta["example_value"] = torch.empty(size, dtype=dtype(b), device=ex.device)
                 stand_in[b] = d
-    loops, made_by, text = [], {}, {}
+    loops, text = [], {}
     for i in order:
         name = f"{lp.name}.{i}"
-        sub = _piece(gm, lp, i, needed[i], own_results[i], bridges[i], stand_in, name, length)
-        for b in bridges[i]:
-            made_by[stand_in[b]] = len(loops)
-        loops.append(sub)
+        loops.append(_piece(gm, lp, i, needed[i], own_results[i], bridges[i], stand_in, name))
         reads_from = sorted({str(b) for b in needed[i] if b in stand_in and b not in bridges[i]})
         parts = [f"state {names[i]}"]
         if bridges[i]:
@@ -178,7 +174,7 @@ def split(gm: fx.GraphModule, lp: Loop):
         if reads_from:
             parts.append(f"reads {', '.join(reads_from)} from earlier pieces")
         text[name] = "; ".join(parts)
-    return loops, made_by, text
+    return loops, set(stand_in.values()), text
 
 
 def _reads_old(n: fx.Node, carry: fx.Node, new: fx.Node) -> bool:
@@ -362,30 +358,23 @@ def _stacked_init(gm, lp: Loop, inits: list, sshape, dt):
     return st
 
 
-def _topo(k: int, deps: dict, names: list) -> list:
-    order, done, visiting = [], set(), []
+def _topo(k: int, deps: dict) -> list:
+    """States in an order where each comes after the states it reads (no cycles: coupled groups
+    are stacked before this runs)."""
+    order, done = [], set()
 
     def visit(i):
-        if i in done:
-            return
-        if i in visiting:
-            cyc = visiting[visiting.index(i):]
-            raise Decline(f"the carried values {' and '.join(names[c] for c in cyc)} update each "
-                          "other (a coupled system of states); ssmc splits states whose updates "
-                          "read each other one way only")
-        visiting.append(i)
-        for j in sorted(deps[i]):
-            visit(j)
-        visiting.pop()
-        done.add(i)
-        order.append(i)
+        if i not in done:
+            done.add(i)
+            for j in sorted(deps[i]):
+                visit(j)
+            order.append(i)
     for i in range(k):
         visit(i)
     return order
 
 
-def _piece(gm, lp: Loop, i: int, needed: set, own: list, bridges: list, stand_in: dict, name: str,
-           length: int) -> Loop:
+def _piece(gm, lp: Loop, i: int, needed: set, own: list, bridges: list, stand_in: dict, name: str) -> Loop:
     """The loop of state i: its update, the results it owns, the per-step values later pieces
     read (stacked outputs), and the values earlier pieces give it (reads of their outputs)."""
     old = lp.body.graph

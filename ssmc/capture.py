@@ -229,8 +229,7 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
                 if u.target is operator.setitem or _name(u) in _WRITES or "out" in u.kwargs:
                     safe = False          # written by an op this rewrite does not follow
                     continue
-                if u.op == "output" or _name(u) in ("sum", "mean", "einsum", "matmul", "bmm", "stack", "cat") \
-                        or (u.op in ("call_function", "call_method") and not _maybe_view(u)):
+                if u.op == "output" or (u.op in ("call_function", "call_method") and not _maybe_view(u)):
                     continue
                 safe = False
         for m in ms:

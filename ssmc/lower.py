@@ -10,7 +10,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .ops import shape, value
+from .ops import mutated, shape, value
 
 _ALLOC = {torch.empty, torch.zeros, torch.empty_like, torch.zeros_like, torch.ones, torch.full,
           "new_empty", "new_zeros", "new_full", "new_ones"}
@@ -214,7 +214,7 @@ def finish_lowering(gm: fx.GraphModule, erase: list) -> None:
 
 
 def _impure(n: fx.Node) -> bool:
-    return n.is_impure() or _mutated(n) is not None
+    return n.is_impure() or mutated(n) is not None
 
 
 def _is_alloc(n: fx.Node) -> bool:
@@ -231,17 +231,6 @@ def _after(u: fx.Node, ref: fx.Node) -> bool:
 
 
 # -- grouped regions ---------------------------------------------------------------------------------
-
-def _mutated(n: fx.Node):
-    """The tensor an in-place node writes (``out[idx] = y``, ``out.index_copy_(...)``), or None."""
-    if n.op == "call_function" and n.target is operator.setitem:
-        return n.args[0]
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-    if n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_") \
-            and n.args and isinstance(n.args[0], fx.Node):
-        return n.args[0]
-    return None
-
 
 def lower_group(gm: fx.GraphModule, calls: list, key: str, n_out: int) -> None:
     """Replace the region calls of one group's members by one ``torch.ops.ssmc.grouped`` call
@@ -270,10 +259,10 @@ def lower_group(gm: fx.GraphModule, calls: list, key: str, n_out: int) -> None:
             if n.target is not operator.getitem or n.args[0] not in calls:
                 moved.append(n)
     staying = [n for n in window if n not in dep]
-    written = {_mutated(n) for n in moved} - {None}
+    written = {mutated(n) for n in moved} - {None}
     read_later = {a for n in moved for a in n.all_input_nodes}
     for n in staying:
-        if written & (set(n.all_input_nodes) | {n}) or (_mutated(n) is not None and _mutated(n) in read_later):
+        if written & (set(n.all_input_nodes) | {n}) or (mutated(n) is not None and mutated(n) in read_later):
             raise ValueError(f"{n.name} reads or writes a tensor an expert's scatter writes")
     flat = [x for c in calls for x in c.args[1]]
     with g.inserting_after(last):

@@ -88,6 +88,17 @@ def value(node: Any):
     return node
 
 
+def mutated(n: fx.Node):
+    """The tensor an in-place node writes (``out[idx] = y``, ``out.index_copy_(...)``), or None."""
+    if n.op == "call_function" and n.target is operator.setitem:
+        return n.args[0]
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_") \
+            and n.args and isinstance(n.args[0], fx.Node):
+        return n.args[0]
+    return None
+
+
 def reaches(roots, targets, through_not=()) -> bool:
     """Whether a node of `targets` is among `roots` or their inputs, transitively; the walk does
     not go on past nodes in `through_not`."""
