@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$LOG"
 STEPS=${SSMC_GPU_STEPS:-tests,region,moe,bsp}
 if [[ $STEPS == *tests* ]]; then      # one file at a time: a fault in one cannot hide the others' results
   for f in ${SSMC_TEST_FILES:-tests/test_ssd.py tests/test_streams.py tests/test_triton_bwd.py tests/test_moe.py \
-           tests/test_block_sparse.py tests/test_cuda_codegen.py tests/test_robustness.py}; do
+           tests/test_block_sparse.py tests/test_cuda_codegen.py tests/test_robustness.py tests/test_split_states.py}; do
     echo "== $f" >> "$LOG"
     timeout ${SSMC_TEST_TIMEOUT:-120} python -m pytest -m gpu -q -p no:cacheprovider -rf "$f" 2>&1 | tail -15 >> "$LOG"
   done

@@ -201,3 +201,33 @@ def test_scan_that_fails_falls_back_with_the_reason(monkeypatch):
     assert set(scans.declined) == {f"{r.name}_final", f"{r.name}_states", f"{r.name}_adjoint"}
     note = scans.note("CUDA")
     assert f"{r.name}_adjoint (compile: RuntimeError: no kernel for {r.name}_adjoint)" in note
+
+
+@pytest.mark.parametrize("shapes, keep", [
+    ([(5, 3, 6, 1), (1, 1, 6, 6), (5, 3, 1, 6), ()], (5, 3, 1, 1)),   # lam_i W_ij h_j: ds
+    ([(5, 3, 4, 1), (5, 3, 4, 6)], (5, 3, 1, 6)),                      # sum_d dy h: dC
+    ([(5, 3, 4, 6), (5, 3, 1, 6)], (5, 3, 4, 1)),                      # sum_n lam B: dx
+    ([(5, 3, 4, 6), (5, 3, 4, 6)], (1, 1, 4, 6)),                      # equal shapes, summed over time and batch
+    ([(5, 1, 4, 6), (1, 3, 1, 6), (5, 3, 4, 1)], (1, 1, 1, 1)),        # a dim only some vary along
+])
+def test_contract_against_the_product_summed(shapes, keep, monkeypatch):
+    """`reference.contract` equals the full product summed in float64, and where the last two
+    factors vary along the same dims it multiplies and sums (an einsum there is a batched dot
+    product: one cuBLAS launch per 65535 dots)."""
+    from ssmc.targets import reference as R
+    g = torch.Generator().manual_seed(3)
+    vals = [torch.randn(*s, generator=g) if s else torch.tensor(0.7) for s in shapes]
+    vals = [v.reshape(v.shape if v.dim() else (1, 1, 1, 1)) for v in vals]
+    want = vals[0].double()
+    for v in vals[1:]:
+        want = want * v.double()
+    want = want.sum(dim=[d for d in range(4) if keep[d] == 1], keepdim=True)
+    big = max(v.numel() for v in vals)
+    seen = []
+    real = torch.einsum
+    monkeypatch.setattr(torch, "einsum", lambda eq, *ops: seen.append([o.numel() for o in ops]) or real(eq, *ops))
+    got = R.contract(vals, keep)
+    assert got.shape == want.shape
+    assert rel_err(got, want) < 1e-6
+    # a batched dot product needs two of the largest factors in one einsum
+    assert all(sizes.count(big) < 2 for sizes in seen), seen
