@@ -30,7 +30,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ssmc.capture import _expand_index, _fake_mode, _is_int, _unit_slice, find_reads, functionalize_updates
+from ssmc.capture import _Builder, _expand_index, _fake_mode, _is_int, _unit_slice, find_reads, functionalize_updates
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import is_tensor, mutated, reaches, shape, value as value_of
 
@@ -144,17 +144,51 @@ class _Segment:
         return [self.sig(p) for p in range(b, b + self.K)]
 
 
-def _unify(first, later, binding) -> bool:
-    """Iteration 0 against iteration 1: equal, except that where iteration 1 reads a carried
-    value, iteration 0 reads the initial value (an outer node or a constant)."""
-    if isinstance(later, tuple) and len(later) == 2 and later[0] == "C":
-        if isinstance(first, tuple) and first and first[0] in ("L", "C", "F", "R", "read"):
+def _unify(first, later, binding, k: int, tmpl: list, step: int) -> bool:
+    """Step k (before the template step `tmpl`) against the template: equal, except where the
+    template reads a value computed m steps back (("C", j): one, ("F", m, j): m) that step k reads
+    from before the loop (k < m): there it reads the initial value of slot j at time k - m, the
+    same one wherever it is read (``binding[(j, k - m)]``): an outer node, a constant, or, where
+    slot j is itself a read (``x[:, t]`` passed to the next step), that read at time k - m made
+    before the loop (a loop cut after its first step: ("read", family, index, None))."""
+    m = _distance(later)
+    if m is not None:
+        if k - m >= 0:
+            return first == later
+        j = later[-1]
+        slot = tmpl[j]
+        if isinstance(first, tuple) and first and first[0] == "R" and slot[0] == "read" \
+                and first[1:] == (slot[1], slot[2] - step * m, slot[3]) and slot[3] is None:
+            first = ("read", slot[1], slot[2] + step * (k - m), None)      # index at step 0
+        elif isinstance(first, tuple) and first and first[0] in ("L", "C", "F", "R", "read"):
             return False
-        prev = binding.setdefault(later[1], first)
+        prev = binding.setdefault((j, k - m), first)
         return prev == first
     if isinstance(later, tuple) and isinstance(first, tuple):
-        return len(later) == len(first) and all(_unify(f, l, binding) for f, l in zip(first, later))
+        return len(later) == len(first) and all(_unify(f, l, binding, k, tmpl, step) for f, l in zip(first, later))
     return first == later and type(first) is type(later)
+
+
+def _distance(sig) -> int | None:
+    """m for a reference to the value of slot j computed m steps back: ("C", j) or ("F", m, j)."""
+    if isinstance(sig, tuple) and sig and sig[0] == "C" and len(sig) == 2 and _is_int(sig[1]):
+        return 1
+    if isinstance(sig, tuple) and sig and sig[0] == "F" and len(sig) == 3 and _is_int(sig[1]) and _is_int(sig[2]):
+        return sig[1]
+    return None
+
+
+def _depth(sigs) -> int:
+    """The most steps back any of `sigs` reads a value (1 when none does)."""
+    m = _distance(sigs)
+    if m is not None:
+        return m
+    if isinstance(sigs, (tuple, list)):
+        return max((_depth(x) for x in sigs), default=1)
+    return 1
+
+
+MAX_DEPTH = 4      # a step may read values computed up to this many steps back (h, h_prev = ..., h)
 
 
 # -- finding unrolled loops -----------------------------------------------------------------
@@ -197,6 +231,7 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
                 why = str(e)
                 continue
             if found is not None:
+                _shift_passed_values(gm, found)
                 covered.append((seg.s, seg.e))
                 if _reads_previous_state(found):
                     found, seg = _rotated(gm, seg, found)
@@ -206,7 +241,7 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
             src = nodes[key[0]]
             msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
             if key[2] == 1:
-                failed.append((a0, src.name, msg))
+                failed.append((a0, src.name, msg, [n for ns in fams[key].values() for n in ns]))
             else:        # equal slices (q, k, v cut from one tensor) are often no loop at all
                 log.debug("ssmc: slices of width %d: %s", key[2], msg)
         else:
@@ -215,8 +250,10 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
             if seg.step < 0:
                 _run_forward(gm, found)
             loops.append(found)
-    for a0, name, msg in failed:       # reads inside a loop found later (an inner loop unrolled
-        if not any(lo <= a0 < hi for lo, hi in covered):      # within each step) are not news
+    taken = {n for lp in loops for n in lp.erase}
+    for a0, name, msg, members in failed:   # reads inside a loop found later (an inner loop
+        # unrolled within each step), or taken into one, are not news
+        if not any(lo <= a0 < hi for lo, hi in covered) and not any(n in taken for n in members):
             ctx.fallbacks.append((name, msg))
             log.info("ssmc: %s", msg)
     return loops
@@ -330,14 +367,26 @@ def _rotated(gm, seg: _Segment, found: Loop):
             lp = _try_segment(gm, rot)
         except _NotALoop:
             continue
-        if lp is not None:
-            _recompute_delays(lp)
-        if lp is not None and not _reads_previous_state(lp) and lp.n_carry <= found.n_carry:
+        if lp is None:
+            continue
+        _recompute_delays(lp)
+        _shift_passed_values(gm, lp)
+        if not _reads_previous_state(lp) and lp.n_carry <= found.n_carry:
             log.info("ssmc: the step's outputs read the state before its update; the loop is cut "
                      "one step later (%d steps, the first step's outputs and the last update peeled)",
                      rot.L)
+            _erase_made(gm, found)
             return lp, rot
+        _erase_made(gm, lp)
     return found, seg
+
+
+def _erase_made(gm, lp: Loop) -> None:
+    """Erase the outer nodes made for a loop that is not kept."""
+    for n in reversed(lp.made):
+        if not n.users:
+            gm.graph.erase_node(n)
+    lp.made.clear()
 
 
 def _recompute_delays(lp: Loop) -> None:
@@ -379,8 +428,88 @@ def _recompute_delays(lp: Loop) -> None:
         del vals[j]
         out.args = (tuple(vals),)
         g.erase_node(carries[j])
+        init = lp.carry_init.pop(j)
+        if isinstance(init, fx.Node) and init in lp.made and not init.users:
+            init.graph.erase_node(init)
+            lp.made.remove(init)
+        g.eliminate_dead_code()
+    lp.body.recompile()
+
+
+def _shift_passed_values(gm, lp: Loop) -> None:
+    """Carried values that are no state, computed from the step's reads alone and used by the
+    next step (``xp = x[:, t]``: RWKV's token shift, a filter's previous input), become reads: a
+    step computes the value the previous step passed from its reads one step back (a copy of
+    each read's source with its first step repeated in front), and takes the initial value at
+    step 0 (``torch.where`` on a first-step flag read per step). Left carried where a read is a
+    chunk of several steps."""
+    g = lp.body.graph
+    L = lp.length
+    if not isinstance(L, int) or L < 2:
+        return
+    outer = _Builder(gm.graph, _fake_mode(gm.graph))
+    inner = _Builder(g, _fake_mode(g) or _fake_mode(gm.graph))
+    for j in reversed(range(lp.n_carry)):
+        carries, outs = lp.carry_nodes(), lp.carry_outputs()
+        o = outs[j]
+        if not isinstance(o, fx.Node) or o in carries:
+            continue
+        anc, todo = set(), [o]
+        while todo:
+            n = todo.pop()
+            if n not in anc:
+                anc.add(n)
+                todo.extend(n.all_input_nodes)
+        reads = dict(zip(lp.read_nodes(), lp.reads))
+        used = [p for p in lp.read_nodes() if p in anc]
+        if any(c in anc for c in carries) or any(reads[p].width != 1 for p in used):
+            continue
+        anchor = lp.anchor
+        env = {p: p for p in lp.invariant_nodes()}
+        new_reads = []
+        for p in used:
+            r = reads[p]
+            head = outer.call(anchor, torch.narrow, (r.source, r.dim, r.start, 1))
+            rest = outer.call(anchor, torch.narrow, (r.source, r.dim, r.start, L - 1))
+            cat = outer.call(anchor, torch.cat, ([head, rest], r.dim))
+            new_reads.append((p, Read(cat, r.dim, 0, 1)))
+            lp.made.extend([head, rest, cat])
+        dev = value_of(used[0]).device if used else value_of(o).device
+        ar = outer.call(anchor, torch.arange, (L,), {"device": dev})
+        first = Read(outer.call(anchor, operator.eq, (ar, 0)), 0, 0, 1)
+        lp.made.extend([ar, first.source])
+        init = lp.carry_init[j]
+        invs = lp.invariant_nodes()
+        with g.inserting_before(invs[0] if invs else next(n for n in g.nodes if n.op != "placeholder")):
+            for p, r in new_reads + [(None, first)]:
+                ph = g.placeholder(f"read_{len(lp.reads)}")
+                with (_fake_mode(gm.graph) or contextlib.nullcontext()):
+                    ph.meta["example_value"] = torch.select(value_of(r.source), r.dim, 0)
+                lp.reads.append(r)
+                env[p] = ph
+        flag = env.pop(None)
+        if isinstance(init, fx.Node):
+            with g.inserting_after([n for n in g.nodes if n.op == "placeholder"][-1]):
+                init_ph = g.placeholder(f"inv_{len(lp.invariants)}")
+            init_ph.meta["example_value"] = value_of(init)
+            lp.invariants.append(init)
+            init = init_ph
+        first_real = next(n for n in g.nodes if n.op != "placeholder")
+        with g.inserting_before(first_real):
+            for n in list(g.nodes):
+                if n in anc and n.op != "placeholder":
+                    env[n] = g.node_copy(n, lambda a: env[a])
+        sel = inner.call(first_real, torch.where, (flag, 0.0 if init is None else init, env[o]))
+        carries[j].replace_all_uses_with(sel)
+        out = next(n for n in g.nodes if n.op == "output")
+        vals = list(out.args[0])
+        del vals[j]
+        out.args = (tuple(vals),)
+        g.erase_node(carries[j])
         del lp.carry_init[j]
         g.eliminate_dead_code()
+        log.info("ssmc: a value passed from one step to the next (no state) is computed from the "
+                 "reads one step back")
     lp.body.recompile()
 
 
@@ -418,40 +547,43 @@ class _NotALoop(Exception):
 
 
 def _try_segment(gm, seg: _Segment) -> Loop | None:
-    L, K = seg.L, seg.K
-    it0, it1 = seg.iteration(0), seg.iteration(1)
-    binding: dict[int, object] = {}
-    if not all(_unify(a, b, binding) for a, b in zip(it0, it1)):
-        return None
+    """The loop of segment `seg`, or None where its steps do not line up from this start. The
+    template is step D, where D is the most steps back a step reads a value (1 for a first-order
+    recurrence; 2 for ``h, hp = a*h + b*hp + x, h``): the steps before it read initial values
+    where it reads earlier steps' values."""
+    L = seg.L
     last = seg.iteration(L - 1)
-    if last != it1:
+    D = _depth(last)
+    if D > MAX_DEPTH:
+        raise _NotALoop(f"a step reads a value from {D} steps back (at most {MAX_DEPTH})")
+    if L < D + 1:
         return None
-    for k in range(2, L - 1):
-        if seg.iteration(k) != it1:
-            raise _NotALoop(f"step {k} differs from step 1")
-    for sig in it1:
-        if "F" in _tags(sig):
-            raise _NotALoop("a step reads a value from two or more steps back")
-    return _build(gm, seg, it1, binding)
+    tmpl = seg.iteration(D)
+    if last != tmpl:
+        return None
+    binding: dict[tuple, object] = {}
+    for k in range(D):
+        if not all(_unify(a, b, binding, k, tmpl, seg.step) for a, b in zip(seg.iteration(k), tmpl)):
+            return None
+    for k in range(D + 1, L - 1):
+        if seg.iteration(k) != tmpl:
+            raise _NotALoop(f"step {k} differs from step {D}")
+    return _build(gm, seg, D, binding)
 
 
-def _tags(sig):
-    out = set()
-    if isinstance(sig, tuple):
-        if len(sig) >= 2 and isinstance(sig[0], str) and sig[0] in ("L", "C", "F", "R", "I", "T"):
-            out.add(sig[0])
-        for x in sig:
-            out |= _tags(x)
-    return out
-
-
-def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
+def _build(gm, seg: _Segment, T: int, binding) -> Loop:
+    """The loop with step T as its body (`_try_segment`). Slot j's values m steps back (m up to
+    the most its reads go back) are carried: (j, 1) is the new value of j, (j, m) the carried
+    (j, m - 1), from the initial values ``binding[(j, -m)]``."""
     nodes, pos, K, L, s = seg.nodes, seg.pos, seg.K, seg.L, seg.s
-    tmpl = [nodes[s + K + j] for j in range(K)]          # iteration 1 is the template
-    carry_slots = sorted(binding)
+    tmpl = [nodes[s + T * K + j] for j in range(K)]
+    depth: dict[int, int] = {}
+    for j, t in binding:
+        depth[j] = max(depth.get(j, 0), -t)
+    carry_slots = [(j, m) for j in sorted(depth) for m in range(1, depth[j] + 1)]
     body = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    carry_ph = {j: body.placeholder(f"carry_{i}") for i, j in enumerate(carry_slots)}
+    carry_ph = {jm: body.placeholder(f"carry_{i}") for i, jm in enumerate(carry_slots)}
     read_keys: dict[tuple, fx.Node] = {}
     reads: list[Read] = []
     invariants: list[fx.Node] = []
@@ -476,7 +608,7 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
             fx.node.map_aggregate((n.args, n.kwargs), collect)
     def read_key(r):
         (src_pos, dim, width), idx, rest = seg.reads[r]
-        return (src_pos, dim, idx - seg.step, width)    # index at step 0 (the template is step 1)
+        return (src_pos, dim, idx - T * seg.step, width)    # index at step 0 (the template is step T)
 
     for r in outer_reads:
         key = read_key(r)
@@ -494,7 +626,7 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
     for i, inv in enumerate(invariants):
         inv_ph[inv] = body.placeholder(f"inv_{i}")
         inv_ph[inv].meta["example_value"] = inv.meta.get("example_value")
-    for j, ph in carry_ph.items():
+    for (j, _), ph in carry_ph.items():
         ph.meta["example_value"] = tmpl[j].meta.get("example_value")
     rest_nodes: dict = {}
 
@@ -515,10 +647,10 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
         pa = pos[a]
         if seg.s <= pa < seg.e:
             ka, j = seg.it(pa), (pa - s) % K
-            if ka == 1:
+            if ka == T:
                 return env[a]
-            if ka == 0:
-                return carry_ph[j]
+            if (j, T - ka) in carry_ph:
+                return carry_ph[(j, T - ka)]
             raise _NotALoop("a step reads a later step")
         if a in seg.reads:
             return read_value(a)
@@ -552,7 +684,7 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
                 if v is None or len(shape(v)) != len(shape(buf)) or shape(v)[tpos[0]] != 1:
                     raise _NotALoop(f"`{buf.name}[..., t:t+1] = ...` writes a value without its size-1 time dim")
                 at = _unit_slice(at)
-            start = at - seg.step                                   # template is step 1
+            start = at - T * seg.step                               # template is step T
             if seg.step < 0:
                 start -= L - 1                  # the steps write buffer[start + L - 1 - t]
             if start < 0 or start + L > shape(buf)[tpos[0]]:
@@ -574,7 +706,7 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
 
     # values leaving the loop: stacked sinks, last-step values, nothing else
     sinks: dict[fx.Node, tuple] = {}
-    last_uses: dict[int, list] = defaultdict(list)
+    last_uses: dict[tuple, list] = defaultdict(list)
     for p in range(seg.s, seg.e):
         n = nodes[p]
         for u in n.users:
@@ -587,25 +719,36 @@ def _build(gm, seg: _Segment, template_sigs, binding) -> Loop:
             if sink is not None:
                 sinks[u] = sink
             elif k == L - 1:
-                last_uses[j].append(n)
+                last_uses[(j, 0)].append(n)
+            elif (j, L - 1 - k) in carry_ph:   # an earlier step's value, still carried at the end
+                last_uses[(j, L - 1 - k)].append(n)
             else:
                 raise _NotALoop(f"{u.name} uses {n.name}, a value of step {k}, after the loop")
     for u, (j, kind, dim, pre, post, rev) in sinks.items():
         results.append(Result("steps", kind, dim, [u], prefix=pre, suffix=post, reverse=rev))
         result_vals.append(env[tmpl[j]])
-    for j, outer in last_uses.items():
+    for (j, m), outer in last_uses.items():
         results.append(Result("last", replace=list(dict.fromkeys(outer))))
-        result_vals.append(env[tmpl[j]])
-    carry_out = [env[tmpl[j]] for j in carry_slots]
+        result_vals.append(env[tmpl[j]] if m == 0 else carry_ph[(j, m)])
+    carry_out = [env[tmpl[j]] if m == 1 else carry_ph[(j, m - 1)] for j, m in carry_slots]
     body.output((*carry_out, *result_vals))
     body.eliminate_dead_code()
     gm_body = fx.GraphModule(gm, body)
     erase = [nodes[p] for p in range(seg.s, seg.e)] + list(sinks)
     inits = []
-    for j in carry_slots:
-        b = binding[j]
-        inits.append(nodes[b[1]] if isinstance(b, tuple) and b and b[0] == "I" else b)
-    return Loop("", gm_body, L, inits, reads, invariants, results, erase, anchor=nodes[seg.s])
+    outer = _Builder(gm.graph, mode)
+    made = []
+    for j, m in carry_slots:
+        b = binding[(j, -m)]
+        if isinstance(b, tuple) and b and b[0] == "read":     # slot j's read, made before the loop
+            (src_pos, dim, width), idx = b[1], b[2]
+            src = nodes[src_pos]
+            made.append(outer.call(nodes[s], torch.select, (src, dim, idx)) if width == 1 else
+                        outer.call(nodes[s], torch.narrow, (src, dim, idx, width)))
+            inits.append(made[-1])
+        else:
+            inits.append(nodes[b[1]] if isinstance(b, tuple) and b and b[0] == "I" else b)
+    return Loop("", gm_body, L, inits, reads, invariants, results, erase, anchor=nodes[seg.s], made=made)
 
 
 def _written(n: fx.Node):

@@ -505,3 +505,90 @@ def test_equal_slices_that_are_no_loop_stay_quiet():
     out, rep = ssmc_run(fn, ins)
     assert not rep.regions and not rep.fallbacks, str(rep)
     assert rel_err(out, fn(*ins)) < 1e-6
+
+
+def _token_shift(x, mix, a, sx0):
+    """A value passed to the next step that is no state: the previous token (RWKV's token
+    shift), from an initial value given."""
+    h = torch.zeros_like(x[:, 0])
+    prev = sx0
+    ys = []
+    for t in range(x.shape[1]):
+        xt = x[:, t]
+        h = a * h + mix * xt + (1 - mix) * prev
+        prev = xt
+        ys.append(h)
+    return torch.stack(ys, 1), prev
+
+
+def _passed_function(x, mix, a, sx0):
+    """The passed value is computed from the step's input (starts at ones, not at sx0)."""
+    h = torch.zeros_like(x[:, 0])
+    p = torch.ones_like(h)
+    ys = []
+    for t in range(x.shape[1]):
+        h = a * h + p * x[:, t]
+        p = torch.sigmoid(mix * x[:, t])
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _shift_from_first_token(x, mix, a, sx0):
+    """The loop starts at t = 1, the first token read before it."""
+    h = torch.zeros_like(x[:, 0])
+    prev = x[:, 0]
+    ys = []
+    for t in range(1, x.shape[1]):
+        h = a * h + x[:, t] - mix * prev
+        prev = x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _rwkv6_recurrent(r, k, v, w, u, x, mix):
+    """RWKV-6's recurrent form: a matrix state read before its update, decay and key from the
+    token-shifted input."""
+    b, L, d = k.shape
+    s = k.new_zeros(b, d, d)
+    prev = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(L):
+        xx = x[:, t] + mix * (prev - x[:, t])
+        prev = x[:, t]
+        kt = k[:, t] * torch.sigmoid(xx)
+        kv = kt[:, :, None] * v[:, t, None, :]
+        ys.append(torch.einsum("bi,bij->bj", r[:, t], u[:, None] * kv + s))
+        s = kv + torch.exp(-torch.exp(w[:, t]))[:, :, None] * s
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_token_shift, _passed_function, _shift_from_first_token])
+def test_values_passed_to_the_next_step(fn):
+    """A value a step passes to the next one without being a state becomes a read of the
+    previous step's inputs (its initial value at the first step): one region, values and
+    gradients equal to float64 eager."""
+    g = torch.Generator().manual_seed(21)
+    ins = (torch.randn(2, 7, 3, generator=g), torch.rand(3, generator=g), torch.rand(3, generator=g),
+           torch.randn(2, 3, generator=g))
+    check(fn, ins)
+    xs = [x.clone().requires_grad_() for x in ins]
+    out = as_tuple(ssmc_run(fn, xs)[0])
+    x64 = [x.double().requires_grad_() for x in ins]
+    ref = as_tuple(fn(*x64))
+    used = [i for i in range(4) if fn is _token_shift or i != 3]
+    got = torch.autograd.grad(sum(o.sum() for o in out), [xs[i] for i in used])
+    want = torch.autograd.grad(sum(o.sum() for o in ref), [x64[i] for i in used])
+    for i, a, b in zip(used, got, want):
+        assert rel_err(a, b) < 1e-5, f"input {i}"
+
+
+def test_token_shift_with_output_before_the_update():
+    """Both at once (RWKV-6): the loop is cut one step later and the previous token is read
+    one step back."""
+    g = torch.Generator().manual_seed(22)
+    b, L, d = 2, 7, 3
+    ins = (torch.randn(b, L, d, generator=g), 0.5 * torch.randn(b, L, d, generator=g), torch.randn(b, L, d, generator=g),
+           torch.randn(b, L, d, generator=g), torch.randn(d, generator=g), torch.randn(b, L, d, generator=g),
+           torch.rand(d, generator=g))
+    rep = check(_rwkv6_recurrent, ins)
+    assert not rep.fallbacks, str(rep)

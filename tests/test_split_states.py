@@ -83,12 +83,12 @@ def test_split_values_and_gradients(name):
         assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}"
 
 
-@pytest.mark.parametrize("name", ["cascade", "rotation_pair"])
+@pytest.mark.parametrize("name", ["cascade", "rotation_pair", "second_order_rebound"])
 def test_split_and_stacked_states_on_the_triton_interpreter(name, monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
     fn, ins, n = (cascade, _inputs("cascade", seed=3), 2) if name == "cascade" else \
-        (rotation_pair, _coupled_inputs(name, seed=3), 1)
+        (COUPLED[name][0], _coupled_inputs(name, seed=3), 1)
     out, rep = ssmc_run(fn, ins, target="triton")
     assert [r.target for r in rep.regions] == ["triton"] * n, str(rep)
     for r in rep.regions:                      # the generated kernel ran, not a fallback
@@ -197,6 +197,30 @@ def second_order(x, a1, a2):
     return torch.stack(ys, 1), hp
 
 
+def second_order_rebound(x, a1, a2, h0, h1):
+    """The same recurrence as users write it with tuple rebinding (``h, hp = new, h``): a step
+    reads the value two steps back, which re-rolling carries as a second state; nonzero initial
+    states, and both final states returned (hp ends as step L-2's value)."""
+    h, hp = h0, h1
+    ys = []
+    for t in range(x.shape[1]):
+        h, hp = a1[:, t] * h + a2 * hp + x[:, t], h
+        ys.append(h)
+    return torch.stack(ys, 1), h, hp
+
+
+def third_order_rebound(x, a1, a2, a3):
+    """Three steps back: h, h1, h2 = new, h, h1."""
+    h = torch.zeros_like(x[:, 0])
+    h1 = torch.zeros_like(h)
+    h2 = torch.zeros_like(h)
+    ys = []
+    for t in range(x.shape[1]):
+        h, h1, h2 = a1 * h + a2 * h1 + a3 * h2 + x[:, t], h, h1
+        ys.append(h - 0.5 * h)
+    return torch.stack(ys, 1)
+
+
 def _coupled_inputs(name, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 7, 3, generator=g)
@@ -204,11 +228,17 @@ def _coupled_inputs(name, seed):
         return (x, torch.rand(3, generator=g), 0.2 * torch.rand(2, 7, 3, generator=g))
     if name == "second_order":
         return (x, 0.5 * torch.rand(2, 7, 3, generator=g), 0.3 * torch.randn(3, generator=g))
+    if name == "second_order_rebound":
+        return (x, 0.5 * torch.rand(2, 7, 3, generator=g), 0.3 * torch.randn(3, generator=g),
+                torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g))
+    if name == "third_order_rebound":
+        return (x, 0.4 * torch.rand(3, generator=g), 0.3 * torch.randn(3, generator=g), 0.2 * torch.randn(3, generator=g))
     return (x, 0.8 * torch.rand(3, generator=g), 0.3 * torch.randn(3, generator=g))
 
 
 COUPLED = {"rotation_pair": (rotation_pair, 1), "oscillator": (oscillator, 1), "pair_and_energy": (pair_and_energy, 2),
-           "second_order": (second_order, 1)}
+           "second_order": (second_order, 1), "second_order_rebound": (second_order_rebound, 1),
+           "third_order_rebound": (third_order_rebound, 1)}
 
 
 @pytest.mark.parametrize("name", sorted(COUPLED))
@@ -284,7 +314,7 @@ def test_result_read_from_the_state_before_its_update_is_declined():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["rwkv", "mlstm", "cascade", "rotation_pair", "oscillator"])
+@pytest.mark.parametrize("name", ["rwkv", "mlstm", "cascade", "rotation_pair", "oscillator", "second_order_rebound"])
 def test_new_forms_on_the_gpu(name):
     """Split and stacked loops on CUDA (target auto: the generated kernels), against float64
     eager on the CPU, with fresh inputs of a moderate length."""
