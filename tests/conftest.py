@@ -45,6 +45,19 @@ def reference(fn, inputs):
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-2}
 
 
+def declined(fn, inputs, why: str, untouched: bool = False):
+    """Compile fn with ssmc: no region, a fallback whose reason contains `why`, the outputs equal
+    to float64 eager (and with `untouched`, the graph left as Dynamo captured it: stand-ins and
+    helper nodes made for the loop erased). Returns the report."""
+    out, rep = ssmc_run(fn, inputs)
+    assert not rep.regions and any(why in w for _, w in rep.fallbacks), str(rep)
+    if untouched:
+        assert all(g.nodes_out == g.nodes_in for g in rep.graphs), str(rep)
+    for o, r in zip(as_tuple(out), reference(fn, inputs)):
+        assert rel_err(o, r) < 1e-6, str(rep)
+    return rep
+
+
 @pytest.fixture
 def run():
     return ssmc_run
