@@ -30,7 +30,8 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ssmc.capture import _Builder, _expand_index, _fake_mode, _is_int, _unit_slice, find_reads, functionalize_updates
+from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, decompose_composites, find_reads,
+                          functionalize_updates)
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import is_tensor, mutated, reaches, shape, value as value_of
 
@@ -63,6 +64,8 @@ class Reroll(Pass):
         loops += find_unrolled(ctx.gm, ctx)
         for i, lp in enumerate(sorted(loops, key=lambda lp: _order(ctx.gm, lp))):
             lp.name = f"loop{i}"
+            if decompose_composites(lp.body.graph):
+                lp.body.recompile()
             ctx.candidates.append(Candidate(loop=lp))
         return bool(loops)
 

@@ -196,6 +196,55 @@ def _fresh(r: fx.Node) -> bool:
     return name in _FRESH or not (_maybe_view(r) or name in _MAY_ALIAS or r.target in _AUGMENTED)
 
 
+_COMPOSITE = {"lerp", "addmm", "baddbmm", "addbmm", "addmv", "addr"}
+
+
+def decompose_composites(graph: fx.Graph) -> int:
+    """Composite ops of a step body written as the plain ops they are, so that the passes after
+    re-rolling see the linear ops they know: ``lerp(h, x, w)`` is ``h + w * (x - h)``;
+    ``addmm(b, h, W)`` is ``beta * b + alpha * (h @ W)``, and ``baddbmm``, ``addbmm`` (summed
+    over the batch), ``addmv`` and ``addr`` (an outer product) alike. Only the loop's own body
+    is rewritten: a loop that is then declined runs the captured graph as it was. Returns the
+    nodes rewritten."""
+    b = _Builder(graph, _fake_mode(graph))
+    count = 0
+    for n in list(graph.nodes):
+        if n.op not in ("call_function", "call_method") or _name(n) not in _COMPOSITE or "out" in n.kwargs:
+            continue
+        if n.op == "call_function" and getattr(torch, _name(n), None) is not n.target:
+            continue
+        op, args, kw = _name(n), list(n.args), dict(n.kwargs)
+        if op == "lerp":
+            if len(args) < 3 and "weight" not in kw:
+                continue
+            start, end, weight = args[0], args[1] if len(args) > 1 else kw["end"], \
+                args[2] if len(args) > 2 else kw["weight"]
+            d = b.call(n, torch.sub, (end, start))
+            r = b.call(n, torch.add, (start, b.call(n, torch.mul, (weight, d))))
+        else:
+            if len(args) < 3:
+                continue
+            x, m1, m2 = args[:3]
+            beta, alpha = kw.get("beta", 1), kw.get("alpha", 1)
+            if op == "addr":
+                u = b.call(n, torch.unsqueeze, (m1, -1))
+                prod = b.call(n, torch.mul, (u, b.call(n, torch.unsqueeze, (m2, 0))))
+            else:
+                prod = b.call(n, torch.matmul, (m1, m2))
+                if op == "addbmm":
+                    prod = b.call(n, torch.sum, (prod, 0))
+            if alpha != 1:
+                prod = b.call(n, torch.mul, (prod, alpha))
+            if beta == 0:            # torch ignores the input then (nan and inf included)
+                r = prod
+            else:
+                r = b.call(n, torch.add, (x if beta == 1 else b.call(n, torch.mul, (x, beta)), prod))
+        n.replace_all_uses_with(r)
+        graph.erase_node(n)
+        count += 1
+    return count
+
+
 def functionalize_updates(gm: fx.GraphModule) -> int:
     """Rewrite in-place updates of a tensor the graph allocates itself (``h = torch.zeros(..)``
     then ``h.mul_(dA).add_(dBx)`` each step) as new values: each update becomes its out-of-place

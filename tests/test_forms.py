@@ -581,3 +581,64 @@ def test_token_shift_with_output_before_the_update():
            torch.rand(d, generator=g))
     rep = check(_rwkv6_recurrent, ins)
     assert not rep.fallbacks, str(rep)
+
+
+def _lerp(x, z, W, v):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.lerp(h, x[:, t], z[:, t])
+        ys.append(h.lerp(x[:, t], 0.25))
+    return torch.stack(ys, 1)
+
+
+def _addmm(x, z, W, v):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.addmm(x[:, t], h, 0.3 * W, beta=0.5, alpha=2.0)
+        ys.append(torch.addmv(x[:, t, 0], h, v, alpha=0.5))         # a readout x + 0.5 h @ v
+    return torch.stack(ys, 1)
+
+
+def _baddbmm_addr(x, z, W, v):
+    """A matrix state S = g*S + k v^T written with baddbmm and the readout with addr's
+    per-row outer products."""
+    b, L, d = x.shape
+    S = x.new_zeros(b, d, d)
+    ys = []
+    for t in range(L):
+        kv = x[:, t, :, None] * z[:, t, None, :]
+        S = torch.baddbmm(kv, S, torch.diag_embed(z[:, t]), beta=1.0, alpha=0.9)
+        ys.append(torch.addr(S[0] @ W, v, x[0, t]).sum(-1))
+    return torch.stack(ys, 0)
+
+
+@pytest.mark.parametrize("fn", [_lerp, _addmm, _baddbmm_addr])
+def test_composite_ops_in_the_step(fn):
+    """lerp, addmm, addmv, baddbmm and addr in a step are written as the plain ops they are
+    (in the loop's body only): one region, values and gradients equal to float64 eager."""
+    g = torch.Generator().manual_seed(23)
+    ins = (torch.randn(2, 7, 3, generator=g), torch.rand(2, 7, 3, generator=g), torch.randn(3, 3, generator=g),
+           torch.randn(3, generator=g))
+    check(fn, ins)
+    xs = [x.clone().requires_grad_() for x in ins]
+    out = ssmc_run(fn, xs)[0]
+    x64 = [x.double().requires_grad_() for x in ins]
+    got = torch.autograd.grad(out.sum(), xs, allow_unused=True)
+    want = torch.autograd.grad(fn(*x64).sum(), x64, allow_unused=True)
+    assert sum(w is not None for w in want) >= 2
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None) and (b is None or rel_err(a, b) < 1e-5), f"input {i}"
+
+
+def test_composite_op_in_a_declined_loop_is_left_as_written():
+    def fn(x, z):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.tanh(torch.lerp(h, x[:, t], z[:, t]))
+            ys.append(h)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(24)
+    declined(fn, (torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g)), "tanh", untouched=True)
