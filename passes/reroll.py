@@ -266,20 +266,15 @@ def _chunk_views(gm, lp: Loop) -> None:
     """A loop over chunks (reads ``x[:, t*w:(t+1)*w]``) reads step t of the source viewed as
     (..., chunks, w, ...) along its time dim: an outer node made here (`Loop.made`)."""
     views: dict = {}
+    outer = _Builder(gm.graph, _fake_mode(gm.graph))
     for k, r in enumerate(lp.reads):
         if r.width == 1:
             continue
         key = (r.source, r.dim, r.width)
         if key not in views:
             n = shape(r.source)[r.dim] // r.width
-            with gm.graph.inserting_after(r.source):
-                cut = gm.graph.call_function(torch.narrow, (r.source, r.dim, 0, n * r.width))
-            with gm.graph.inserting_after(cut):
-                view = gm.graph.call_function(torch.unflatten, (cut, r.dim, (n, r.width)))
-            mode = _fake_mode(gm.graph)
-            with (mode if mode is not None else contextlib.nullcontext()):
-                cut.meta["example_value"] = torch.narrow(value_of(r.source), r.dim, 0, n * r.width)
-                view.meta["example_value"] = torch.unflatten(cut.meta["example_value"], r.dim, (n, r.width))
+            cut = outer.call(r.source.next, torch.narrow, (r.source, r.dim, 0, n * r.width))
+            view = outer.call(cut.next, torch.unflatten, (cut, r.dim, (n, r.width)))
             views[key] = view
             lp.made.extend([cut, view])
         lp.reads[k] = Read(views[key], r.dim, r.start)
@@ -290,21 +285,13 @@ def _run_forward(gm, lp: Loop) -> None:
     flipped along their time dim (outer nodes made here, before the loop; `Loop.made` lists
     them), and its per-step results are flipped back when lowered (`Result.reverse`)."""
     flips: dict = {}
+    outer = _Builder(gm.graph, _fake_mode(gm.graph))
     for k, r in enumerate(lp.reads):
         key = (r.source, r.dim)
         if key not in flips:
-            with gm.graph.inserting_after(r.source):
-                flips[key] = _flip(gm, r.source, r.dim)
+            flips[key] = outer.call(r.source.next, torch.flip, (r.source, [r.dim]))
         lp.reads[k] = Read(flips[key], r.dim, shape(r.source)[r.dim] - 1 - r.start)
     lp.made.extend(flips.values())
-
-
-def _flip(gm, src: fx.Node, dim: int) -> fx.Node:
-    f = gm.graph.call_function(torch.flip, (src, [dim]))
-    mode = _fake_mode(gm.graph)
-    with (mode if mode is not None else contextlib.nullcontext()):
-        f.meta["example_value"] = torch.flip(value_of(src), [dim])
-    return f
 
 
 def _cat_accumulators(lp: Loop) -> None:
@@ -697,12 +684,7 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
                                   reverse=seg.step < 0))
             rv = fx.node.map_arg(val, body_arg)
             if unit:
-                sq = body.call_function(torch.squeeze, (rv, tpos[0]))
-                ex = rv.meta.get("example_value")
-                if ex is not None:
-                    with (_fake_mode(gm.graph) or contextlib.nullcontext()):
-                        sq.meta["example_value"] = torch.squeeze(ex, tpos[0])
-                rv = sq
+                rv = _Builder(body, _fake_mode(gm.graph)).call(None, torch.squeeze, (rv, tpos[0]))
             result_vals.append(rv)
             continue
         env[n] = body.node_copy(n, body_arg)

@@ -28,7 +28,7 @@ from contextlib import nullcontext
 import torch
 import torch.fx as fx
 
-from ssmc.capture import _fake_mode
+from ssmc.capture import _Builder, _fake_mode
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import dtype, reaches, shape
 
@@ -151,18 +151,13 @@ def split(gm: fx.GraphModule, lp: Loop):
                 continue
             todo.extend(n.all_input_nodes)
         needed[i] = seen
-    mode = _fake_mode(gm.graph)
+    outer = _Builder(gm.graph, _fake_mode(gm.graph))
     length = lp.length or shape(lp.reads[0].source)[lp.reads[0].dim] - lp.reads[0].start
     stand_in = {}
-    with gm.graph.inserting_before(lp.anchor):
-        for i in order:
-            for b in bridges[i]:
-                ex = b.meta.get("example_value")
-                size = (length, *shape(b))
-                d = gm.graph.call_function(torch.empty, (size,), {"dtype": dtype(b), "device": ex.device})
-                with (mode if mode is not None else nullcontext()):
-                    d.meta["example_value"] = torch.empty(size, dtype=dtype(b), device=ex.device)
-                stand_in[b] = d
+    for i in order:
+        for b in bridges[i]:
+            stand_in[b] = outer.call(lp.anchor, torch.empty, ((length, *shape(b)),),
+                                     {"dtype": dtype(b), "device": b.meta["example_value"].device})
     loops, text = [], {}
     for i in order:
         name = f"{lp.name}.{i}"
@@ -211,7 +206,6 @@ def stack_states(gm: fx.GraphModule, lp: Loop, group: list) -> None:
     slot of the stacked state. Rewrites `lp` in place; Decline when the states differ in shape
     or dtype, or a coefficient depends on a state of the group."""
     from .detect_recurrence import _Linear, _Mat, _fake_mode_outer
-    from ssmc.capture import _Builder
     body = lp.body.graph
     carries, outs = lp.carry_nodes(), lp.carry_outputs()
     cs, os_ = [carries[i] for i in group], [outs[i] for i in group]
@@ -340,20 +334,14 @@ def _stacked_init(gm, lp: Loop, inits: list, sshape, dt):
     if any(not isinstance(x, fx.Node) and x is not None and x != 0 for x in inits):
         raise Decline("coupled states starting at a non-zero constant")
     ref = next(x for x in inits if isinstance(x, fx.Node))
-    mode = _fake_mode(gm.graph)
-    g = gm.graph
+    outer = _Builder(gm.graph, _fake_mode(gm.graph))
     parts = []
-    with g.inserting_before(lp.anchor):
-        for x in inits:
-            if not isinstance(x, fx.Node):
-                x = g.call_function(torch.zeros_like, (ref,))
-                with (mode if mode is not None else nullcontext()):
-                    x.meta["example_value"] = torch.zeros_like(ref.meta["example_value"])
-                lp.made.append(x)
-            parts.append(x)
-        st = g.call_function(torch.stack, (parts, -1))
-        with (mode if mode is not None else nullcontext()):
-            st.meta["example_value"] = torch.stack([p.meta["example_value"] for p in parts], -1)
+    for x in inits:
+        if not isinstance(x, fx.Node):
+            x = outer.call(lp.anchor, torch.zeros_like, (ref,))
+            lp.made.append(x)
+        parts.append(x)
+    st = outer.call(lp.anchor, torch.stack, (parts, -1))
     lp.made.append(st)
     return st
 

@@ -37,14 +37,18 @@ def _fake_mode(graph: fx.Graph):
 
 
 class _Builder:
-    """Inserts nodes before `anchor`, filling in example values with the graph's fake mode."""
+    """Inserts nodes before `anchor` (None: at the graph's insert point, its end unless moved),
+    filling in example values with the graph's fake mode."""
 
     def __init__(self, graph: fx.Graph, mode):
         self.graph, self.mode = graph, mode
 
-    def call(self, anchor: fx.Node, target, args, kwargs=None) -> fx.Node:
-        with self.graph.inserting_before(anchor):
+    def call(self, anchor: fx.Node | None, target, args, kwargs=None) -> fx.Node:
+        if anchor is None:
             n = self.graph.call_function(target, tuple(args), kwargs or {})
+        else:
+            with self.graph.inserting_before(anchor):
+                n = self.graph.call_function(target, tuple(args), kwargs or {})
         vals = fx.node.map_arg((tuple(args), kwargs or {}), lambda a: value(a))
         if self.mode is not None:
             with self.mode:
