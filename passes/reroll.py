@@ -238,6 +238,8 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
                 covered.append((seg.s, seg.e))
                 if _reads_previous_state(found):
                     found, seg = _rotated(gm, seg, found)
+                if _reads_previous_state(found):
+                    _delay_previous_states(gm, found)
                     covered.append((seg.s, seg.e))
                 break
         if found is None:
@@ -369,6 +371,45 @@ def _rotated(gm, seg: _Segment, found: Loop):
             return lp, rot
         _erase_made(gm, lp)
     return found, seg
+
+
+def _delay_previous_states(gm, lp: Loop) -> None:
+    """Where a step computes something other than the new states from a state before its
+    update (``y = h - hp`` with ``hp = h``; an output read before the update that cutting the
+    loop later did not remove), that value is carried one step as a state of its own: its new
+    value is a copy of the state made in the step, and what read the old state reads the copy.
+    split_states stacks it with the state it copies; the outputs then read new values only."""
+    g = lp.body.graph
+    b = _Builder(g, _fake_mode(g) or _fake_mode(gm.graph))
+    carries, outs = lp.carry_nodes(), lp.carry_outputs()
+    anc = set()
+    todo = [o for o in outs if isinstance(o, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in anc:
+            anc.add(n)
+            todo.extend(n.all_input_nodes)
+    first = next(n for n in g.nodes if n.op != "placeholder")
+    out = next(n for n in g.nodes if n.op == "output")
+    new_outs = []
+    for j, c in enumerate(carries):
+        late = [u for u in c.users if u not in anc]
+        if not late:
+            continue
+        copy = b.call(first, torch.clone, (c,))
+        for u in late:
+            u.replace_input_with(c, copy)
+        with g.inserting_after(lp.carry_nodes()[-1]):
+            ph = g.placeholder(f"carry_{lp.n_carry}")
+        ph.meta["example_value"] = c.meta.get("example_value")
+        lp.carry_init.append(None)            # read by nothing: the copy of step -1's state
+        new_outs.append(copy)
+    if new_outs:
+        vals = list(out.args[0])
+        out.args = (tuple(vals[:len(carries)] + new_outs + vals[len(carries):]),)
+        lp.body.recompile()
+        log.info("ssmc: %d state(s) read before the update by other work of the step carried one "
+                 "step as states of their own", len(new_outs))
 
 
 def _erase_made(gm, lp: Loop) -> None:

@@ -99,7 +99,7 @@ def split(gm: fx.GraphModule, lp: Loop):
         elif n.op != "output":
             S[n] = frozenset().union(*(S[a] for a in n.all_input_nodes))
     deps = {i: S[outs[i]] - {i} for i in range(k)}
-    coupled = _coupled(k, deps)
+    coupled = _coupled(k, deps, {i for i in range(k) if i not in S[outs[i]]})
     if coupled:                               # one group at a time: the carries renumber
         g = coupled[0]
         stack_states(gm, lp, g)
@@ -177,9 +177,15 @@ def _reads_old(n: fx.Node, carry: fx.Node, new: fx.Node) -> bool:
     return n is not new and reaches(n, {carry}, through_not={new})
 
 
-def _coupled(k: int, deps: dict) -> list:
-    """Groups of two or more states whose updates read each other (strongly connected)."""
+def _coupled(k: int, deps: dict, delays: set = frozenset()) -> list:
+    """Groups of two or more states whose updates read each other (strongly connected). A
+    `delay` (a carried value computed from other states and not from its own previous value:
+    ``hp = h`` before h's update, so that an output can read h_(t-1) and h_t) goes with the
+    states it reads: it is their value one step back, a row of their transition."""
     reach = {i: set(deps[i]) for i in range(k)}
+    for i in delays:
+        for j in deps[i]:
+            reach[j].add(i)
     changed = True
     while changed:
         changed = False

@@ -161,6 +161,8 @@ def canonical(node: fx.Node) -> Canon | None:
             return _reduce(node, "sum" if t is torch.sum else "mean")
         if t is torch.addcmul:
             return Canon("ew", "addcmul", tuple(node.args[:3]), {"value": node.kwargs.get("value", 1)})
+        if t is torch.clone:
+            return Canon("identity", "identity", (node.args[0],))
         if t in (torch.clamp, torch.clip):
             return _clamp(node)
         if t in _VIEW_FUNCS:
