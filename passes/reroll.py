@@ -234,13 +234,14 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
                 why = str(e)
                 continue
             if found is not None:
-                _shift_passed_values(gm, found)
+                if seg.step > 0:            # a reverse loop's reads run forward first (below)
+                    _shift_passed_values(gm, found)
                 covered.append((seg.s, seg.e))
                 if _reads_previous_state(found):
                     found, seg = _rotated(gm, seg, found)
+                    covered.append((seg.s, seg.e))
                 if _reads_previous_state(found):
                     _delay_previous_states(gm, found)
-                    covered.append((seg.s, seg.e))
                 break
         if found is None:
             src = nodes[key[0]]
@@ -254,6 +255,7 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
             _chunk_views(gm, found)
             if seg.step < 0:
                 _run_forward(gm, found)
+                _shift_passed_values(gm, found)
             loops.append(found)
     taken = {n for lp in loops for n in lp.erase}
     for a0, name, msg, members in failed:   # reads inside a loop found later (an inner loop
@@ -362,7 +364,8 @@ def _rotated(gm, seg: _Segment, found: Loop):
         if lp is None:
             continue
         _recompute_delays(lp)
-        _shift_passed_values(gm, lp)
+        if seg.step > 0:
+            _shift_passed_values(gm, lp)
         if not _reads_previous_state(lp) and lp.n_carry <= found.n_carry:
             log.info("ssmc: the step's outputs read the state before its update; the loop is cut "
                      "one step later (%d steps, the first step's outputs and the last update peeled)",
@@ -392,13 +395,19 @@ def _delay_previous_states(gm, lp: Loop) -> None:
     first = next(n for n in g.nodes if n.op != "placeholder")
     out = next(n for n in g.nodes if n.op == "output")
     new_outs = []
+    nc = len(carries)
     for j, c in enumerate(carries):
-        late = [u for u in c.users if u not in anc]
-        if not late:
+        late = [u for u in c.users if u not in anc and u is not out]
+        in_results = any(v is c and r.kind == "steps" for v, r in zip(out.args[0][nc:], lp.results))
+        if not late and not in_results:
             continue
         copy = b.call(first, torch.clone, (c,))
         for u in late:
             u.replace_input_with(c, copy)
+        if in_results:                # a result that is the old state itself
+            vals = list(out.args[0])
+            out.args = (tuple(vals[:nc] + [copy if v is c and r.kind == "steps" else v
+                                           for v, r in zip(vals[nc:], lp.results)]),)
         with g.inserting_after(lp.carry_nodes()[-1]):
             ph = g.placeholder(f"carry_{lp.n_carry}")
         ph.meta["example_value"] = c.meta.get("example_value")
@@ -406,7 +415,7 @@ def _delay_previous_states(gm, lp: Loop) -> None:
         new_outs.append(copy)
     if new_outs:
         vals = list(out.args[0])
-        out.args = (tuple(vals[:len(carries)] + new_outs + vals[len(carries):]),)
+        out.args = (tuple(vals[:nc] + new_outs + vals[nc:]),)
         lp.body.recompile()
         log.info("ssmc: %d state(s) read before the update by other work of the step carried one "
                  "step as states of their own", len(new_outs))
