@@ -334,15 +334,22 @@ def _cat_accumulators(lp: Loop) -> None:
     lp.body.recompile()
 
 
+def _ancestors(nodes) -> set:
+    """The nodes among `nodes` (values of a body: nodes or constants) and all they are made from."""
+    anc, todo = set(), [n for n in nodes if isinstance(n, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in anc:
+            anc.add(n)
+            todo.extend(n.all_input_nodes)
+    return anc
+
+
 def _reads_previous_state(lp: Loop) -> bool:
     """True when a step reads a carried value other than to compute the new carried values
     (``y = C @ h; h = A @ h + B @ x``: the output reads the state before the update)."""
-    carries = set(lp.carry_nodes())
-    anc = {o for o in lp.carry_outputs() if isinstance(o, fx.Node)}
-    for n in reversed(list(lp.body.graph.nodes)):
-        if n in anc:
-            anc.update(n.all_input_nodes)
-    return any(u not in anc for c in carries for u in c.users)
+    anc = _ancestors(lp.carry_outputs())
+    return any(u not in anc for c in lp.carry_nodes() for u in c.users)
 
 
 def _rotated(gm, seg: _Segment, found: Loop):
@@ -384,14 +391,8 @@ def _delay_previous_states(gm, lp: Loop) -> None:
     split_states stacks it with the state it copies; the outputs then read new values only."""
     g = lp.body.graph
     b = _Builder(g, _fake_mode(g) or _fake_mode(gm.graph))
-    carries, outs = lp.carry_nodes(), lp.carry_outputs()
-    anc = set()
-    todo = [o for o in outs if isinstance(o, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n not in anc:
-            anc.add(n)
-            todo.extend(n.all_input_nodes)
+    carries = lp.carry_nodes()
+    anc = _ancestors(lp.carry_outputs())
     first = next(n for n in g.nodes if n.op != "placeholder")
     out = next(n for n in g.nodes if n.op == "output")
     new_outs = []
@@ -440,12 +441,7 @@ def _recompute_delays(lp: Loop) -> None:
         o = outs[j]
         if not isinstance(o, fx.Node):
             continue
-        anc, todo = set(), [o]
-        while todo:
-            n = todo.pop()
-            if n not in anc:
-                anc.add(n)
-                todo.extend(n.all_input_nodes)
+        anc = _ancestors([o])
         reads = dict(zip(lp.read_nodes(), lp.reads))
         if any(c in anc for c in carries) or any(reads[p].start < 1 for p in anc if p in reads):
             continue
@@ -494,12 +490,7 @@ def _shift_passed_values(gm, lp: Loop) -> None:
         o = outs[j]
         if not isinstance(o, fx.Node) or o in carries:
             continue
-        anc, todo = set(), [o]
-        while todo:
-            n = todo.pop()
-            if n not in anc:
-                anc.add(n)
-                todo.extend(n.all_input_nodes)
+        anc = _ancestors([o])
         reads = dict(zip(lp.read_nodes(), lp.reads))
         used = [p for p in lp.read_nodes() if p in anc]
         if any(c in anc for c in carries) or any(reads[p].width != 1 for p in used):

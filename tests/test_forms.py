@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import programs as P
-from conftest import TOL, as_tuple, declined, reference, rel_err, ssmc_run
+from conftest import TOL, as_tuple, declined, grads_match, reference, rel_err, ssmc_run
 
 
 def check(fn, inputs, n_regions=1, tol=None, **options):
@@ -261,13 +261,7 @@ def test_output_reading_the_new_and_the_previous_state(fn):
     ins = (torch.randn(2, 6, 3, generator=g), torch.rand(3, generator=g), torch.randn(4, generator=g))
     rep = check(fn, ins)
     assert not rep.fallbacks and "stacked" in " ".join(rep.regions[0].notes), str(rep)
-    xs = [x.clone().requires_grad_() for x in ins]
-    out = as_tuple(ssmc_run(fn, xs)[0])
-    x64 = [x.double().requires_grad_() for x in ins]
-    got = torch.autograd.grad(sum(o.sum() for o in out), xs, allow_unused=True)
-    want = torch.autograd.grad(sum(o.sum() for o in as_tuple(fn(*x64))), x64, allow_unused=True)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None) and (b is None or rel_err(a, b) < 1e-5), f"input {i}"
+    grads_match(fn, ins)
 
 
 def test_declined_reverse_loop_leaves_the_graph_as_captured():
@@ -586,15 +580,7 @@ def test_values_passed_to_the_next_step(fn):
     ins = (torch.randn(2, 7, 3, generator=g), torch.rand(3, generator=g), torch.rand(3, generator=g),
            torch.randn(2, 3, generator=g))
     check(fn, ins)
-    xs = [x.clone().requires_grad_() for x in ins]
-    out = as_tuple(ssmc_run(fn, xs)[0])
-    x64 = [x.double().requires_grad_() for x in ins]
-    ref = as_tuple(fn(*x64))
-    used = [i for i in range(4) if fn is _token_shift or i != 3]
-    got = torch.autograd.grad(sum(o.sum() for o in out), [xs[i] for i in used])
-    want = torch.autograd.grad(sum(o.sum() for o in ref), [x64[i] for i in used])
-    for i, a, b in zip(used, got, want):
-        assert rel_err(a, b) < 1e-5, f"input {i}"
+    grads_match(fn, ins)
 
 
 def test_token_shift_with_output_before_the_update():
@@ -648,14 +634,7 @@ def test_composite_ops_in_the_step(fn):
     ins = (torch.randn(2, 7, 3, generator=g), torch.rand(2, 7, 3, generator=g), torch.randn(3, 3, generator=g),
            torch.randn(3, generator=g))
     check(fn, ins)
-    xs = [x.clone().requires_grad_() for x in ins]
-    out = ssmc_run(fn, xs)[0]
-    x64 = [x.double().requires_grad_() for x in ins]
-    got = torch.autograd.grad(out.sum(), xs, allow_unused=True)
-    want = torch.autograd.grad(fn(*x64).sum(), x64, allow_unused=True)
-    assert sum(w is not None for w in want) >= 2
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None) and (b is None or rel_err(a, b) < 1e-5), f"input {i}"
+    grads_match(fn, ins)
 
 
 def test_composite_op_in_a_declined_loop_is_left_as_written():
