@@ -92,13 +92,20 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
             out = scan(adjoint.region, adjoint.inputs(inputs, t0, t1, [gr, last]))[0].to(cdt)
             lam = _reversed_then(out[:-1], last)
             lam_next = out[-1]                      # a_t0 lam_t0 + m_t0^T lam_t0
-            H_prev = torch.cat([h0.unsqueeze(0), H[:-1]])
-            if adj.loads_decay:
-                ev.memo[GRAD_A] = lam * H_prev
-                g.put(ev, adj.loads_decay)
             ev.memo[GRAD_B] = lam
             g.put(ev, adj.loads_drive)
-            _mix_grads(r, g, t0, t1, lam, H_prev, fac, dense)
+            # what reads the state before each step, in two parts: the first step (h0) and the
+            # rest (the chunk's states but the last), views of what is there, never concatenated
+            for s0, s1, prev in ((t0, t0 + 1, h0.unsqueeze(0)), (t0 + 1, t1, H[:-1])):
+                if s1 <= s0:
+                    continue
+                part = lam[s0 - t0:s1 - t0]
+                if adj.loads_decay:
+                    evp = Evaluator(r, g.allin, s0, s1, cdt)
+                    evp.state = H[s0 - t0:s1 - t0]
+                    evp.memo[GRAD_A] = part * prev
+                    g.put(evp, adj.loads_decay)
+                _mix_grads(r, g, s0, s1, part, prev, fac, dense)
     return g.result(r, inputs, lam_next)
 
 
