@@ -150,6 +150,16 @@ class Report:
                 out.append(f"  fallback at {where}: {why}")
             for msg in g.log:
                 out.append(f"  note: {msg}")
+        if not self.graphs:
+            out.append("\nnote: Dynamo handed ssmc no graph: the function ran eagerly (a graph break "
+                       "inside a loop, from `.item()`, printing or Python control flow on tensor values, "
+                       "makes Dynamo skip the whole function); `torch._dynamo.explain(fn)(*args)` lists "
+                       "the breaks")
+        elif len(self.graphs) > 1 and not self.regions:
+            out.append(f"\nnote: Dynamo cut the function into {len(self.graphs)} graphs and none holds a loop "
+                       "ssmc re-rolls: a loop cut by graph breaks (`.item()`, printing, Python control "
+                       "flow on tensor values) is not seen whole; `torch._dynamo.explain(fn)(*args)` "
+                       "lists the breaks")
         return "\n".join(out)
 
 

@@ -32,6 +32,23 @@ def test_explain_shows_fallback_reason():
     assert "fallback" in str(rep)
 
 
+def test_explain_points_at_graph_breaks():
+    """A loop with `.item()` in each step: Dynamo runs it eagerly or in pieces; no region, and
+    the report says why ssmc saw no loop."""
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = a * h + x[:, t] * float(x[0, t, 0].item() > 0)
+            ys.append(h)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(52)
+    x, a = torch.randn(2, 4, 3, generator=g), torch.rand(3, generator=g)
+    rep = ssmc.explain(fn, x, a)
+    assert not rep.regions and len(rep.graphs) != 1, str(rep)
+    assert "graph break" in str(rep) and "torch._dynamo.explain" in str(rep)
+
+
 def test_cli_explain(tmp_path):
     f = tmp_path / "model.py"
     f.write_text(textwrap.dedent("""
