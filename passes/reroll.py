@@ -101,6 +101,7 @@ class _Segment:
     def __init__(self, nodes, pos, reads, s, K, L, step=1):
         self.nodes, self.pos, self.s, self.K, self.L = nodes, pos, s, K, L
         self.step = step                   # +1: step k reads index i0 + k; -1: i0 - k (reverse)
+        self.depth = 1                     # the most steps back a step reads (`_try_segment`)
         self.e = s + K * L
         # families read at the same indices in every step (a[l] of an inner loop over layers,
         # unrolled inside each step) are loop invariants here, not reads along this loop's time
@@ -223,16 +224,34 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
             continue
         found, why = None, "the steps do not repeat the same operations"
         # the latest start that works: the step then ends with what it computes from its new
-        # state (outputs), rather than beginning with the previous step's outputs
-        for s in range(a0, max(0, a0 - K + 1) - 1, -1):
-            seg = _Segment(nodes, pos, reads, s, K, L, step)
-            if seg.e >= len(nodes):
-                continue
-            try:
-                found = _try_segment(gm, seg)
-            except _NotALoop as e:
-                why = str(e)
-                continue
+        # state (outputs), rather than beginning with the previous step's outputs. A start whose
+        # steps read values from two or more steps back is taken only where no start reads from
+        # one step back alone (a value made early in a step and used late in the next one reads
+        # two steps back from some starts: carried twice there for nothing)
+        deep = None
+        for s in [*range(a0, max(0, a0 - K + 1) - 1, -1), None]:
+            if s is None:
+                if deep is None:
+                    break
+                found, seg = deep
+            else:
+                seg = _Segment(nodes, pos, reads, s, K, L, step)
+                if seg.e >= len(nodes):
+                    continue
+                try:
+                    found = _try_segment(gm, seg)
+                except _NotALoop as e:
+                    why = str(e)
+                    continue
+                if found is not None and seg.depth > 1:
+                    if deep is None:
+                        deep = (found, seg)
+                    else:
+                        _erase_made(gm, found)
+                    found = None
+                    continue
+                if found is not None and deep is not None:
+                    _erase_made(gm, deep[0])
             if found is not None:
                 if seg.step > 0:            # a reverse loop's reads run forward first (below)
                     _shift_passed_values(gm, found)
@@ -592,6 +611,7 @@ def _try_segment(gm, seg: _Segment) -> Loop | None:
     tmpl = seg.iteration(D)
     if last != tmpl:
         return None
+    seg.depth = D
     binding: dict[tuple, object] = {}
     for k in range(D):
         if not all(_unify(a, b, binding, k, tmpl, seg.step) for a, b in zip(seg.iteration(k), tmpl)):
