@@ -30,8 +30,8 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, decompose_composites, find_reads,
-                          functionalize_updates)
+from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, decompose_composites, erase_unused,
+                          find_reads, functionalize_updates)
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import is_tensor, mutated, reaches, shape, value as value_of
 
@@ -222,46 +222,7 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
     for a0, K, L, step, key in sorted(runs):
         if any(lo <= a0 < hi for lo, hi in covered):
             continue
-        found, why = None, "the steps do not repeat the same operations"
-        # the latest start that works: the step then ends with what it computes from its new
-        # state (outputs), rather than beginning with the previous step's outputs. A start whose
-        # steps read values from two or more steps back is taken only where no start reads from
-        # one step back alone (a value made early in a step and used late in the next one reads
-        # two steps back from some starts: carried twice there for nothing)
-        deep = None
-        for s in [*range(a0, max(0, a0 - K + 1) - 1, -1), None]:
-            if s is None:
-                if deep is None:
-                    break
-                found, seg = deep
-            else:
-                seg = _Segment(nodes, pos, reads, s, K, L, step)
-                if seg.e >= len(nodes):
-                    continue
-                try:
-                    found = _try_segment(gm, seg)
-                except _NotALoop as e:
-                    why = str(e)
-                    continue
-                if found is not None and seg.depth > 1:
-                    if deep is None:
-                        deep = (found, seg)
-                    else:
-                        _erase_made(gm, found)
-                    found = None
-                    continue
-                if found is not None and deep is not None:
-                    _erase_made(gm, deep[0])
-            if found is not None:
-                if seg.step > 0:            # a reverse loop's reads run forward first (below)
-                    _shift_passed_values(gm, found)
-                covered.append((seg.s, seg.e))
-                if _reads_previous_state(found):
-                    found, seg = _rotated(gm, seg, found)
-                    covered.append((seg.s, seg.e))
-                if _reads_previous_state(found):
-                    _delay_previous_states(gm, found)
-                break
+        found, seg, why = _first_loop(gm, nodes, pos, reads, a0, K, L, step)
         if found is None:
             src = nodes[key[0]]
             msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
@@ -270,6 +231,14 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
             else:        # equal slices (q, k, v cut from one tensor) are often no loop at all
                 log.debug("ssmc: slices of width %d: %s", key[2], msg)
         else:
+            if seg.step > 0:                # a reverse loop's reads run forward first (below)
+                _shift_passed_values(gm, found)
+            covered.append((seg.s, seg.e))
+            if _reads_previous_state(found):
+                found, seg = _rotated(gm, seg, found)
+                covered.append((seg.s, seg.e))
+            if _reads_previous_state(found):
+                _delay_previous_states(gm, found)
             _cat_accumulators(found)
             _chunk_views(gm, found)
             if seg.step < 0:
@@ -283,6 +252,36 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
             ctx.fallbacks.append((name, msg))
             log.info("ssmc: %s", msg)
     return loops
+
+
+def _first_loop(gm, nodes, pos, reads, a0, K, L, step):
+    """(loop, segment, why): the latest start from a0 back whose steps line up, so that a step
+    ends with what it computes from its new state (outputs) rather than beginning with the
+    previous step's outputs; (None, None, why) where none does. A start whose steps read values
+    from two or more steps back is taken only where no start reads from one step back alone (a
+    value made early in a step and used late in the next one reads two steps back from some
+    starts: carried twice there for nothing)."""
+    why, deep = "the steps do not repeat the same operations", None
+    for s in range(a0, max(0, a0 - K + 1) - 1, -1):
+        seg = _Segment(nodes, pos, reads, s, K, L, step)
+        if seg.e >= len(nodes):
+            continue
+        try:
+            lp = _try_segment(gm, seg)
+        except _NotALoop as e:
+            why = str(e)
+            continue
+        if lp is None:
+            continue
+        if seg.depth == 1:
+            if deep is not None:
+                erase_unused(gm, deep[0].made)
+            return lp, seg, why
+        if deep is None:
+            deep = (lp, seg)
+        else:
+            erase_unused(gm, lp.made)
+    return (*deep, why) if deep is not None else (None, None, why)
 
 
 def _chunk_views(gm, lp: Loop) -> None:
@@ -396,9 +395,9 @@ def _rotated(gm, seg: _Segment, found: Loop):
             log.info("ssmc: the step's outputs read the state before its update; the loop is cut "
                      "one step later (%d steps, the first step's outputs and the last update peeled)",
                      rot.L)
-            _erase_made(gm, found)
+            erase_unused(gm, found.made)
             return lp, rot
-        _erase_made(gm, lp)
+        erase_unused(gm, lp.made)
     return found, seg
 
 
@@ -441,53 +440,26 @@ def _delay_previous_states(gm, lp: Loop) -> None:
                  "step as states of their own", len(new_outs))
 
 
-def _erase_made(gm, lp: Loop) -> None:
-    """Erase the outer nodes made for a loop that is not kept."""
-    for n in reversed(lp.made):
-        if not n.users:
-            gm.graph.erase_node(n)
-    lp.made.clear()
-
-
 def _recompute_delays(lp: Loop) -> None:
     """Carried values that are no state: a value computed from the step's inputs alone and used
     by the next step (``ek = exp(k[t])`` made before a cut and used after it) is computed again
     in the step that uses it, from its inputs one step back (reads at start - 1), and stops
     being carried. Left carried where a read would start before index 0."""
-    g = lp.body.graph
     for j in reversed(range(lp.n_carry)):
-        carries, outs = lp.carry_nodes(), lp.carry_outputs()
-        o = outs[j]
+        o = lp.carry_outputs()[j]
         if not isinstance(o, fx.Node):
             continue
         anc = _ancestors([o])
         reads = dict(zip(lp.read_nodes(), lp.reads))
-        if any(c in anc for c in carries) or any(reads[p].start < 1 for p in anc if p in reads):
+        used = [p for p in lp.read_nodes() if p in anc]
+        if any(c in anc for c in lp.carry_nodes()) or any(reads[p].start < 1 for p in used):
             continue
-        invs = lp.invariant_nodes()
-        env = {p: p for p in invs}
-        with g.inserting_before(invs[0] if invs else next(n for n in g.nodes if n.op != "placeholder")):
-            for p in (p for p in lp.read_nodes() if p in anc):
-                r = reads[p]
-                env[p] = g.placeholder(f"read_{len(lp.reads)}")
-                env[p].meta.update(p.meta)
-                lp.reads.append(Read(r.source, r.dim, r.start - 1, r.width))
-        first = next(n for n in g.nodes if n.op != "placeholder")
-        with g.inserting_before(first):
-            for n in g.nodes:
-                if n in anc and n.op != "placeholder":
-                    env[n] = g.node_copy(n, lambda a: env[a])
-        carries[j].replace_all_uses_with(env[o])
-        out = next(n for n in g.nodes if n.op == "output")
-        vals = list(out.args[0])
-        del vals[j]
-        out.args = (tuple(vals),)
-        g.erase_node(carries[j])
-        init = lp.carry_init.pop(j)
+        phs = _add_reads(lp, [Read(reads[p].source, reads[p].dim, reads[p].start - 1, reads[p].width) for p in used],
+                         [p.meta.get("example_value") for p in used])
+        init = _drop_carry(lp, j, _copy_from(lp, anc, o, dict(zip(used, phs))))
         if isinstance(init, fx.Node) and init in lp.made and not init.users:
             init.graph.erase_node(init)
             lp.made.remove(init)
-        g.eliminate_dead_code()
     lp.body.recompile()
 
 
@@ -502,11 +474,11 @@ def _shift_passed_values(gm, lp: Loop) -> None:
     L = lp.length
     if not isinstance(L, int) or L < 2:
         return
-    outer = _Builder(gm.graph, _fake_mode(gm.graph))
-    inner = _Builder(g, _fake_mode(g) or _fake_mode(gm.graph))
+    mode = _fake_mode(gm.graph)
+    outer = _Builder(gm.graph, mode)
+    inner = _Builder(g, _fake_mode(g) or mode)
     for j in reversed(range(lp.n_carry)):
-        carries, outs = lp.carry_nodes(), lp.carry_outputs()
-        o = outs[j]
+        carries, o = lp.carry_nodes(), lp.carry_outputs()[j]
         if not isinstance(o, fx.Node) or o in carries:
             continue
         anc = _ancestors([o])
@@ -515,52 +487,74 @@ def _shift_passed_values(gm, lp: Loop) -> None:
         if any(c in anc for c in carries) or any(reads[p].width != 1 for p in used):
             continue
         anchor = lp.anchor
-        env = {p: p for p in lp.invariant_nodes()}
-        new_reads = []
+        shifted = []
         for p in used:
             r = reads[p]
             head = outer.call(anchor, torch.narrow, (r.source, r.dim, r.start, 1))
             rest = outer.call(anchor, torch.narrow, (r.source, r.dim, r.start, L - 1))
             cat = outer.call(anchor, torch.cat, ([head, rest], r.dim))
-            new_reads.append((p, Read(cat, r.dim, 0, 1)))
+            shifted.append(Read(cat, r.dim, 0, 1))
             lp.made.extend([head, rest, cat])
         dev = value_of(used[0]).device if used else value_of(o).device
         ar = outer.call(anchor, torch.arange, (L,), {"device": dev})
         first = Read(outer.call(anchor, operator.eq, (ar, 0)), 0, 0, 1)
         lp.made.extend([ar, first.source])
+        with (mode or contextlib.nullcontext()):
+            metas = [torch.select(value_of(r.source), r.dim, 0) for r in shifted + [first]]
+        *phs, flag = _add_reads(lp, shifted + [first], metas)
         init = lp.carry_init[j]
-        invs = lp.invariant_nodes()
-        with g.inserting_before(invs[0] if invs else next(n for n in g.nodes if n.op != "placeholder")):
-            for p, r in new_reads + [(None, first)]:
-                ph = g.placeholder(f"read_{len(lp.reads)}")
-                with (_fake_mode(gm.graph) or contextlib.nullcontext()):
-                    ph.meta["example_value"] = torch.select(value_of(r.source), r.dim, 0)
-                lp.reads.append(r)
-                env[p] = ph
-        flag = env.pop(None)
         if isinstance(init, fx.Node):
             with g.inserting_after([n for n in g.nodes if n.op == "placeholder"][-1]):
                 init_ph = g.placeholder(f"inv_{len(lp.invariants)}")
             init_ph.meta["example_value"] = value_of(init)
             lp.invariants.append(init)
             init = init_ph
-        first_real = next(n for n in g.nodes if n.op != "placeholder")
-        with g.inserting_before(first_real):
-            for n in list(g.nodes):
-                if n in anc and n.op != "placeholder":
-                    env[n] = g.node_copy(n, lambda a: env[a])
-        sel = inner.call(first_real, torch.where, (flag, 0.0 if init is None else init, env[o]))
-        carries[j].replace_all_uses_with(sel)
-        out = next(n for n in g.nodes if n.op == "output")
-        vals = list(out.args[0])
-        del vals[j]
-        out.args = (tuple(vals),)
-        g.erase_node(carries[j])
-        del lp.carry_init[j]
-        g.eliminate_dead_code()
+        first_op = next(n for n in g.nodes if n.op != "placeholder")     # the copies go before it
+        val = _copy_from(lp, anc, o, dict(zip(used, phs)))
+        _drop_carry(lp, j, inner.call(first_op, torch.where, (flag, 0.0 if init is None else init, val)))
         log.info("ssmc: a value passed from one step to the next (no state) is computed from the "
                  "reads one step back")
     lp.body.recompile()
+
+
+def _add_reads(lp: Loop, reads: list, metas: list) -> list:
+    """Body placeholders for new reads (after the others, before the invariants), with their
+    example values; the reads join `lp.reads`."""
+    g = lp.body.graph
+    invs = lp.invariant_nodes()
+    phs = []
+    with g.inserting_before(invs[0] if invs else next(n for n in g.nodes if n.op != "placeholder")):
+        for r, m in zip(reads, metas):
+            phs.append(g.placeholder(f"read_{len(lp.reads)}"))
+            phs[-1].meta["example_value"] = m
+            lp.reads.append(r)
+    return phs
+
+
+def _copy_from(lp: Loop, anc: set, o: fx.Node, env: dict) -> fx.Node:
+    """o made again before the body's first op: copies of the nodes of `anc`, with the
+    placeholders in `env` read instead (the invariants as they are); returns o's copy."""
+    g = lp.body.graph
+    env = {**{p: p for p in lp.invariant_nodes()}, **env}
+    with g.inserting_before(next(n for n in g.nodes if n.op != "placeholder")):
+        for n in list(g.nodes):
+            if n in anc and n.op != "placeholder":
+                env[n] = g.node_copy(n, lambda a: env[a])
+    return env[o]
+
+
+def _drop_carry(lp: Loop, j: int, value: fx.Node):
+    """Carry j stops being carried: what read it reads `value`. Returns its initial value."""
+    g = lp.body.graph
+    c = lp.carry_nodes()[j]
+    c.replace_all_uses_with(value)
+    out = next(n for n in g.nodes if n.op == "output")
+    vals = list(out.args[0])
+    del vals[j]
+    out.args = (tuple(vals),)
+    g.erase_node(c)
+    g.eliminate_dead_code()
+    return lp.carry_init.pop(j)
 
 
 def _longest_run(by_idx: dict, pos: dict):

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from .plugins import load as load_plugins
 from .assemble import AssembleError
+from .capture import erase_unused
 from .explain import Dumper, GraphReport, RegionInfo, Report
 from .lower import Lowering, finish_lowering
 from .options import Options, make_options
@@ -140,7 +141,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     for c in ctx.candidates:
         if c.declined:
             greport.fallbacks.append((c.name, f"{c.declined_by}: {c.declined} (the loop runs as written)"))
-            _erase_unused(gm, c.loop.made)
+            erase_unused(gm, c.loop.made)
     if not live:
         return 0
     pkg = {p.name: f"{p.package} {p.version}" for p in loaded if p.group == "ssmc.targets"}
@@ -201,7 +202,7 @@ def _lower_split(gm, split, ctx, opts, greport) -> list:
         except Exception as e:
             greport.fallbacks.append((m.name, f"compile failed, {split.name} runs as written: {type(e).__name__}: {e}"))
             for c in split.members:
-                _erase_unused(gm, c.loop.made)
+                erase_unused(gm, c.loop.made)
             return []
     given = {}
     for m, entry in zip(split.members, entries):
@@ -222,15 +223,6 @@ def _lower_split(gm, split, ctx, opts, greport) -> list:
                     given[n] = v
     finish_lowering(gm, split.erase)
     return list(zip(split.members, entries))
-
-
-def _erase_unused(gm, nodes) -> None:
-    """Erase outer nodes a pass made for a loop that then runs as written."""
-    for n in reversed(nodes):
-        if n.graph is gm.graph and not n.users:
-            gm.graph.erase_node(n)
-    if nodes:
-        gm.recompile()
 
 
 def _lower_group(gm, group, opts, device, arch):

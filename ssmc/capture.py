@@ -58,6 +58,15 @@ class _Builder:
         return n
 
 
+def erase_unused(gm: fx.GraphModule, nodes) -> None:
+    """Erase outer nodes a pass made for a loop that then runs as written (or is not kept)."""
+    for n in reversed(nodes):
+        if n.graph is gm.graph and not n.users:
+            gm.graph.erase_node(n)
+    if nodes:
+        gm.recompile()
+
+
 def _expand_index(idx, ndim: int) -> list | None:
     idx = list(idx) if isinstance(idx, tuple) else [idx]
     if sum(i is Ellipsis for i in idx) > 1:
