@@ -95,12 +95,26 @@ def _freeze(a, ref):
         return ("obj", repr(a))
 
 
+_ARITH = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, torch.add, torch.sub,
+          torch.mul, torch.div, torch.true_divide, torch.pow, torch.rsub}
+_ARITH_METHODS = {"add", "sub", "mul", "div", "true_divide", "pow", "rsub"}
+
+
+def _arith(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _ARITH) or (n.op == "call_method" and n.target in _ARITH_METHODS)
+
+
+def _number(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
+
+
 class _Segment:
     """Signatures of the nodes in [s, s + L*K) for one candidate start s."""
 
-    def __init__(self, nodes, pos, reads, s, K, L, step=1):
+    def __init__(self, nodes, pos, reads, s, K, L, step=1, numbers=False):
         self.nodes, self.pos, self.s, self.K, self.L = nodes, pos, s, K, L
         self.step = step                   # +1: step k reads index i0 + k; -1: i0 - k (reverse)
+        self.numbers = numbers             # Python numbers in arithmetic may differ step to step
         self.depth = 1                     # the most steps back a step reads (`_try_segment`)
         self.e = s + K * L
         # families read at the same indices in every step (a[l] of an inner loop over layers,
@@ -141,7 +155,10 @@ class _Segment:
                         ("TS", _unit_slice(i) - self.step * k) if _unit_slice(i) is not None else
                         _freeze(i, ref) for i in idx)
             return ("setitem", ref(buf), idx, _freeze(val, ref))
-        return (n.op, n.target, _freeze(n.args, ref), _freeze(n.kwargs, ref))
+        args = n.args
+        if self.numbers and _arith(n):
+            args = tuple(("num", type(a).__name__) if _number(a) else a for a in args)
+        return (n.op, n.target, _freeze(args, ref), _freeze(n.kwargs, ref))
 
     def iteration(self, k):
         b = self.s + k * self.K
@@ -164,7 +181,10 @@ def _unify(first, later, binding, k: int, tmpl: list, step: int) -> bool:
         if isinstance(first, tuple) and first and first[0] == "R" and slot[0] == "read" \
                 and first[1:] == (slot[1], slot[2] - step * m, slot[3]) and slot[3] is None:
             first = ("read", slot[1], slot[2] + step * (k - m), None)      # index at step 0
-        elif isinstance(first, tuple) and first and first[0] in ("L", "C", "F", "R", "read"):
+        elif isinstance(first, tuple) and first and first[0] == "R":
+            first = ("R@", first[1], first[2] + step * k, first[3])      # a read made before the
+            # loop (``h = x[:, 0]``, then the steps from t = 1): that node, by its index
+        elif isinstance(first, tuple) and first and first[0] in ("L", "C", "F", "read"):
             return False
         prev = binding.setdefault((j, k - m), first)
         return prev == first
@@ -262,26 +282,29 @@ def _first_loop(gm, nodes, pos, reads, a0, K, L, step):
     value made early in a step and used late in the next one reads two steps back from some
     starts: carried twice there for nothing)."""
     why, deep = "the steps do not repeat the same operations", None
-    for s in range(a0, max(0, a0 - K + 1) - 1, -1):
-        seg = _Segment(nodes, pos, reads, s, K, L, step)
-        if seg.e >= len(nodes):
-            continue
-        try:
-            lp = _try_segment(gm, seg)
-        except _NotALoop as e:
-            why = str(e)
-            continue
-        if lp is None:
-            continue
-        if seg.depth == 1:
-            if deep is not None:
-                erase_unused(gm, deep[0].made)
-            return lp, seg, why
-        if deep is None:
-            deep = (lp, seg)
-        else:
-            erase_unused(gm, lp.made)
-    return (*deep, why) if deep is not None else (None, None, why)
+    for numbers in (False, True):       # then with the Python numbers of arithmetic per step
+        for s in range(a0, max(0, a0 - K + 1) - 1, -1):
+            seg = _Segment(nodes, pos, reads, s, K, L, step, numbers)
+            if seg.e >= len(nodes):
+                continue
+            try:
+                lp = _try_segment(gm, seg)
+            except _NotALoop as e:
+                why = why if numbers else str(e)
+                continue
+            if lp is None:
+                continue
+            if seg.depth == 1:
+                if deep is not None:
+                    erase_unused(gm, deep[0].made)
+                return lp, seg, why
+            if deep is None:
+                deep = (lp, seg)
+            else:
+                erase_unused(gm, lp.made)
+        if deep is not None:
+            return (*deep, why)
+    return None, None, why
 
 
 def _chunk_views(gm, lp: Loop) -> None:
@@ -379,7 +402,7 @@ def _rotated(gm, seg: _Segment, found: Loop):
     if seg.L < 3:
         return found, seg
     for s in range(seg.s + 1, seg.s + seg.K):
-        rot = _Segment(seg.nodes, seg.pos, seg.reads, s, seg.K, seg.L - 1, seg.step)
+        rot = _Segment(seg.nodes, seg.pos, seg.reads, s, seg.K, seg.L - 1, seg.step, seg.numbers)
         if rot.e >= len(seg.nodes):
             break
         try:
@@ -557,6 +580,9 @@ def _drop_carry(lp: Loop, j: int, value: fx.Node):
     return lp.carry_init.pop(j)
 
 
+STRIDES = (1, -1, 2, -2, 3, -3, 4, -4)     # index steps of the loops looked for (range(0, L, 2): 2)
+
+
 def _longest_run(by_idx: dict, pos: dict):
     """(first anchor, K, L, step): the longest chain of consecutive step indices whose reads are
     first used K nodes apart, with the index going up (step 1) or down (step -1: a loop over
@@ -566,7 +592,7 @@ def _longest_run(by_idx: dict, pos: dict):
              for i, nodes in by_idx.items()}
     sets = {i: set(c) for i, c in cands.items()}
     best = None
-    for step in (1, -1):
+    for step in STRIDES:
         diffs: dict[int, int] = defaultdict(int)
         for i, c in cands.items():
             for a in c[:4]:
@@ -660,6 +686,9 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
         if key not in read_keys:
             read_keys[key] = r
             reads.append(Read(nodes[key[0]], key[1], key[2], key[3]))
+    stride = abs(seg.step)
+    if stride > 1 and any(r.width != 1 for r in reads):
+        raise _NotALoop(f"reads of chunks every {stride} chunks")
     read_ph = {}
     mode = _fake_mode(gm.graph)
     for i, (key, r) in enumerate(read_keys.items()):
@@ -668,6 +697,13 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
         with (mode if mode is not None else contextlib.nullcontext()):
             ph.meta["example_value"] = torch.select(src, key[1], 0) if key[3] == 1 else \
                 torch.narrow(src, key[1], 0, key[3])
+    tables = _tables(seg, T)            # numbers that differ step to step: a table each, read at t
+    table_ph = {}
+    for (j, i), vals in tables.items():
+        reads.append(Read(None, 0, 0 if seg.step > 0 else L - 1))     # its source made below
+        ph = table_ph[(j, i)] = body.placeholder(f"read_{len(reads) - 1}")
+        with (mode if mode is not None else contextlib.nullcontext()):
+            ph.meta["example_value"] = torch.empty((), **_table_type(tmpl[j], vals))
     for i, inv in enumerate(invariants):
         inv_ph[inv] = body.placeholder(f"inv_{i}")
         inv_ph[inv].meta["example_value"] = inv.meta.get("example_value")
@@ -716,6 +752,8 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
             buf, idx, val = n.args
             if seg.inside(buf) if isinstance(buf, fx.Node) else True:
                 raise _NotALoop("writes into a tensor made inside the loop")
+            if stride > 1:
+                raise _NotALoop(f"writes `{buf.name}[...] = ...` every {stride} indices")
             full = _expand_index(idx, len(shape(buf)))
             tpos = [i for i, x in enumerate(full or []) if _is_int(x) or _unit_slice(x) is not None]
             if not full or len(tpos) != 1 or any(not (isinstance(x, slice) and x == slice(None))
@@ -743,6 +781,8 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
             result_vals.append(rv)
             continue
         env[n] = body.node_copy(n, body_arg)
+        if any(jj == j for jj, _ in table_ph):
+            env[n].args = tuple(table_ph.get((j, i), a) for i, a in enumerate(env[n].args))
 
     # values leaving the loop: stacked sinks, last-step values, nothing else
     sinks: dict[fx.Node, tuple] = {}
@@ -775,9 +815,20 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
     body.eliminate_dead_code()
     gm_body = fx.GraphModule(gm, body)
     erase = [nodes[p] for p in range(seg.s, seg.e)] + list(sinks)
-    inits = []
     outer = _Builder(gm.graph, mode)
     made = []
+    for r, ((j, i), vals) in zip(reads[len(reads) - len(tables):], tables.items()):
+        r.source = outer.call(nodes[s], torch.tensor, (vals if seg.step > 0 else vals[::-1],), _table_type(tmpl[j], vals))
+        made.append(r.source)
+    views: dict = {}
+    for r in reads[:len(reads) - len(tables)] if stride > 1 else ():    # every stride-th index: a
+        key = (r.source, r.dim, r.start % stride)       # strided view, read at consecutive ones
+        if key not in views:
+            at = tuple([slice(None)] * r.dim + [slice(r.start % stride, None, stride)])
+            views[key] = outer.call(nodes[s], operator.getitem, (r.source, at))
+            made.append(views[key])
+        r.source, r.start = views[key], r.start // stride
+    inits = []
     for j, m in carry_slots:
         b = binding[(j, -m)]
         if isinstance(b, tuple) and b and b[0] == "read":     # slot j's read, made before the loop
@@ -786,9 +837,44 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
             made.append(outer.call(nodes[s], torch.select, (src, dim, idx)) if width == 1 else
                         outer.call(nodes[s], torch.narrow, (src, dim, idx, width)))
             inits.append(made[-1])
+        elif isinstance(b, tuple) and b and b[0] == "R@":
+            inits.append(next(n for n, r in seg.reads.items() if pos[n] < s and (r[0], r[1], _freeze(r[2], str)) == b[1:]))
         else:
             inits.append(nodes[b[1]] if isinstance(b, tuple) and b and b[0] == "I" else b)
     return Loop("", gm_body, L, inits, reads, invariants, results, erase, anchor=nodes[seg.s], made=made)
+
+
+def _tables(seg: _Segment, T: int) -> dict:
+    """{(slot j, argument i): the L steps' values} for the Python numbers in the template's
+    arithmetic that differ step to step (``x[:, t] / (t + 1)``; `_Segment.numbers` only)."""
+    out = {}
+    if not seg.numbers:
+        return out
+    for j in range(seg.K):
+        n = seg.nodes[seg.s + T * seg.K + j]
+        if not _arith(n):
+            continue
+        for i, a in enumerate(n.args):
+            if _number(a):
+                vals = [seg.nodes[seg.s + k * seg.K + j].args[i] for k in range(seg.L)]
+                if len(set(vals)) > 1:
+                    out[(j, i)] = vals
+    return out
+
+
+def _table_type(n: fx.Node, vals) -> dict:
+    """dtype and device of a table standing for the numbers `vals` in `n`'s arithmetic: that of
+    its tensor operand (floating at least float32), so that the result's type is the same."""
+    ts = [value_of(a) for a in n.args if isinstance(a, fx.Node) and is_tensor(value_of(a))]
+    t = ts[0] if ts else value_of(n)
+    dt = t.dtype
+    if not (dt.is_floating_point or dt.is_complex):
+        dt = torch.int64 if all(isinstance(v, int) for v in vals) else torch.get_default_dtype()
+    elif dt in (torch.bfloat16, torch.float16):
+        dt = torch.float32
+    elif dt.is_complex:
+        dt = torch.float64 if dt == torch.complex128 else torch.float32
+    return {"dtype": dt, "device": t.device}
 
 
 def _written(n: fx.Node):

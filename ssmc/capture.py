@@ -127,16 +127,14 @@ def reads_of(node: fx.Node) -> list[ReadOf]:
     if _is_int(idx) and src.op in ("call_method", "call_function"):
         name = src.target if isinstance(src.target, str) else getattr(src.target, "__name__", "")
         x = src.args[0] if src.args else None
-        if not is_tensor(x):
-            return []
-        if name == "unbind":
+        if name == "unbind" and is_tensor(x):
             d = (src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)) % _nd(x)
             return [ReadOf(x, d, idx)]
-        if name in ("split", "chunk") and shape(node):
+        if name in ("split", "chunk") and is_tensor(x) and shape(node):
             d = (src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)) % _nd(x)
             if shape(node)[d] == 1 and shape(node)[:d] == shape(x)[:d]:
                 return [ReadOf(x, d, idx, tuple([slice(None)] * d + [None]))]
-        return []
+        # else an element of a tensor (`for x_t in x.transpose(0, 1)`) or of some other tuple
     if not is_tensor(src) or not is_tensor(node):
         return []
     full = _expand_index(idx, _nd(src))

@@ -1,4 +1,6 @@
 """Every capture form, every recurrence family: one region, equal to float64 eager."""
+import re
+
 import pytest
 import torch
 
@@ -647,3 +649,88 @@ def test_composite_op_in_a_declined_loop_is_left_as_written():
         return torch.stack(ys, 1)
     g = torch.Generator().manual_seed(24)
     declined(fn, (torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g)), "tanh", untouched=True)
+
+
+def _iterate_tensor(x, a):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for xt in x.transpose(0, 1):                # Dynamo: transpose(...)[t], an int index
+        h = a * h + xt
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _first_value_init(x, a):
+    h = x[:, 0]                                 # the first step's value, read before the loop
+    ys = [h]
+    for t in range(1, x.shape[1]):
+        h = a * h + (1 - a) * x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_iterate_tensor, _first_value_init])
+def test_reads_spelled_otherwise(fn):
+    g = torch.Generator().manual_seed(25)
+    ins = (torch.randn(2, 7, 3, generator=g), torch.rand(3, generator=g))
+    rep = check(fn, ins)
+    assert not rep.fallbacks, str(rep)
+    grads_match(fn, ins)
+
+
+def _running_mean(x, a):
+    m = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        m = m * (t / (t + 1)) + x[:, t] / (t + 1)
+        ys.append(m)
+    return torch.stack(ys, 1)
+
+
+def _time_schedule_reversed(x, a):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1] - 1, -1, -1):
+        h = torch.exp(-a * (0.1 * t)) * h + torch.mul(x[:, t], t)
+        ys.append(h)
+    return torch.stack(ys[::-1], 1)
+
+
+@pytest.mark.parametrize("fn", [_running_mean, _time_schedule_reversed])
+def test_numbers_that_change_step_to_step(fn):
+    """Python numbers computed from t (``x[:, t] / (t + 1)``) differ from step to step: each
+    becomes a table of the L values, read at t like any input."""
+    g = torch.Generator().manual_seed(26)
+    ins = (torch.randn(2, 7, 3, generator=g), torch.rand(3, generator=g))
+    rep = check(fn, ins)
+    assert not rep.fallbacks, str(rep)
+    assert re.search(r"in\d+\[t\]", rep.regions[0].region), rep.regions[0].region      # the table
+    grads_match(fn, ins)
+
+
+def _every_other(x, a, z):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(0, x.shape[1], 2):
+        h = a * h + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _every_third_backwards(x, a, z):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1] - 2, 0, -3):
+        h = a * h + x[:, t] * z[:, t - 1]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_every_other, _every_third_backwards])
+def test_loops_over_every_kth_index(fn):
+    """``range(0, L, 2)``: the steps read strided views of the sources, at consecutive indices."""
+    g = torch.Generator().manual_seed(27)
+    ins = (torch.randn(2, 11, 3, generator=g), torch.rand(3, generator=g), torch.randn(2, 11, 3, generator=g))
+    rep = check(fn, ins)
+    assert not rep.fallbacks, str(rep)
+    grads_match(fn, ins)

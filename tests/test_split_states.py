@@ -11,8 +11,8 @@ def rwkv_wkv(k, v, w, u):
     """RWKV-4's time mixing without the max-stabiliser: two accumulators, the output read from
     them before the step's update."""
     b, L, d = k.shape
-    num = torch.zeros(b, d, dtype=k.dtype)
-    den = torch.zeros(b, d, dtype=k.dtype)
+    num = k.new_zeros(b, d)
+    den = k.new_zeros(b, d)
     ys = []
     for t in range(L):
         ek, euk = torch.exp(k[:, t]), torch.exp(u + k[:, t])
