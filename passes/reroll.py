@@ -62,6 +62,10 @@ class Reroll(Pass):
                 except ValueError as e:
                     ctx.fallbacks.append((node.name, f"{node.target} not taken: {e}"))
         loops += find_unrolled(ctx.gm, ctx)
+        if not loops and not ctx.fallbacks:
+            ctx.note("reroll: no loop here: no tensor is read at consecutive indices (x[:, t], "
+                     "select, unbind, narrow, index_select; or every k-th) by steps that repeat, and "
+                     "no scan node")
         for i, lp in enumerate(sorted(loops, key=lambda lp: _order(ctx.gm, lp))):
             lp.name = f"loop{i}"
             if decompose_composites(lp.body.graph):
@@ -326,16 +330,26 @@ def _chunk_views(gm, lp: Loop) -> None:
 
 
 def _run_forward(gm, lp: Loop) -> None:
-    """A loop over decreasing indices as a loop forward in time: its reads come from the sources
-    flipped along their time dim (outer nodes made here, before the loop; `Loop.made` lists
-    them), and its per-step results are flipped back when lowered (`Result.reverse`)."""
+    """A loop over decreasing indices as a loop forward in time: its reads come from the indices
+    they read, flipped along their time dim (outer nodes made here, before the loop; `Loop.made`
+    lists them), and its per-step results are flipped back when lowered (`Result.reverse`).
+    Only what the steps read is flipped: a source may be longer, also of a size Dynamo keeps
+    symbolic."""
+    span: dict = {}
+    for r in lp.reads:            # step k reads r.start - k
+        lo, hi = span.get((r.source, r.dim), (r.start - lp.length + 1, r.start))
+        span[(r.source, r.dim)] = (min(lo, r.start - lp.length + 1), max(hi, r.start))
     flips: dict = {}
     outer = _Builder(gm.graph, _fake_mode(gm.graph))
     for k, r in enumerate(lp.reads):
         key = (r.source, r.dim)
+        lo, hi = span[key]
         if key not in flips:
-            flips[key] = outer.call(r.source.next, torch.flip, (r.source, [r.dim]))
-        lp.reads[k] = Read(flips[key], r.dim, shape(r.source)[r.dim] - 1 - r.start)
+            at = r.source.next
+            part = outer.call(at, torch.narrow, (r.source, r.dim, lo, hi - lo + 1))
+            flips[key] = outer.call(at, torch.flip, (part, [r.dim]))
+            lp.made.append(part)
+        lp.reads[k] = Read(flips[key], r.dim, hi - r.start)
     lp.made.extend(flips.values())
 
 

@@ -100,6 +100,22 @@ def _chunk_slice(s):
     return None
 
 
+def _index(i: int, size) -> int | None:
+    """i counted from the front (negative: from the back of a dim of `size`); None where that
+    needs a size Dynamo left symbolic."""
+    if i >= 0:
+        return i
+    size = concrete(size)
+    return None if size is None else i % size
+
+
+def concrete(size) -> int | None:
+    """A size as an int, also a SymInt Dynamo specialized (a loop's length); None while symbolic."""
+    if isinstance(size, torch.SymInt):
+        return size.node.maybe_as_int()
+    return size
+
+
 def _nd(x) -> int:
     return len(shape(x))
 
@@ -110,7 +126,8 @@ def reads_of(node: fx.Node) -> list[ReadOf]:
             node.op == "call_function" and node.target is torch.select):
         x, d, i = (list(node.args) + [None] * 3)[:3]
         if is_tensor(x) and _is_int(d) and _is_int(i):
-            return [ReadOf(x, d % _nd(x), i % shape(x)[d])]
+            i = _index(i, shape(x)[d])
+            return [ReadOf(x, d % _nd(x), i)] if i is not None else []
         return []
     if node.op == "call_method" and node.target == "narrow" or (
             node.op == "call_function" and node.target is torch.narrow):
@@ -155,7 +172,9 @@ def reads_of(node: fx.Node) -> list[ReadOf]:
             rest = full[:k] + ([None] if not _is_int(i) else []) + full[k + 1:]
             rest = tuple(rest)
             trivial = all(isinstance(r, slice) and r == slice(None) for r in rest)
-            out.append(ReadOf(src, d, t % shape(src)[d] if _is_int(i) else t, None if trivial else rest))
+            t = _index(t, shape(src)[d])
+            if t is not None:
+                out.append(ReadOf(src, d, t, None if trivial else rest))
         d += 1
     return out
 

@@ -734,3 +734,17 @@ def test_loops_over_every_kth_index(fn):
     rep = check(fn, ins)
     assert not rep.fallbacks, str(rep)
     grads_match(fn, ins)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", [_iterate_tensor, _first_value_init, _running_mean, _time_schedule_reversed,
+                                _every_other, _every_third_backwards])
+def test_capture_forms_on_the_gpu(fn):
+    """The forms above on CUDA inputs (tables and strided views made on the inputs' device),
+    against float64 eager on the CPU."""
+    g = torch.Generator().manual_seed(28)
+    ins = (torch.randn(4, 301, 16, generator=g), 0.9 * torch.rand(16, generator=g), torch.randn(4, 301, 16, generator=g))
+    ins = ins[:2] if fn in (_iterate_tensor, _first_value_init, _running_mean, _time_schedule_reversed) else ins
+    out, rep = ssmc_run(fn, tuple(x.cuda() for x in ins))
+    assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
+    assert rel_err(out.cpu(), reference(fn, ins)[0]) < 1e-4, str(rep)

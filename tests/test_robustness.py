@@ -178,3 +178,45 @@ def test_eager_graphs_skip_the_op_only_when_nothing_needs_it(monkeypatch, compil
         call_region(key, xs)
     assert calls == [1, 1]
     assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+
+
+def _decay_loop(x, a, dt):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.exp(-a * dt[:, t]) * h + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1), h
+
+
+def _decay_loop_reversed(x, a, dt):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in reversed(range(x.shape[1])):
+        h = torch.exp(-a * dt[:, t]) * h + x[:, t]
+        ys.append(h)
+    return torch.stack(ys[::-1], 1), h
+
+
+@pytest.mark.parametrize("fn", [_decay_loop, _decay_loop_reversed])
+def test_recompiles_with_sizes_dynamo_made_dynamic(fn):
+    """Called again with other sizes, Dynamo recompiles with symbolic sizes: the batch, and the
+    time dim of an input the loop reads only up to its length (dt longer than x). Each graph
+    gets its region; values and gradients equal float64 eager."""
+    import ssmc
+    rep = ssmc.Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=rep))
+    g = torch.Generator().manual_seed(43)
+    for b, L, Ld in [(2, 9, 9), (3, 9, 9), (3, 7, 10), (4, 7, 12)]:
+        xs = [torch.randn(b, L, 4, generator=g), torch.rand(4, generator=g), torch.rand(b, Ld, 4, generator=g)]
+        xs = [x.requires_grad_() for x in xs]
+        out = compiled(*xs)
+        x64 = [x.detach().double().requires_grad_() for x in xs]
+        ref = fn(*x64)
+        got = torch.autograd.grad(out[0].sum() + out[1].sum(), xs)
+        want = torch.autograd.grad(ref[0].sum() + ref[1].sum(), x64)
+        for o, r in [*zip(out, ref), *zip(got, want)]:
+            assert rel_err(o, r) < 1e-5, str(rep)
+    assert len(rep.graphs) >= 3 and not rep.fallbacks, str(rep)
+    assert all(gr.regions for gr in rep.graphs), str(rep)
