@@ -4,7 +4,7 @@ import torch
 
 import programs as P
 from conftest import TOL, reference, rel_err, ssmc_run
-from ssmc.runtime.op import lookup
+import ssmc  # noqa: F401  (registers the "ssmc" backend)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,6 @@ def test_nan_and_inf_propagate_like_eager():
 def test_shapes_changing_between_calls_recompile():
     fn = P.mamba1("stack")
     torch._dynamo.reset()
-    import ssmc
     f = torch.compile(fn, backend="ssmc")
     for L, b in ((6, 2), (9, 3), (6, 2)):
         ins = P.mamba1_inputs(b=b, L=L, seed=L)
@@ -128,7 +127,6 @@ def test_decays_near_one_over_many_steps():
 def test_dynamic_batch_keeps_the_fusion():
     """After a recompile with a symbolic batch size the region is the same: views are still
     understood, nothing is computed outside the kernel."""
-    import ssmc
     fn = P.mamba1("stack")
     torch._dynamo.reset()
     f = torch.compile(fn, backend="ssmc")
@@ -203,7 +201,6 @@ def test_recompiles_with_sizes_dynamo_made_dynamic(fn):
     """Called again with other sizes, Dynamo recompiles with symbolic sizes: the batch, and the
     time dim of an input the loop reads only up to its length (dt longer than x). Each graph
     gets its region; values and gradients equal float64 eager."""
-    import ssmc
     rep = ssmc.Report()
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=rep))
