@@ -144,6 +144,10 @@ class _Mat:
         self.d, self.m = d, m
 
 
+LINEAR_EW = ("add", "sub", "neg", "mul", "div", "addcmul", "where")   # the elementwise ops of `_Linear`'s
+                                                                    # rules (the state in one operand)
+
+
 class _Linear:
     """(a, b) with node == a * prev + b; None stands for zero. `a` is an elementwise
     coefficient, or a `_Mat` once the state went through a matrix product."""

@@ -30,9 +30,10 @@ import torch.fx as fx
 
 from ssmc.capture import _Builder, _fake_mode
 from ssmc.loop import Loop, Read, Result
-from ssmc.ops import dtype, reaches, shape
+from ssmc.ops import canonical, dtype, reaches, shape
 
 from .base import Candidate, Decline, Pass
+from .detect_recurrence import LINEAR_EW
 
 
 @dataclasses.dataclass
@@ -144,7 +145,10 @@ def split(gm: fx.GraphModule, lp: Loop):
             j = latest(n)
             if j is not None and j != i:       # made by the piece of an earlier state
                 if _reads_old(n, carries[j], outs[j]):
-                    raise Decline(f"the step reads the state {names[j]} before its update together "
+                    bad = _not_linear(body, carries[j], outs[j])
+                    raise Decline(f"the state {names[j]} goes through {bad}, which is not linear, and "
+                                  "other states read it" if bad else
+                                  f"the step reads the state {names[j]} before its update together "
                                   f"with other states")
                 if n not in bridges[j]:
                     bridges[j].append(n)
@@ -170,6 +174,19 @@ def split(gm: fx.GraphModule, lp: Loop):
             parts.append(f"reads {', '.join(reads_from)} from earlier pieces")
         text[name] = "; ".join(parts)
     return loops, set(stand_in.values()), text
+
+
+def _not_linear(body: fx.Graph, carry: fx.Node, new: fx.Node) -> str | None:
+    """An op on the way from a carried value to its new value that no linear update goes
+    through (``max(m + w, k)``, a stabiliser), named as in detect_recurrence's reasons; None if
+    every op there may be linear."""
+    for n in body.nodes:
+        if n.op in ("call_function", "call_method") and reaches(n, {carry}) and reaches(new, {n}):
+            c = canonical(n)
+            if c is None or (c.kind == "ew" and c.op not in LINEAR_EW):
+                t = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+                return f"`{t}` (node {n.name})"
+    return None
 
 
 def _reads_old(n: fx.Node, carry: fx.Node, new: fx.Node) -> bool:

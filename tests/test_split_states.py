@@ -320,3 +320,24 @@ def test_new_forms_on_the_gpu(name):
     assert rep.regions and not rep.fallbacks, str(rep)
     for o, r in zip(as_tuple(out), reference(fn, ins)):
         assert rel_err(o.cpu(), r) < 1e-4, str(rep)
+
+
+def test_stabilised_accumulators_name_the_max():
+    """RWKV-4's log-space form: numerator and denominator rescaled by a running maximum
+    (m = max(m + w, k)). The maximum is no linear update; the reason names it."""
+    def fn(k, v, w, u):
+        num, den = torch.zeros_like(k[:, 0]), torch.zeros_like(k[:, 0])
+        m = torch.full_like(k[:, 0], -1e30)
+        ys = []
+        for t in range(k.shape[1]):
+            mo = torch.maximum(m, u + k[:, t])
+            ys.append((torch.exp(m - mo) * num + torch.exp(u + k[:, t] - mo) * v[:, t])
+                      / (torch.exp(m - mo) * den + torch.exp(u + k[:, t] - mo)))
+            mn = torch.maximum(m - torch.exp(w), k[:, t])
+            num = torch.exp(m - torch.exp(w) - mn) * num + torch.exp(k[:, t] - mn) * v[:, t]
+            den = torch.exp(m - torch.exp(w) - mn) * den + torch.exp(k[:, t] - mn)
+            m = mn
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(13)
+    declined(fn, (torch.randn(2, 6, 3, generator=g), torch.randn(2, 6, 3, generator=g), torch.randn(3, generator=g),
+                  torch.randn(3, generator=g)), "goes through `maximum`")
