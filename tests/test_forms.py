@@ -748,3 +748,19 @@ def test_capture_forms_on_the_gpu(fn):
     out, rep = ssmc_run(fn, tuple(x.cuda() for x in ins))
     assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
     assert rel_err(out.cpu(), reference(fn, ins)[0]) < 1e-4, str(rep)
+
+
+@pytest.mark.parametrize("fn", [_running_mean, _time_schedule_reversed, _every_other, _every_third_backwards])
+def test_tables_and_strides_on_the_triton_interpreter(fn, monkeypatch, tmp_path):
+    """The generated Triton kernel (under the interpreter) reads the tables and strided views."""
+    from ssmc.runtime.op import lookup
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(29)
+    ins = (torch.randn(2, 11, 3, generator=g), torch.rand(3, generator=g), torch.randn(2, 11, 3, generator=g))
+    ins = ins if fn in (_every_other, _every_third_backwards) else ins[:2]
+    out, rep = ssmc_run(fn, ins, target="triton")
+    assert [r.target for r in rep.regions] == ["triton"], str(rep)
+    entry = lookup(rep.regions[0].key)
+    assert entry.failure is None and getattr(entry.kernel, "fallback", None) is None, entry.failure
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-5
