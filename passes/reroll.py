@@ -239,14 +239,19 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
                 break
     runs = []
     for key, by_idx in fams.items():
-        run = _longest_run(by_idx, pos)
-        if run is not None:
-            runs.append((*run, key))
+        alts = _runs(by_idx, pos)
+        if alts:
+            runs.append((*alts[0], key, alts[1:]))
     loops, covered, failed = [], [], []
-    for a0, K, L, step, key in sorted(runs):
+    for a0, K, L, step, key, alts in sorted(runs, key=lambda r: r[:4]):
         if any(lo <= a0 < hi for lo, hi in covered):
             continue
         found, seg, why = _first_loop(gm, nodes, pos, reads, a0, K, L, step)
+        for b0, K2, L2, step2 in alts:     # a shorter chain of another stride (steps that
+            if found is not None:          # alternate: `if t % 2`, a loop over pairs of steps)
+                break
+            if not any(lo <= b0 < hi for lo, hi in covered):
+                found, seg, _ = _first_loop(gm, nodes, pos, reads, b0, K2, L2, step2)
         if found is None:
             src = nodes[key[0]]
             msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
@@ -597,16 +602,17 @@ def _drop_carry(lp: Loop, j: int, value: fx.Node):
 STRIDES = (1, -1, 2, -2, 3, -3, 4, -4)     # index steps of the loops looked for (range(0, L, 2): 2)
 
 
-def _longest_run(by_idx: dict, pos: dict):
-    """(first anchor, K, L, step): the longest chain of consecutive step indices whose reads are
-    first used K nodes apart, with the index going up (step 1) or down (step -1: a loop over
-    ``reversed(range(L))``). An index may be read by several nodes (x[:, 0] also read before
-    the loop to size the state); each is a candidate anchor."""
+def _runs(by_idx: dict, pos: dict) -> list:
+    """[(first anchor, K, L, step)]: per index step (STRIDES), the longest chain of step indices
+    whose reads are first used K nodes apart, with the index going up (step 1) or down (step -1:
+    a loop over ``reversed(range(L))``), longest first. An index may be read by several nodes
+    (x[:, 0] also read before the loop to size the state); each is a candidate anchor."""
     cands = {i: sorted({min((pos[u] for u in n.users), default=pos[n]) for n in nodes})
              for i, nodes in by_idx.items()}
     sets = {i: set(c) for i, c in cands.items()}
-    best = None
+    out = []
     for step in STRIDES:
+        best = None
         diffs: dict[int, int] = defaultdict(int)
         for i, c in cands.items():
             for a in c[:4]:
@@ -623,7 +629,9 @@ def _longest_run(by_idx: dict, pos: dict):
                         m += 1
                     if m >= 2 and (best is None or m > best[2]):
                         best = (a, K, m, step)
-    return best
+        if best is not None:
+            out.append(best)
+    return sorted(out, key=lambda r: -r[2])
 
 
 class _NotALoop(Exception):
@@ -639,7 +647,9 @@ def _try_segment(gm, seg: _Segment) -> Loop | None:
     last = seg.iteration(L - 1)
     D = _depth(last)
     if D > MAX_DEPTH:
-        raise _NotALoop(f"a step reads a value from {D} steps back (at most {MAX_DEPTH})")
+        if L >= 2 and seg.iteration(L - 2) == last:      # the steps line up: a true read that far
+            raise _NotALoop(f"a step reads a value from {D} steps back (at most {MAX_DEPTH})")
+        return None
     if L < D + 1:
         return None
     tmpl = seg.iteration(D)

@@ -764,3 +764,45 @@ def test_tables_and_strides_on_the_triton_interpreter(fn, monkeypatch, tmp_path)
     entry = lookup(rep.regions[0].key)
     assert entry.failure is None and getattr(entry.kernel, "fallback", None) is None, entry.failure
     assert rel_err(out, reference(fn, ins)[0]) < 1e-5
+
+
+def test_two_different_updates_per_iteration():
+    """``for t in range(0, L, 2)`` with two different updates and one output per iteration: the
+    chain of single steps does not repeat, the chain of pairs (stride 2) does."""
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(0, x.shape[1], 2):
+            h = a * h + x[:, t]
+            h = 0.5 * h - x[:, t + 1]
+            ys.append(h)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(30)
+    ins = (torch.randn(2, 10, 3, generator=g), torch.rand(3, generator=g))
+    rep = check(fn, ins)
+    assert not rep.fallbacks, str(rep)
+    grads_match(fn, ins)
+
+
+def test_declines_name_what_does_not_repeat():
+    """A Python branch on t's parity (one output per step, two kinds of step) and a value from
+    five steps back are declined, each with its own reason."""
+    def parity(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = a * h + x[:, t] if t % 2 == 0 else 0.5 * h - x[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+    def five_back(x, a):
+        h = h1 = h2 = h3 = h4 = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h, h1, h2, h3, h4 = a * h + 0.1 * h4 + x[:, t], h, h1, h2, h3
+            ys.append(h)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(31)
+    ins = (torch.randn(2, 12, 3, generator=g), torch.rand(3, generator=g))
+    declined(parity, ins, "the steps do not repeat the same operations")
+    declined(five_back, ins, "a step reads a value from 5 steps back")
