@@ -30,8 +30,8 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, decompose_composites, erase_unused,
-                          find_reads, functionalize_updates)
+from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, copies_as_writes, decompose_composites,
+                          erase_unused, find_reads, functionalize_updates)
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import is_tensor, mutated, reaches, shape, value as value_of
 
@@ -48,6 +48,9 @@ class Reroll(Pass):
     required = True
 
     def run(self, ctx) -> bool:
+        n = copies_as_writes(ctx.gm)
+        if n:
+            ctx.note(f"reroll: {n} copy_ into a view of one index rewritten as writes (out[:, t] = y)")
         n = functionalize_updates(ctx.gm)
         if n:
             ctx.note(f"reroll: {n} in-place update(s) of tensors the graph allocates rewritten as new values")

@@ -275,6 +275,53 @@ def decompose_composites(graph: fx.Graph) -> int:
     return count
 
 
+def copies_as_writes(gm: fx.GraphModule) -> int:
+    """``out[:, t].copy_(y)``, ``out.select(1, t).copy_(y)``, ``out.narrow(1, t, 1).copy_(y)``:
+    a copy into a view of one index of a tensor, the view used for nothing else, becomes the
+    write ``out[:, t] = y`` it is (same broadcasting and cast), which re-rolling collects like
+    any per-step write. Returns the copies rewritten."""
+    g = gm.graph
+    done = 0
+    for n in list(g.nodes):
+        if not (n.op == "call_method" and n.target == "copy_" and len(n.args) == 2 and not n.kwargs
+                and not n.users and isinstance(n.args[0], fx.Node)):
+            continue
+        view = n.args[0]
+        if len(view.users) != 1 or not isinstance(n.args[1], (fx.Node, int, float)):
+            continue
+        idx = _view_index(view)
+        if idx is None:
+            continue
+        with g.inserting_before(n):
+            w = g.call_function(operator.setitem, (view.args[0], idx, n.args[1]))
+        w.meta["example_value"] = None
+        g.erase_node(n)
+        g.erase_node(view)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
+def _view_index(view: fx.Node):
+    """The getitem index of a view of one index along a dim (select, narrow by 1, or an index
+    with ints and slices of its own), or None."""
+    if not isinstance(view.args[0] if view.args else None, fx.Node) or not is_tensor(value(view.args[0])):
+        return None
+    if view.op == "call_function" and view.target is operator.getitem:
+        idx = view.args[1]
+        parts = idx if isinstance(idx, tuple) else (idx,)
+        ok = all(_is_int(i) or (isinstance(i, slice) and all(v is None or _is_int(v) for v in (i.start, i.stop, i.step)))
+                 or i is Ellipsis for i in parts)
+        return idx if ok else None
+    rs = reads_of(view)
+    if len(rs) != 1 or rs[0].source is not view.args[0] or rs[0].width != 1:
+        return None
+    r = rs[0]
+    at = r.index if r.rest is None else slice(r.index, r.index + 1)
+    return tuple([slice(None)] * r.dim + [at])
+
+
 def functionalize_updates(gm: fx.GraphModule) -> int:
     """Rewrite in-place updates of a tensor the graph allocates itself (``h = torch.zeros(..)``
     then ``h.mul_(dA).add_(dBx)`` each step) as new values: each update becomes its out-of-place

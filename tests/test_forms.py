@@ -806,3 +806,32 @@ def test_declines_name_what_does_not_repeat():
     ins = (torch.randn(2, 12, 3, generator=g), torch.rand(3, generator=g))
     declined(parity, ins, "the steps do not repeat the same operations")
     declined(five_back, ins, "a step reads a value from 5 steps back")
+
+
+def _copy_into_index(x, a):
+    h = torch.zeros_like(x[:, 0])
+    out = torch.empty_like(x)
+    for t in range(x.shape[1]):
+        h = a * h + x[:, t]
+        out[:, t].copy_(h)
+    return out
+
+
+def _copy_into_narrow(x, a):
+    h = torch.zeros_like(x[:, 0])
+    out = torch.zeros_like(x)
+    for t in range(x.shape[1]):
+        h = a * h + x[:, t]
+        out.narrow(1, t, 1).copy_(h.unsqueeze(1))
+    return out
+
+
+@pytest.mark.parametrize("fn", [_copy_into_index, _copy_into_narrow])
+def test_copies_into_a_step_of_a_buffer(fn):
+    """``out[:, t].copy_(y)`` and ``out.narrow(1, t, 1).copy_(...)`` are the writes
+    ``out[:, t] = y``: one region, values and gradients equal to float64 eager."""
+    g = torch.Generator().manual_seed(32)
+    ins = (torch.randn(2, 9, 3, generator=g), torch.rand(3, generator=g))
+    rep = check(fn, ins)
+    assert not rep.fallbacks, str(rep)
+    grads_match(fn, ins)
