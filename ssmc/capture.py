@@ -105,11 +105,11 @@ def _index(i: int, size) -> int | None:
     needs a size Dynamo left symbolic."""
     if i >= 0:
         return i
-    size = concrete(size)
+    size = _concrete(size)
     return None if size is None else i % size
 
 
-def concrete(size) -> int | None:
+def _concrete(size) -> int | None:
     """A size as an int, also a SymInt Dynamo specialized (a loop's length); None while symbolic."""
     if isinstance(size, torch.SymInt):
         return size.node.maybe_as_int()
