@@ -73,8 +73,23 @@ class Reroll(Pass):
             lp.name = f"loop{i}"
             if decompose_composites(lp.body.graph):
                 lp.body.recompile()
-            ctx.candidates.append(Candidate(loop=lp))
+            ctx.candidates.append(Candidate(loop=lp, notes=_made_notes(lp)))
         return bool(loops)
+
+
+def _made_notes(lp: Loop) -> list[str]:
+    """What the outer nodes made for a loop say about how it was read (for `explain`)."""
+    notes = []
+    tables = [n for n in lp.made if n.target is torch.tensor]
+    if tables:
+        notes.append(f"{lp.name}: {len(tables)} Python number(s) that change from step to step read from "
+                     f"a table of the {lp.length} steps' values")
+    strided = [n for n in lp.made if n.target is operator.getitem and isinstance(n.args[1], tuple)
+               and any(isinstance(i, slice) and i.step not in (None, 1) for i in n.args[1])]
+    if strided:
+        k = next(i.step for i in strided[0].args[1] if isinstance(i, slice) and i.step not in (None, 1))
+        notes.append(f"{lp.name}: the steps read one index in every {k} (strided views of {len(strided)} input(s))")
+    return notes
 
 
 def _order(gm, lp):

@@ -705,6 +705,7 @@ def test_numbers_that_change_step_to_step(fn):
     rep = check(fn, ins)
     assert not rep.fallbacks, str(rep)
     assert re.search(r"in\d+\[t\]", rep.regions[0].region), rep.regions[0].region      # the table
+    assert any("read from a table" in n for n in rep.regions[0].notes), str(rep)
     grads_match(fn, ins)
 
 
@@ -733,6 +734,7 @@ def test_loops_over_every_kth_index(fn):
     ins = (torch.randn(2, 11, 3, generator=g), torch.rand(3, generator=g), torch.randn(2, 11, 3, generator=g))
     rep = check(fn, ins)
     assert not rep.fallbacks, str(rep)
+    assert any("one index in every" in n for n in rep.regions[0].notes), str(rep)
     grads_match(fn, ins)
 
 
