@@ -2,7 +2,9 @@
 instances of ``CudaBlockSparseKernel`` whose variant is "m<D>" (D: how many steps ahead the loads
 are issued) or "m<D>x<S>" (S warps share one 16-row tile: each owns n/S of the state's columns,
 and the columns the others' products read, with the partial readout sums, go through shared
-memory, one named barrier a step; SPLITS lists those timed).
+memory, one named barrier a step; SPLITS lists those timed), with an optional "c<C>" (the mma
+into one tile spread over up to three partial sums of about C each, so that no chain of
+dependent mma is longer; CHAINED lists those timed).
 
 The transition's products sum_k s_k (W_k h) are, for 16 rows at once, a [16 x n] by [n x n]
 matrix product with the same W_k for every row: mma.m16n8k8 in tf32, one per nonzero 8x8 tile of
