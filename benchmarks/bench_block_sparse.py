@@ -90,6 +90,12 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _choice(text: str):
+    """'1,m2' -> (1, "m2"); '4,False' -> (4, False) (a lane instance)."""
+    w, v = (x.strip() for x in text.split(","))
+    return int(w), {"False": False, "True": True}.get(v, v)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -104,6 +110,10 @@ def main(argv=None):
                          "(mix_adjoint's STEP_ELEMENTS and GPU_STEP_ELEMENTS), a row each (default: its own)")
     ap.add_argument("--profile", action="store_true",
                     help="with --backward: one forward+backward under torch.profiler, its top ops in the row")
+    ap.add_argument("--choices", default="",
+                    help="kernel choices to time, each forced in turn, ';'-separated 'warps,variant' "
+                         "(e.g. '1,m2;1,m2c4'; 'w,False' for a lane instance); default: the autotuner's pick "
+                         "among all")
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                     help="x, dt, B, C dtype (default: bf16 on CUDA, fp32 on CPU); A and the state are fp32")
     args = ap.parse_args(argv)
@@ -174,10 +184,13 @@ def main(argv=None):
             row["rel_err_vs_float64"] = rel(got, ref)
             row["check_shape"] = check
             say(f"[{label}] rel err vs float64 at b{check['b']} L{check['L']}: {row['rel_err_vs_float64']:.3g}")
+            forced = [_choice(c) for c in args.choices.split(";") if c.strip()]
+            if forced and not hasattr(kern, "force_groups"):
+                raise RuntimeError(f"--choices: the {info.target} kernel has no choices to force")
             if hasattr(kern, "choices") and hasattr(kern, "force_groups"):      # every kernel the timing may pick
                 row["rel_err_per_choice"] = {}
                 try:
-                    for c in kern.choices():
+                    for c in forced or kern.choices():
                         kern.force_groups = c
                         o = fn(*ins)
                         o = o[0] if isinstance(o, (tuple, list)) else o
@@ -188,6 +201,14 @@ def main(argv=None):
             if getattr(kern, "fallback", None):
                 row["fallback"] = kern.fallback
             ins = make_inputs(b=b, L=L, d=d, n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype)
+            if forced:                        # each forced choice timed; the row's time is the fastest
+                row["ms_per_choice"] = {}
+                for c in forced:
+                    kern.force_groups = c
+                    row["ms_per_choice"][str(c)] = bench(lambda: fn(*ins))
+                    say(f"[{label}] {c}: {row['ms_per_choice'][str(c)]:.3f} ms")
+                best = min(forced, key=lambda c: row["ms_per_choice"][str(c)])
+                kern.force_groups = best
             row["ms"] = bench(lambda: fn(*ins))
             if getattr(kern, "config", None):
                 row["config"] = kern.config
