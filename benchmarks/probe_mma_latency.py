@@ -72,7 +72,8 @@ def main(argv=None):
                          "cycles_per_chain_link": per_warp * ch, "ms": ms,
                          "mma_per_sm_per_us": n_mma * blocks / sms / (ms * 1e3)})
             print(json.dumps(rows[-1]), flush=True)
-    res = {"device": dev.attributes.get("name", None) or str(cp.cuda.runtime.getDeviceProperties(0)["name"]),
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
+    res = {"device": name.decode() if isinstance(name, bytes) else str(name),
            "sms": sms, "rows": rows}
     Path(args.out).write_text(json.dumps(res, indent=1, default=str))
 
