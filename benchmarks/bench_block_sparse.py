@@ -112,7 +112,7 @@ def main(argv=None):
                     help="with --backward: one forward+backward under torch.profiler, its top ops in the row")
     ap.add_argument("--choices", default="",
                     help="kernel choices to time, each forced in turn, ';'-separated 'warps,variant' "
-                         "(e.g. '1,m2;1,m2c4'; 'w,False' for a lane instance); default: the autotuner's pick "
+                         "(e.g. '1,m2;4,m2'; 'w,False' for a lane instance); default: the autotuner's pick "
                          "among all")
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                     help="x, dt, B, C dtype (default: bf16 on CUDA, fp32 on CPU); A and the state are fp32")
@@ -157,6 +157,7 @@ def main(argv=None):
              for kind, m in (("block-sparse", sparse), ("dense A", torch.ones(n, n)))]
     if args.backward_only:
         args.backward, cases = True, []
+    forced = [_choice(c) for c in args.choices.split(";") if c.strip()]
     for label, mask, target in cases:
         row = {"variant": label, "L": L, "b": b, "channels": d, "d_state": n}
         try:
@@ -184,7 +185,6 @@ def main(argv=None):
             row["rel_err_vs_float64"] = rel(got, ref)
             row["check_shape"] = check
             say(f"[{label}] rel err vs float64 at b{check['b']} L{check['L']}: {row['rel_err_vs_float64']:.3g}")
-            forced = [_choice(c) for c in args.choices.split(";") if c.strip()]
             if forced and not hasattr(kern, "force_groups"):
                 raise RuntimeError(f"--choices: the {info.target} kernel has no choices to force")
             if hasattr(kern, "choices") and hasattr(kern, "force_groups"):      # every kernel the timing may pick

@@ -3,7 +3,7 @@
 compute_90 assembled by the ptxas and read by the nvdisasm that Triton ships; per loop of the
 kernel: instructions, HMMA, and the longest chain of HMMA feeding each other's accumulator.
 
-    python -m benchmarks.sass_bsp --instance '(1, "m2c4")' [--dense]
+    python -m benchmarks.sass_bsp --instance '(1, "m2")' [--dense]
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from ssmc.loop import Loop, Read, Result
 from ssmc.ops import canonical, dtype, reaches, shape
 
 from .base import Candidate, Decline, Pass
-from .detect_recurrence import LINEAR_EW
+from .detect_recurrence import LINEAR_EW, _describe
 
 
 @dataclasses.dataclass
@@ -184,8 +184,7 @@ def _not_linear(body: fx.Graph, carry: fx.Node, new: fx.Node) -> str | None:
         if n.op in ("call_function", "call_method") and reaches(n, {carry}) and reaches(new, {n}):
             c = canonical(n)
             if c is None or (c.kind == "ew" and c.op not in LINEAR_EW):
-                t = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-                return f"`{t}` (node {n.name})"
+                return _describe(n)
     return None
 
 

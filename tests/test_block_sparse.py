@@ -899,22 +899,3 @@ def test_gpu_lru_triton():
     assert info.target == "triton" and info.strategy == "block_sparse", info.target_reasons
     assert lookup(info.key).kernel.fallback is None
 
-
-def test_cuda_mma_chain_cap():
-    """"m<D>[x<S>][c<C>]" parses; with a cap C the mma into one tile go round-robin to up to
-    three partial sums, none longer than C where three suffice, all added into acc at the end."""
-    import collections
-    import re
-    from ssmc.targets.cuda_block_sparse import CudaBSPlan
-    from ssmc.targets.cuda_bsp_mma import _products, _variant
-    assert _variant("m2") == (2, 1, 0) and _variant("m4x2") == (4, 2, 0) and _variant("m2x2c4") == (2, 2, 4)
-    tiles = [(0, 0), (1, 1), (2, 2), (3, 0), (3, 1), (3, 2), (3, 3)]          # row 3: 4 tiles, 12 mma
-    p = CudaBSPlan(reg="n", rows=("b",), n=32, bs=8, blocks=tuple(tiles), terms=((None, None),), compute="float")
-    for cap, longest in ((0, 12), (4, 4), (2, 4)):                 # cap 2 needs 6 sums: 3 at most, 4 each
-        lines = _products(p, tiles, cap == 0, [0, 1, 2, 3], [["s0", "s1"]], 4, cap)
-        into = collections.Counter(re.search(r"ssmc_mma_tf32\((\w+\[\d\])", x).group(1) for x in lines if "mma" in x)
-        assert max(into.values()) == longest and sum(into.values()) == 21, into
-        assert (into["acc[3]"] == 12) == (cap == 0)
-        if cap:
-            assert "acc[3][0] += accp1[3][0] + accp2[3][0];" in lines
-        assert ("accp1[0]" in into) == (cap == 2)      # a row of 3 mma: split only under a cap below 3

@@ -648,7 +648,7 @@ class CudaBlockSparseKernel:
     def choices(self) -> list[tuple[int, bool | str]]:
         """(warps, variant) keys, computed once: split only where a block moves and its partial
         sums fit the shared memory; the tensor-core ones where they cover the plan and the device."""
-        from .cuda_bsp_mma import CHAINED, DEPTHS, SPLITS, WARPS, _variant, split_fits
+        from .cuda_bsp_mma import DEPTHS, SPLITS, WARPS, _variant, split_fits
         if self._choices is None:
             p, nb = self.plan, self.plan.n // self.plan.bs
             out = [(g, False) for g in sorted({min(g, nb) for g in GROUPS})]
@@ -660,7 +660,7 @@ class CudaBlockSparseKernel:
                 if tab["moved"][0] and smem <= SMEM_STATIC:
                     out.append((g, True))
             if self.mma_why is None:
-                out += [(w, f"m{d}") for w in WARPS for d in DEPTHS] + list(CHAINED)
+                out += [(w, f"m{d}") for w in WARPS for d in DEPTHS]
                 out += [c for c in SPLITS if split_fits(self.region, p, _variant(c[1])[1])]
             self._choices = out
         return [c for c in self._choices if not _is_mma(c) or self.arch is None or self.arch >= 80]
@@ -685,8 +685,8 @@ class CudaBlockSparseKernel:
             g, variant, vec, shared = key
             if _is_mma(key):
                 from .cuda_bsp_mma import _variant, render_mma
-                depth, split, chain = _variant(variant)
-                self._rendered[key] = render_mma(self.region, self.plan, g, depth, vec, shared, split, chain)
+                depth, split = _variant(variant)
+                self._rendered[key] = render_mma(self.region, self.plan, g, depth, vec, shared, split)
             else:
                 self._rendered[key] = render(self.region, self.plan, g, variant, vec)
         return self._rendered[key]

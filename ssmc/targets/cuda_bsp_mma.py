@@ -2,9 +2,7 @@
 instances of ``CudaBlockSparseKernel`` whose variant is "m<D>" (D: how many steps ahead the loads
 are issued) or "m<D>x<S>" (S warps share one 16-row tile: each owns n/S of the state's columns,
 and the columns the others' products read, with the partial readout sums, go through shared
-memory, one named barrier a step; SPLITS lists those timed), with an optional "c<C>" (the mma
-into one tile spread over up to three partial sums of about C each, so that no chain of
-dependent mma is longer; measured slower, so CHAINED, those timed, is empty).
+memory, one named barrier a step; SPLITS lists those timed).
 
 The transition's products sum_k s_k (W_k h) are, for 16 rows at once, a [16 x n] by [n x n]
 matrix product with the same W_k for every row: mma.m16n8k8 in tf32, one per nonzero 8x8 tile of
@@ -31,9 +29,6 @@ from .cuda_printer import CTYPES, const
 TEMPLATE = "cuda/block_sparse_mma_fwd.cu.j2"
 WARPS = (1, 4)            # warps a block (16 rows each): the choices timed on first use
 DEPTHS = (2, 4)           # steps ahead the loads are issued
-CHAINED = ()              # "m2c4" (partial sums of about 4 dependent mma a tile, W from shared memory) is
-                          # slower than "m2" on the H200 (2.760 against 2.506 ms, benchmarks/NOTES.md):
-                          # not timed by default; `bench_block_sparse --choices '1,m2c4'` forces it
 SPLITS = ((2, "m2x2"), (2, "m4x2"))     # and those with 2 warps a tile (one tile a block; "m2x4": 4 warps,
                                         # spills at the 128 registers of 4 blocks an SM: not timed)
 SMEM_STATIC = 48 * 1024   # a block's static shared memory
@@ -147,32 +142,27 @@ def partition(p: CudaBSPlan, split: int) -> list[list[int]]:
     return [sorted(x) for x in parts]
 
 
-def _variant(variant: str) -> tuple[int, int, int]:
-    """(load depth D, warps a 16-row tile S, chain cap C) of "m<D>[x<S>][c<C>]" (C = 0: none)."""
-    rest, _, c = variant[1:].partition("c")
-    d, _, s = rest.partition("x")
-    return int(d), int(s or 1), int(c or 0)
+def _variant(variant: str) -> tuple[int, int]:
+    """(load depth D, warps a 16-row tile S) of "m<D>" or "m<D>x<S>"."""
+    d, _, s = variant[1:].partition("x")
+    return int(d), int(s or 1)
 
 
 def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = False,
-               shared: bool = False, split: int = 1, chain: int = 0) -> Rendered:
+               shared: bool = False, split: int = 1) -> Rendered:
     """The instance: `vec` the pairs along the mixed axis read as one load each (the caller checks
     contiguity and alignment), `shared` the two rows of a lane differ only in the last parallel axis
     (its size a multiple of 16: loads free of that axis are shared between them), `split` warps a
     16-row tile (each owns nb / split of the state's tiles; the tiles another warp's products read
-    are exchanged through shared memory, one barrier of the tile's warps a step), `chain` > 0 the
-    mma accumulating into one tile split over up to three partial sums of about `chain` each (a
-    chain of dependent mma waits out each one's latency), W's fragments read from shared memory
-    at each use (the registers go to the partial sums)."""
+    are exchanged through shared memory, one barrier of the tile's warps a step)."""
     from .cuda import jinja_env
     nb = p.n // 8
     if split < 1 or nb % split or warps % split:
         raise ValueError(f"{split} warps a tile: the {nb} tiles or the {warps} warps do not divide")
     kname = ("ssmc_bspm_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
-             + f"_w{warps}d{depth}{f'x{split}' if split > 1 else ''}{f'c{chain}' if chain else ''}"
-             + f"{'v' if vec else ''}{'s' if shared else ''}")
+             + f"_w{warps}d{depth}{f'x{split}' if split > 1 else ''}{'v' if vec else ''}{'s' if shared else ''}")
     owners = partition(p, split) if split > 1 else [list(range(nb))]
-    roles = [_role(r, p, depth, vec, shared, owners, w, chain) for w in range(split)]
+    roles = [_role(r, p, depth, vec, shared, owners, w) for w in range(split)]
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
     decls, params = kernel_params(r, p)
@@ -187,69 +177,6 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
     return Rendered(warps, kname, src, tuple(params), tuple(run_loads))
 
 
-def _products(p: CudaBSPlan, tiles, hoist: bool, own, scales, nb: int, chain: int) -> list[str]:
-    """The tiles' mma in groups, each group's three passes (lo(A') hi(W), hi(A') lo(W),
-    hi(A') hi(W)) one after another over its tiles, so that consecutive mma accumulate into
-    different tiles j (a chain of dependent mma waits out each one's latency). Hoisted W: one
-    group, the tiles taken round-robin over j (the warp's own columns k first: the others'
-    arrive through shared memory); else a group per column block k (its W fragments loaded
-    once, its A'_k split there). `chain` > 0: the mma of tile j go round-robin to P_j partial
-    sums (acc, then accp1, accp2; P_j up to 3, about `chain` mma each), added up at the end."""
-    out, done = [], set()
-    if hoist:
-        grouped = []
-        for part in ([t for t in tiles if t[1] in own], [t for t in tiles if t[1] not in own]):
-            by_row = {}
-            for t in part:
-                by_row.setdefault(t[0], []).append(t)
-            if by_row:
-                grouped.append([row[i] for i in range(max(len(x) for x in by_row.values()))
-                                for row in by_row.values() if i < len(row)])
-    else:
-        ks = sorted({c for _, c in tiles}, key=lambda c: (c not in own, c))
-        grouped = [[t for t in tiles if t[1] == kk] for kk in ks]
-    count = {j: 3 * len(p.terms) * sum(1 for jj, _ in tiles if jj == j) for j, _ in tiles}
-    parts = {j: min(3, -(-n // chain)) if chain else 1 for j, n in count.items()}
-    made = {j: 0 for j in count}
-    for q in (1, 2):
-        rows = [j for j in sorted(parts) if parts[j] > q]
-        if rows:
-            out.append(f"ssmc_t accp{q}[{nb}][4];")
-            out += [f"accp{q}[{j}][{c}] = ssmc_t(0);" for j in rows for c in range(4)]
-
-    def target(j):
-        q = made[j] % parts[j]
-        made[j] += 1
-        return f"acc[{j}]" if q == 0 else f"accp{q}[{j}]"
-    for k, (sc, _) in enumerate(p.terms):
-        s0, s1 = scales[k]
-        one = s0 == const(1.0) and s1 == const(1.0)
-        for group in grouped:
-            for _, kk in group:      # A' fragment of tile kk: a0 (row g, col 2q), a1 (g + 8, 2q), a2 (g, 2q + 1), a3 (g + 8, 2q + 1)
-                if (k, kk) in done:
-                    continue
-                done.add((k, kk))
-                vals = [f"h[{kk}][0]", f"h[{kk}][2]", f"h[{kk}][1]", f"h[{kk}][3]"]
-                if not one:
-                    vals = [f"{s} * {v}" for s, v in zip((s0, s1, s0, s1), vals)]
-                out.append(f"unsigned ah{k}_{kk}[4], al{k}_{kk}[4];")
-                out += [f"ssmc_split_tf32({v}, ah{k}_{kk}[{i}], al{k}_{kk}[{i}]);" for i, v in enumerate(vals)]
-            out.append("{")
-            for j, c in group:
-                out.append(f"  const float4 w{j}_{c} = ssmc_wfrag<{str(hoist).lower()}>(&Wf[{k}][{j * nb + c}][lane]);")
-            for a, wp in (("al", "x, {w}.y"), ("ah", "z, {w}.w"), ("ah", "x, {w}.y")):
-                for j, c in group:
-                    w = f"w{j}_{c}"
-                    f = f"{a}{k}_{c}"
-                    out.append(f"  ssmc_mma_tf32({target(j)}, {f}[0], {f}[1], {f}[2], {f}[3], {w}.{wp.format(w=w)});")
-            out.append("}")
-    for j in sorted(parts):
-        if parts[j] > 1:
-            out += [f"acc[{j}][{c}] += " + " + ".join(f"accp{q}[{j}][{c}]" for q in range(1, parts[j])) + ";"
-                    for c in range(4)]
-    return out
-
-
 def _decomp(p: CudaBSPlan, shared: bool) -> list[str]:
     """The two rows of a lane as indices along the parallel axes."""
     out = []
@@ -261,8 +188,7 @@ def _decomp(p: CudaBSPlan, shared: bool) -> list[str]:
     return out
 
 
-def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owners, role: int,
-          chain: int = 0) -> dict:
+def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owners, role: int) -> dict:
     """The code of one warp of a tile (the only one when `owners` has one part): its tiles' element
     updates, products, outputs and loads; with several parts, the exchange after each step (into
     Xs / Ps of the tile's half @B@ of the double buffer, then the barrier of the tile's warps)."""
@@ -306,9 +232,48 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
     pr.lines = body
 
     def products(tiles, hoist: bool) -> list[str]:
-        """The mma of the step (`_products`)."""
-        return _products(p, tiles, hoist, own, scales, nb, chain)
-
+        """The tiles' mma in groups, each group's three passes (lo(A') hi(W), hi(A') lo(W),
+        hi(A') hi(W)) one after another over its tiles, so that consecutive mma accumulate into
+        different tiles j (a chain of dependent mma waits out each one's latency). Hoisted W: one
+        group, the tiles taken round-robin over j (the warp's own columns k first: the others'
+        arrive through shared memory); else a group per column block k (its W fragments loaded
+        once, its A'_k split there)."""
+        out, done = [], set()
+        if hoist:
+            grouped = []
+            for part in ([t for t in tiles if t[1] in own], [t for t in tiles if t[1] not in own]):
+                by_row = {}
+                for t in part:
+                    by_row.setdefault(t[0], []).append(t)
+                if by_row:
+                    grouped.append([row[i] for i in range(max(len(x) for x in by_row.values()))
+                                    for row in by_row.values() if i < len(row)])
+        else:
+            ks = sorted({c for _, c in tiles}, key=lambda c: (c not in own, c))
+            grouped = [[t for t in tiles if t[1] == kk] for kk in ks]
+        for k, (sc, _) in enumerate(p.terms):
+            s0, s1 = scales[k]
+            one = s0 == const(1.0) and s1 == const(1.0)
+            for group in grouped:
+                for _, kk in group:      # A' fragment of tile kk: a0 (row g, col 2q), a1 (g + 8, 2q), a2 (g, 2q + 1), a3 (g + 8, 2q + 1)
+                    if (k, kk) in done:
+                        continue
+                    done.add((k, kk))
+                    vals = [f"h[{kk}][0]", f"h[{kk}][2]", f"h[{kk}][1]", f"h[{kk}][3]"]
+                    if not one:
+                        vals = [f"{s} * {v}" for s, v in zip((s0, s1, s0, s1), vals)]
+                    out.append(f"unsigned ah{k}_{kk}[4], al{k}_{kk}[4];")
+                    out += [f"ssmc_split_tf32({v}, ah{k}_{kk}[{i}], al{k}_{kk}[{i}]);" for i, v in enumerate(vals)]
+                out.append("{")
+                for j, c in group:
+                    out.append(f"  const float4 w{j}_{c} = ssmc_wfrag<{str(hoist).lower()}>(&Wf[{k}][{j * nb + c}][lane]);")
+                for a, wp in (("al", "x, {w}.y"), ("ah", "z, {w}.w"), ("ah", "x, {w}.y")):
+                    for j, c in group:
+                        w = f"w{j}_{c}"
+                        f = f"{a}{k}_{c}"
+                        out.append(f"  ssmc_mma_tf32(acc[{j}], {f}[0], {f}[1], {f}[2], {f}[3], {w}.{wp.format(w=w)});")
+                out.append("}")
+        return out
     # after the products: h = acc, the step's outputs (the same scope as the step's other lines)
     tail: list[str] = []
     tail += [f"h[{j}][{c}] = acc[{j}][{c}];" for j in own for c in range(4)]
@@ -397,7 +362,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         the rest, checked step by step. The double buffer's half is t % 2: D is even."""
         mine_t = [t for t in tiles if t[0] in own]
         send, recv = exchange(tiles)
-        step = body + acc + products(mine_t, len(mine_t) <= HOIST_TILES and not chain) + tail + send + recv + after
+        step = body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + send + recv + after
 
         def copy(u):
             return ["    " + x.replace(U, str(u)).replace("@B@", str(u % 2)) for x in step]
