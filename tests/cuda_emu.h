@@ -3,17 +3,21 @@
 //
 // Blocks run one after another; the threads of a block are OS threads, __syncthreads is a
 // barrier of the block, __shfl_up_sync a barrier-synchronised exchange within a warp of 32
-// (the kernels call it with all lanes active). __shared__ is `static` (one block at a time).
+// (the kernels call it with all lanes active), the named barriers (bar.sync / bar.arrive with an id
+// and a thread count) counters that release a phase at the count. __shared__ is `static` (one
+// block at a time).
 // bf16/fp16 are bit-exact software types with round-to-nearest-even conversions; the SFU exp2
 // is exp2f. What it cannot show: timing, memory-model subtleties, register/resource limits.
 #pragma once
 #include <algorithm>
 #include <barrier>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -37,6 +41,30 @@ inline std::vector<unsigned char> dyn_smem;
 inline std::vector<double> shfl_buf;   // one slot per thread of the block (values fit a double)
 inline std::vector<std::uint32_t> mma_buf;   // six words per thread: its mma fragments
 
+// The 16 named barriers of a block: arrivals in the current phase and the phase number.
+struct Named {
+  std::mutex m;
+  std::condition_variable cv;
+  unsigned arrived = 0, phase = 0;
+};
+inline Named named[16];
+
+// One thread arrives at barrier `id` of `count` threads; `wait`: until the phase completes.
+inline void named_barrier(int id, int count, bool wait) {
+  Named& b = named[id];
+  std::unique_lock<std::mutex> lock(b.m);
+  const unsigned phase = b.phase;
+  if (++b.arrived == unsigned(count)) {
+    b.arrived = 0;
+    ++b.phase;
+    b.cv.notify_all();
+  } else if (wait) {
+    b.cv.wait(lock, [&] { return b.phase != phase; });
+  }
+}
+inline void named_sync(int id, int count) { named_barrier(id, count, true); }
+inline void named_arrive(int id, int count) { named_barrier(id, count, false); }
+
 inline void launch(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& body) {
   blockDim.x = block;
   gridDim.x = grid;
@@ -46,6 +74,7 @@ inline void launch(unsigned grid, unsigned block, unsigned smem, const std::func
   for (unsigned b = 0; b < grid; ++b) {
     std::barrier<> bar(block);
     block_barrier = &bar;
+    for (Named& n : named) n.arrived = 0;
     warp_barriers.clear();
     for (unsigned w = 0; w < (block + 31) / 32; ++w)
       warp_barriers.emplace_back(new std::barrier<>(std::min(32u, block - 32 * w)));

@@ -351,7 +351,7 @@ def test_cuda_mma_instances_emulated(bs, dtype, emu_dir, monkeypatch):
     split over them, exchanged each step)."""
     from ssmc.runtime.cache import get_cache
     from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
-    from ssmc.targets.cuda_bsp_mma import tiles_of
+    from ssmc.targets.cuda_bsp_mma import _variant, tiles_of
     from ssmc.targets.reference import ReferenceKernel
     g = torch.Generator().manual_seed(26)
     n = 32
@@ -382,8 +382,91 @@ def test_cuda_mma_instances_emulated(bs, dtype, emu_dir, monkeypatch):
             for o, e in zip(outs, ref):
                 assert rel_err(o, e) < tol, (bs, c, rel_err(o, e))
             assert k.last_launch["shared_rows"] and k.last_launch["vec"] == (case is not strided)
-            split = int(c[1].partition("x")[2] or 1)            # warps a 16-row tile
+            split = _variant(c[1])[1]            # warps a 16-row tile
             assert k.last_launch["grid"] == -(-3 // (c[0] // split))
+
+
+def _dag_mask(n: int, bs: int, gen) -> torch.Tensor:
+    """Diagonal blocks and random blocks below them, then the groups of max(bs, 8) columns (and
+    rows alike) in a random order: no cycle between 8-column tiles but inside a block (a pipeline
+    exists)."""
+    nb = n // bs
+    blocks = torch.eye(nb, dtype=torch.bool) | torch.tril(torch.rand(nb, nb, generator=gen) < 0.5, -1)
+    m = blocks.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
+    grp = max(bs, 8)
+    order = torch.randperm(n // grp, generator=gen)
+    idx = (order[:, None] * grp + torch.arange(grp)).flatten()
+    return m[idx][:, idx].float()
+
+
+@pytest.mark.parametrize("bs,dtype,form", [(8, torch.bfloat16, "euler_matmul"), (4, torch.float32, "euler_matmul"),
+                                           (16, torch.float32, "euler_matmul"), (8, torch.float32, "euler_einsum")])
+def test_cuda_mma_pipeline_emulated(bs, dtype, form, emu_dir, monkeypatch):
+    """The pipelines (two warps a tile, the upstream part handing the downstream one its state and
+    partial sums through a ring of pages) against float64: L 7, 9 and 2 (pages past the end, fewer
+    steps than the ring), 3 x 16 rows, blocks of 4, 8 and 16, a final output (the state and its
+    readout: euler_einsum), and a denser pattern at run time (the every-tile path, an exchange a
+    step); no upstream column tile reads a downstream one."""
+    from ssmc.runtime.cache import get_cache
+    from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
+    from ssmc.targets.cuda_bsp_mma import PIPES, pipeline, tiles_of
+    from ssmc.targets.reference import ReferenceKernel
+    from ssmc.sparsity import PatternCache
+    g = torch.Generator().manual_seed(27)
+    n = 32
+    mask = _dag_mask(n, bs, g)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for L in (7, 9, 2):
+        if form == "euler_einsum":
+            ins = (torch.randn(48, L, generator=g), torch.rand(48, L, generator=g) * 0.2,
+                   torch.randn(n, n, generator=g) / 3, mask, torch.randn(48, L, n, generator=g),
+                   torch.randn(48, L, n, generator=g))
+            fn = P.euler_einsum
+        else:
+            ins = P.euler_inputs(3, L, 16, n, mask, g)
+            ins = tuple(t.to(dtype) if t.dim() == 3 else t for t in ins)
+            fn = P.euler_matmul
+        r, xs = _region_and_inputs(fn, ins, monkeypatch)
+        p = bsp_plan(r)
+        up, down = pipeline(p)
+        assert up and down and not {c for j, c in tiles_of(p, p.blocks) if j in up} - set(up)
+        k = CudaBlockSparseKernel(r, p, get_cache(str(emu_dir / f"pipe{bs}")))
+        k.poison = True
+        pipes = [c for c in k.choices() if isinstance(c[1], str) and "p" in c[1]]
+        assert pipes == list(PIPES)
+        w = PatternCache(r).used[-1]
+        dense = list(xs)
+        dense[w] = xs[w] + 0.05
+        for case in (xs, dense):
+            ref = ReferenceKernel(r).forward([x.double() for x in case])
+            for c in pipes:
+                k.force_groups = c
+                outs = _emulate_bsp(k, case, emu_dir)
+                for o, e in zip(outs, ref):
+                    assert rel_err(o, e) < tol, (bs, L, c, case is dense, rel_err(o, e))
+                assert k.last_launch["grid"] == 3
+
+
+def test_pipeline_parts():
+    """`pipeline` on masks with and without a cut: the parts cover the tiles, upstream reads only
+    upstream, a cycle through every tile (dense, a ring) has none, and the cost is balanced."""
+    from ssmc.targets.cuda_block_sparse import CudaBSPlan
+    from ssmc.targets.cuda_bsp_mma import pipeline, sent_tiles
+
+    def plan(blocks, n=64):
+        return CudaBSPlan(reg="n", rows=("b",), n=n, bs=8, blocks=tuple(blocks), terms=((None, None),), compute="float")
+    assert pipeline(plan([(i, j) for i in range(8) for j in range(8)])) is None
+    assert pipeline(plan([(i, i) for i in range(8)] + [((i + 1) % 8, i) for i in range(8)])) is None
+    chain = plan([(i, i) for i in range(8)] + [(i + 1, i) for i in range(7)])      # 0 -> 1 -> ... -> 7
+    up, down = pipeline(chain)
+    assert up == [0, 1, 2, 3] and down == [4, 5, 6, 7] and sent_tiles(chain, (up, down)) == [3]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        m = _dag_mask(64, 8, g)[::8, ::8].bool()
+        p = plan([(i, j) for i in range(8) for j in range(8) if m[i, j]])
+        up, down = pipeline(p)
+        assert sorted(up + down) == list(range(8)) and up and down
+        assert all(j in up for i in up for j in range(8) if m[i, j])
 
 
 def test_cuda_mma_declines():
@@ -545,6 +628,36 @@ def test_gpu_cuda_block_sparse(dtype):
     assert max(errs) < (2e-4 if dtype == torch.float32 else 3e-2), errs
     scans = lookup(report.regions[0].key).kernel.scans
     assert len(scans.kernels) == 3 and not scans.declined, (scans.kernels, scans.declined)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_block_sparse_pipelines():
+    """The pipeline instances on the GPU (real barriers, the ring raced by two warps): every one
+    against float64 on a mask with an upstream part, and dense at run time (the every-tile path),
+    L 203 (pages past the end)."""
+    from ssmc.targets.cuda_bsp_mma import PIPES
+    g = torch.Generator().manual_seed(29)
+    mask = _dag_mask(64, 8, g)
+    ins = [t.cuda() for t in P.euler_inputs(4, 203, 96, 64, mask, g)]
+    ins = tuple(t.to(torch.bfloat16) if t.dim() == 3 else t for t in ins)
+    torch._dynamo.reset()
+    report = ssmc.Report()
+    fast = torch.compile(P.euler_matmul, backend=lambda gm, ex: ssmc.ssmc_backend(
+        gm, ex, options={"target": "cuda"}, _report=report))
+    fast(*ins)
+    kern = lookup(report.regions[0].key).kernel
+    assert [c for c in kern.choices() if "p" in str(c[1])] == list(PIPES)
+    ins2 = (*ins[:3], torch.ones_like(ins[3]), *ins[4:])
+    want, want2 = reference(P.euler_matmul, ins)[0], reference(P.euler_matmul, ins2)[0]
+    try:
+        for c in PIPES:
+            kern.force_groups = c
+            for _ in range(3):                    # the race, if any, more than once
+                assert rel_err(fast(*ins), want) < 2e-2, (c, kern.last_launch)
+            assert kern.last_launch["split"] == c[1]
+            assert rel_err(fast(*ins2), want2) < 2e-2, (c, kern.last_launch)
+    finally:
+        kern.force_groups = None
 
 
 def test_grad_of_transposed_input_under_inductor(monkeypatch):

@@ -648,7 +648,7 @@ class CudaBlockSparseKernel:
     def choices(self) -> list[tuple[int, bool | str]]:
         """(warps, variant) keys, computed once: split only where a block moves and its partial
         sums fit the shared memory; the tensor-core ones where they cover the plan and the device."""
-        from .cuda_bsp_mma import DEPTHS, SPLITS, WARPS, _variant, split_fits
+        from .cuda_bsp_mma import DEPTHS, PIPES, SPLITS, WARPS, _variant, pipe_fits, split_fits
         if self._choices is None:
             p, nb = self.plan, self.plan.n // self.plan.bs
             out = [(g, False) for g in sorted({min(g, nb) for g in GROUPS})]
@@ -662,6 +662,7 @@ class CudaBlockSparseKernel:
             if self.mma_why is None:
                 out += [(w, f"m{d}") for w in WARPS for d in DEPTHS]
                 out += [c for c in SPLITS if split_fits(self.region, p, _variant(c[1])[1])]
+                out += [c for c in PIPES if pipe_fits(self.region, p, _variant(c[1])[0])]
             self._choices = out
         return [c for c in self._choices if not _is_mma(c) or self.arch is None or self.arch >= 80]
 
@@ -685,8 +686,8 @@ class CudaBlockSparseKernel:
             g, variant, vec, shared = key
             if _is_mma(key):
                 from .cuda_bsp_mma import _variant, render_mma
-                depth, split = _variant(variant)
-                self._rendered[key] = render_mma(self.region, self.plan, g, depth, vec, shared, split)
+                depth, split, page = _variant(variant)
+                self._rendered[key] = render_mma(self.region, self.plan, g, depth, vec, shared, split, page)
             else:
                 self._rendered[key] = render(self.region, self.plan, g, variant, vec)
         return self._rendered[key]

@@ -1,8 +1,12 @@
 """The block-sparse forward on tensor cores (templates/cuda/block_sparse_mma_fwd.cu.j2): the
 instances of ``CudaBlockSparseKernel`` whose variant is "m<D>" (D: how many steps ahead the loads
-are issued) or "m<D>x<S>" (S warps share one 16-row tile: each owns n/S of the state's columns,
+are issued), "m<D>x<S>" (S warps share one 16-row tile: each owns n/S of the state's columns,
 and the columns the others' products read, with the partial readout sums, go through shared
-memory, one named barrier a step; SPLITS lists those timed).
+memory, one named barrier a step; SPLITS lists those timed) or "m<D>p<G>" (two warps a tile
+as a pipeline: where the mask's column tiles split into an upstream part that reads nothing
+downstream (`pipeline`), the upstream warp runs ahead, handing the state the downstream warp's
+products read, and its partial readout sums, through a ring of D steps in pages of G, one
+barrier pair a page instead of a barrier a step; PIPES lists those timed).
 
 The transition's products sum_k s_k (W_k h) are, for 16 rows at once, a [16 x n] by [n x n]
 matrix product with the same W_k for every row: mma.m16n8k8 in tf32, one per nonzero 8x8 tile of
@@ -20,6 +24,8 @@ tile of every term in shared memory (the every-tile path needs them), sm_80 or l
 """
 from __future__ import annotations
 
+import re
+
 from ssmc import ir
 from ssmc.ir import Const, Load
 
@@ -31,6 +37,9 @@ WARPS = (1, 4)            # warps a block (16 rows each): the choices timed on f
 DEPTHS = (2, 4)           # steps ahead the loads are issued
 SPLITS = ((2, "m2x2"), (2, "m4x2"))     # and those with 2 warps a tile (one tile a block; "m2x4": 4 warps,
                                         # spills at the 128 registers of 4 blocks an SM: not timed)
+PIPES = ((2, "m2p1"), (2, "m4p1"), (2, "m4p2"))   # and the pipelines (one tile a block)
+PIPE_COST = (6, 1, 1, 2)  # a step's cost, in units of about an mma tile's: a state tile (its element updates,
+                          # readout, split), an mma tile, a tile sent, a tile received (load and split)
 SMEM_STATIC = 48 * 1024   # a block's static shared memory
 SMEM_W = 40 * 1024        # W's fragments: terms * tiles * 32 lanes * 16 bytes
 HOIST_TILES = 16          # up to this many tiles, W's fragments may stay in registers across steps
@@ -56,6 +65,19 @@ def split_fits(r: ir.Region, p: CudaBSPlan, split: int) -> bool:
     sums = sum(len(_reduces(o.expr)) for o in r.outputs if p.reg not in o.index)
     smem = len(p.terms) * nb * nb * 32 * 16 + 2 * nb * 32 * 16 + 2 * max(sums, 1) * split * 16 * 4
     return nb % split == 0 and smem <= SMEM_STATIC
+
+
+def pipe_fits(r: ir.Region, p: CudaBSPlan, depth: int) -> bool:
+    """Whether a pipeline of `depth` steps exists for the plan and its ring fits beside W and the
+    every-tile path's exchange buffers."""
+    owners = pipeline(p)
+    if owners is None:
+        return False
+    nb = p.n // 8
+    sums = sum(len(_reduces(o.expr)) for o in r.outputs if p.reg not in o.index)
+    smem = (len(p.terms) * nb * nb * 32 * 16 + 2 * nb * 32 * 16 + 2 * max(sums, 1) * 2 * 16 * 4
+            + depth * (max(len(sent_tiles(p, owners)), 1) * 32 * 16 + max(sums, 1) * 16 * 4))
+    return smem <= SMEM_STATIC
 
 
 def tiles_of(p: CudaBSPlan, blocks) -> list[tuple[int, int]]:
@@ -142,27 +164,71 @@ def partition(p: CudaBSPlan, split: int) -> list[list[int]]:
     return [sorted(x) for x in parts]
 
 
-def _variant(variant: str) -> tuple[int, int]:
-    """(load depth D, warps a 16-row tile S) of "m<D>" or "m<D>x<S>"."""
-    d, _, s = variant[1:].partition("x")
-    return int(d), int(s or 1)
+def _variant(variant: str) -> tuple[int, int, int]:
+    """(load depth D, warps a 16-row tile S, steps a page G: 0 unless a pipeline) of "m<D>",
+    "m<D>x<S>" or "m<D>p<G>" (S = 2)."""
+    m = re.fullmatch(r"m(\d+)(?:x(\d+)|p(\d+))?", variant)
+    if m is None:
+        raise ValueError(f"tensor-core variant {variant!r} is not m<D>, m<D>x<S> or m<D>p<G>")
+    d, s, g = m.groups()
+    return int(d), 2 if g else int(s or 1), int(g or 0)
+
+
+def pipeline(p: CudaBSPlan) -> list[list[int]] | None:
+    """[upstream, downstream]: the state's 8-column tiles j split so that no upstream tile's
+    products read a downstream column (the compiled tiles (j, c): c upstream wherever j is), the
+    larger of the two parts' step costs (PIPE_COST) smallest; None where no such split exists
+    (a cycle through every tile, as dense A has). Every subset is tried: nb <= 8."""
+    nb = p.n // 8
+    reads = {j: set() for j in range(nb)}
+    for j, c in tiles_of(p, p.blocks):
+        reads[j].add(c)
+    st, mm, tx, rx = PIPE_COST
+    best = None
+    for bits in range(1, (1 << nb) - 1):
+        up = [j for j in range(nb) if bits >> j & 1]
+        down = [j for j in range(nb) if not bits >> j & 1]
+        if any(c not in up for j in up for c in reads[j]):
+            continue
+        sent = {c for j in down for c in reads[j] if c in up}
+        cost = max(sum(st + mm * len(reads[j]) for j in up) + tx * len(sent),
+                   sum(st + mm * len(reads[j]) for j in down) + rx * len(sent))
+        if best is None or (cost, len(sent)) < best[0]:
+            best = ((cost, len(sent)), [up, down])
+    return best and best[1]
+
+
+def sent_tiles(p: CudaBSPlan, owners) -> list[int]:
+    """The upstream tiles a pipeline's downstream products read, in ring order."""
+    up, down = owners
+    return sorted({c for j, c in tiles_of(p, p.blocks) if j in down and c in up})
 
 
 def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = False,
-               shared: bool = False, split: int = 1) -> Rendered:
+               shared: bool = False, split: int = 1, page: int = 0) -> Rendered:
     """The instance: `vec` the pairs along the mixed axis read as one load each (the caller checks
     contiguity and alignment), `shared` the two rows of a lane differ only in the last parallel axis
     (its size a multiple of 16: loads free of that axis are shared between them), `split` warps a
     16-row tile (each owns nb / split of the state's tiles; the tiles another warp's products read
-    are exchanged through shared memory, one barrier of the tile's warps a step)."""
+    are exchanged through shared memory, one barrier of the tile's warps a step); `page` > 0: the
+    two warps of a tile as a pipeline (`pipeline`'s parts, a ring of `depth` steps in pages of
+    `page`; one tile a block), the exchange a step where the inputs' pattern is not covered."""
     from .cuda import jinja_env
     nb = p.n // 8
-    if split < 1 or nb % split or warps % split:
+    if page:
+        owners = pipeline(p)
+        if owners is None or split != 2 or warps != 2 or depth % page:
+            raise ValueError(f"no pipeline of {warps} warps, pages of {page} in {depth} steps: "
+                             + ("no upstream part" if owners is None else "one tile of two warps a block, pages dividing D"))
+    elif split < 1 or nb % split or warps % split:
         raise ValueError(f"{split} warps a tile: the {nb} tiles or the {warps} warps do not divide")
+    else:
+        owners = partition(p, split) if split > 1 else [list(range(nb))]
     kname = ("ssmc_bspm_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
-             + f"_w{warps}d{depth}{f'x{split}' if split > 1 else ''}{'v' if vec else ''}{'s' if shared else ''}")
-    owners = partition(p, split) if split > 1 else [list(range(nb))]
+             + f"_w{warps}d{depth}{f'p{page}' if page else f'x{split}' if split > 1 else ''}"
+             + f"{'v' if vec else ''}{'s' if shared else ''}")
     roles = [_role(r, p, depth, vec, shared, owners, w) for w in range(split)]
+    pipes = [_role(r, p, depth, vec, shared, owners, w, page) for w in range(split)] if page else []
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
     decls, params = kernel_params(r, p)
@@ -173,7 +239,8 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         region_name=r.name, region_text=str(r), n=p.n, nb=nb, warps=warps, depth=depth, kname=kname,
         params=decls, args=[d.split()[-1] for d in decls], decomp=_decomp(p, shared), fill_pre=fill.pre + fill.lines,
         fill_value=wv, nterms=len(p.terms), ntiles=len(tiles_of(p, p.blocks)), split=split, owners=owners,
-        nsums=max(ro["nsums"] for ro in roles), roles=roles)
+        nsums=max(ro["nsums"] for ro in roles), roles=roles, pipes=pipes, page=page, pages=depth // max(page, 1),
+        nsent=max(len(sent_tiles(p, owners)), 1) if page else 0)
     return Rendered(warps, kname, src, tuple(params), tuple(run_loads))
 
 
@@ -188,11 +255,18 @@ def _decomp(p: CudaBSPlan, shared: bool) -> list[str]:
     return out
 
 
-def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owners, role: int) -> dict:
+def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owners, role: int,
+          page: int = 0) -> dict:
     """The code of one warp of a tile (the only one when `owners` has one part): its tiles' element
     updates, products, outputs and loads; with several parts, the exchange after each step (into
-    Xs / Ps of the tile's half @B@ of the double buffer, then the barrier of the tile's warps)."""
+    Xs / Ps of the tile's half @B@ of the double buffer, then the barrier of the tile's warps).
+    With `page`, a pipeline's warp (`owners`: upstream, downstream): upstream writes the tiles
+    downstream reads, at the start of each step, and its partial sums after it into the ring's
+    page @PG@, slot @SL@ (Rh, Rs), downstream reads them and stores the per-row outputs; each
+    page begins with a wait (upstream: the page emptied, downstream: filled: barriers 1 + pages +
+    pg and 1 + pg) and ends with the other's arrival."""
     nb, reg, split = p.n // 8, p.reg, len(owners)
+    pages = depth // page if page else 0
     own = owners[role]
     pr = _MmaPrinter(r, nb, vec)
     last = p.rows[-1] if p.rows else None
@@ -201,7 +275,8 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         env = {a: (f"ax_{a}_0" if shared and a != last else f"ax_{a}_{m}") for a in p.rows}
         slot_env.append({**env, "t": "t", "@fetch": True})
     mine = [x for x in _elems(nb) if x[0] in own]
-    stores = [m for m in (0, 1) if m % split == role]      # the row slots whose per-row outputs this warp stores
+    stores = ([0, 1] if role == 1 else []) if page else [m for m in (0, 1) if m % split == role]
+    # (the row slots whose per-row outputs this warp stores)
 
     def elem_env(j, e, m, extra=None):
         return {**slot_env[m], reg: f"(cq + {8 * j + e})", "@elem": (j, e), **(extra or {})}
@@ -302,7 +377,10 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         row_outs.append((k, o))
     # the others' partial sums and tiles (several warps a tile): through shared memory
     xchg: list[str] = []
-    if split > 1:
+    if page:
+        xchg += [f"if (q == 0) Rs[@PG@][@SL@][{i}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
+                 for i in range(len(sums)) for m in (0, 1)] if role == 0 else []
+    elif split > 1:
         xchg += [f"if (q == 0) Ps[tg][@B@][{i}][{role}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
                  for i in range(len(sums)) for m in (0, 1)]
     after: list[str] = []
@@ -312,7 +390,8 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
             for red in _reduces(o.expr):
                 i = sums.index(red)
                 if split > 1:
-                    others = [f"Ps[tg][@B@][{i}][{w}][{8 * m} + (lane >> 2)]" for w in range(split) if w != role]
+                    others = ([f"Rs[@PG@][@SL@][{i}][{8 * m} + (lane >> 2)]"] if page else
+                              [f"Ps[tg][@B@][{i}][{w}][{8 * m} + (lane >> 2)]" for w in range(split) if w != role])
                     after.append(f"const ssmc_t pt{i}_{m} = ps{i}_{m} + {' + '.join(others)};")
                     bind[red] = f"pt{i}_{m}"
                 else:
@@ -328,6 +407,13 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         the others' tiles that its own read, in."""
         if split == 1:
             return [], []
+        if page:         # (at the start of the step, after the sums)
+            ring = [f"Rh[@PG@][@SL@][{x}][lane]" for x in range(len(sent_tiles(p, owners)))]
+            if role == 0:
+                return [f"{at} = make_float4(h[{c}][0], h[{c}][1], h[{c}][2], h[{c}][3]);"
+                        for at, c in zip(ring, sent_tiles(p, owners))], xchg
+            return [f"{{ const float4 x = {at}; h[{c}][0] = x.x; h[{c}][1] = x.y; h[{c}][2] = x.z; h[{c}][3] = x.w; }}"
+                    for at, c in zip(ring, sent_tiles(p, owners))], []
         used = {c for j, c in tiles if j in own}
         wanted = {c for j, c in tiles if j not in own}
         out = [f"Xs[tg][@B@][{c}][lane] = make_float4(h[{c}][0], h[{c}][1], h[{c}][2], h[{c}][3]);"
@@ -362,27 +448,47 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         the rest, checked step by step. The double buffer's half is t % 2: D is even."""
         mine_t = [t for t in tiles if t[0] in own]
         send, recv = exchange(tiles)
-        step = body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + send + recv + after
+        if page:
+            step = send + body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + recv + after
+        else:
+            step = body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + send + recv + after
 
         def copy(u):
-            return ["    " + x.replace(U, str(u)).replace("@B@", str(u % 2)) for x in step]
+            return ["    " + x.replace(U, str(u)).replace("@B@", str(u % 2)).replace("@PG@", str(u // max(page, 1)))
+                    .replace("@SL@", str(u % max(page, 1))) for x in step]
+
+        def gate(u, start: bool) -> list[str]:
+            """A pipeline's barrier at the start of a page (a wait) or its end (an arrival)."""
+            if not page or u % page != (0 if start else page - 1):
+                return []
+            full, empty = 1 + u // page, 1 + pages + u // page
+            if start:
+                return [f"    ssmc_bar({empty if role == 0 else full}, 64);"]
+            return [f"    ssmc_bar_arrive({full if role == 0 else empty}, 64);"]
         out = ["int s0 = 0;", f"for (; s0 + {2 * depth} <= L; s0 += {depth}) {{"]
         for u in range(depth):
             out.append(f"  {{ const int t = s0 + {u};")
+            out += gate(u, True)
             out += copy(u)
             out += ["    " + x.replace(U, str(u)) for x in refill]
             if hint:
                 out.append(f"    if (t + {PREFETCH} < L) {{ " + " ".join(hint) + " }")
             out += ["    " + x for x in walk]
+            out += gate(u, False)
             out.append("  }")
         out += ["}", f"for (; s0 < L; s0 += {depth}) {{"]
         for u in range(depth):
             out.append(f"  {{ const int t = s0 + {u};")
-            out.append("    if (t >= L) break;")
+            out += gate(u, True)
+            # (a pipeline passes every page's barriers, past the end too: both warps' counts match)
+            out.append("    if (t < L) {" if page else "    if (t >= L) break;")
             out += copy(u)
             if refill:
                 out.append(f"    if (t + {depth} < L) {{ " + " ".join(x.replace(U, str(u)) for x in refill) + " }")
             out += ["    " + x for x in walk]
+            if page:
+                out.append("    }")
+            out += gate(u, False)
             out.append("  }")
         out.append("}")
         return out
@@ -392,9 +498,13 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
     # after the loop: the final outputs from the whole state (the other warps' partial sums in the
     # half of the buffer no warp reads after the last step's barrier: L % 2)
     post = []
+    if page and role == 0:        # the downstream warp's last arrivals (it arrived once ahead, below)
+        post += [f"ssmc_bar({1 + pages + pg}, 64);" for pg in range(pages)]
+    if page and role == 1:
+        prologue += [f"ssmc_bar_arrive({1 + pages + pg}, 64);" for pg in range(pages)]
     finals = [k for k, o in enumerate(r.outputs) if o.kind == "final"]
     if finals:
-        fl = pr.section([])
+        fl = pr.section(post)
         fenv = [{**slot_env[m], "t": "0", "@fetch": False} for m in (0, 1)]
         binds, fsums = [{}, {}], []
         for k in finals:
@@ -417,7 +527,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         if split > 1 and fsums:
             fl += [f"if (q == 0) Ps[tg][L & 1][{i}][{role}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
                    for i in fsums for m in (0, 1)]
-            fl.append(f"ssmc_bar(1 + tg, {32 * split});")
+            fl.append(f"ssmc_bar({1 + 2 * pages if page else '1 + tg'}, {32 * split});")
             for i in fsums:
                 for m in stores:
                     others = [f"Ps[tg][L & 1][{i}][{w}][{8 * m} + (lane >> 2)]" for w in range(split) if w != role]
