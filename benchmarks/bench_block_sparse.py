@@ -187,10 +187,14 @@ def main(argv=None):
             say(f"[{label}] rel err vs float64 at b{check['b']} L{check['L']}: {row['rel_err_vs_float64']:.3g}")
             if forced and not hasattr(kern, "force_groups"):
                 raise RuntimeError(f"--choices: the {info.target} kernel has no choices to force")
+            mine = [c for c in forced if c in kern.choices()] if forced else []
+            if forced and len(mine) < len(forced):
+                row["choices_not_offered"] = [str(c) for c in forced if c not in mine]
+                say(f"[{label}] --choices not offered for this mask: {row['choices_not_offered']}")
             if hasattr(kern, "choices") and hasattr(kern, "force_groups"):      # every kernel the timing may pick
                 row["rel_err_per_choice"] = {}
                 try:
-                    for c in forced or kern.choices():
+                    for c in mine or kern.choices():
                         kern.force_groups = c
                         o = fn(*ins)
                         o = o[0] if isinstance(o, (tuple, list)) else o
@@ -201,13 +205,13 @@ def main(argv=None):
             if getattr(kern, "fallback", None):
                 row["fallback"] = kern.fallback
             ins = make_inputs(b=b, L=L, d=d, n=n, mask=mask, dev=dev, gen=gen, seq_dtype=seq_dtype)
-            if forced:                        # each forced choice timed; the row's time is the fastest
+            if mine:                          # each forced choice timed; the row's time is the fastest
                 row["ms_per_choice"] = {}
-                for c in forced:
+                for c in mine:
                     kern.force_groups = c
                     row["ms_per_choice"][str(c)] = bench(lambda: fn(*ins))
                     say(f"[{label}] {c}: {row['ms_per_choice'][str(c)]:.3f} ms")
-                best = min(forced, key=lambda c: row["ms_per_choice"][str(c)])
+                best = min(mine, key=lambda c: row["ms_per_choice"][str(c)])
                 kern.force_groups = best
             row["ms"] = bench(lambda: fn(*ins))
             if getattr(kern, "config", None):
