@@ -75,8 +75,9 @@ def pipe_fits(r: ir.Region, p: CudaBSPlan, depth: int) -> bool:
         return False
     nb = p.n // 8
     sums = sum(len(_reduces(o.expr)) for o in r.outputs if p.reg not in o.index)
-    smem = (len(p.terms) * nb * nb * 32 * 16 + 2 * nb * 32 * 16 + 2 * max(sums, 1) * 2 * 16 * 4
-            + depth * (max(len(sent_tiles(p, owners)), 1) * 32 * 16 + max(sums, 1) * 16 * 4))
+    ring = depth * max(len(sent_tiles(p, owners)), 1) * len(p.terms) * 2 * 32 * 16     # (shares Xs's memory)
+    smem = (len(p.terms) * nb * nb * 32 * 16 + max(2 * nb * 32 * 16, ring) + 2 * max(sums, 1) * 2 * 16 * 4
+            + depth * max(sums, 1) * 16 * 4)
     return smem <= SMEM_STATIC
 
 
@@ -240,7 +241,8 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         params=decls, args=[d.split()[-1] for d in decls], decomp=_decomp(p, shared), fill_pre=fill.pre + fill.lines,
         fill_value=wv, nterms=len(p.terms), ntiles=len(tiles_of(p, p.blocks)), split=split, owners=owners,
         nsums=max(ro["nsums"] for ro in roles), roles=roles, pipes=pipes, page=page, pages=depth // max(page, 1),
-        nsent=max(len(sent_tiles(p, owners)), 1) if page else 0)
+        nsent=max(len(sent_tiles(p, owners)), 1) if page else 0,
+        xs_tiles=max(nb, depth * max(len(sent_tiles(p, owners)), 1) * len(p.terms)) if page else nb)
     return Rendered(warps, kname, src, tuple(params), tuple(run_loads))
 
 
@@ -306,13 +308,27 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
     pr.outer = None
     pr.lines = body
 
+    def a_frag(k: int, kk: int) -> list[str]:
+        """The A' fragment of term k's tile kk, split: a0 (row g, col 2q), a1 (g + 8, 2q), a2 (g, 2q + 1),
+        a3 (g + 8, 2q + 1)."""
+        s0, s1 = scales[k]
+        vals = [f"h[{kk}][0]", f"h[{kk}][2]", f"h[{kk}][1]", f"h[{kk}][3]"]
+        if not (s0 == const(1.0) and s1 == const(1.0)):
+            vals = [f"{sc} * {v}" for sc, v in zip((s0, s1, s0, s1), vals)]
+        return ([f"unsigned ah{k}_{kk}[4], al{k}_{kk}[4];"]
+                + [f"ssmc_split_tf32({v}, ah{k}_{kk}[{i}], al{k}_{kk}[{i}]);" for i, v in enumerate(vals)])
+    sent = sent_tiles(p, owners) if page else []
+    ring = {(k, c): f"Rh[@PG@][@SL@][{x}][{k}]" for x, c in enumerate(sent) for k in range(len(p.terms))}
+
     def products(tiles, hoist: bool) -> list[str]:
         """The tiles' mma in groups, each group's three passes (lo(A') hi(W), hi(A') lo(W),
         hi(A') hi(W)) one after another over its tiles, so that consecutive mma accumulate into
         different tiles j (a chain of dependent mma waits out each one's latency). Hoisted W: one
         group, the tiles taken round-robin over j (the warp's own columns k first: the others'
         arrive through shared memory); else a group per column block k (its W fragments loaded
-        once, its A'_k split there)."""
+        once, its A'_k split there). A pipeline's downstream warp reads the fragments of the tiles
+        it receives, split, from the ring; its upstream warp writes them there after its products
+        (splitting those its own products do not read)."""
         out, done = [], set()
         if hoist:
             grouped = []
@@ -326,19 +342,19 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         else:
             ks = sorted({c for _, c in tiles}, key=lambda c: (c not in own, c))
             grouped = [[t for t in tiles if t[1] == kk] for kk in ks]
-        for k, (sc, _) in enumerate(p.terms):
-            s0, s1 = scales[k]
-            one = s0 == const(1.0) and s1 == const(1.0)
+        for k in range(len(p.terms)):
             for group in grouped:
-                for _, kk in group:      # A' fragment of tile kk: a0 (row g, col 2q), a1 (g + 8, 2q), a2 (g, 2q + 1), a3 (g + 8, 2q + 1)
+                for _, kk in group:
                     if (k, kk) in done:
                         continue
                     done.add((k, kk))
-                    vals = [f"h[{kk}][0]", f"h[{kk}][2]", f"h[{kk}][1]", f"h[{kk}][3]"]
-                    if not one:
-                        vals = [f"{s} * {v}" for s, v in zip((s0, s1, s0, s1), vals)]
-                    out.append(f"unsigned ah{k}_{kk}[4], al{k}_{kk}[4];")
-                    out += [f"ssmc_split_tf32({v}, ah{k}_{kk}[{i}], al{k}_{kk}[{i}]);" for i, v in enumerate(vals)]
+                    if role == 1 and (k, kk) in ring:
+                        out += [f"unsigned ah{k}_{kk}[4], al{k}_{kk}[4];",
+                                f"{{ const uint4 a = {ring[k, kk]}[0][lane], b = {ring[k, kk]}[1][lane]; "
+                                + " ".join(f"ah{k}_{kk}[{i}] = a.{e}; al{k}_{kk}[{i}] = b.{e};" for i, e in enumerate("xyzw"))
+                                + " }"]
+                    else:
+                        out += a_frag(k, kk)
                 out.append("{")
                 for j, c in group:
                     out.append(f"  const float4 w{j}_{c} = ssmc_wfrag<{str(hoist).lower()}>(&Wf[{k}][{j * nb + c}][lane]);")
@@ -348,6 +364,11 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
                         f = f"{a}{k}_{c}"
                         out.append(f"  ssmc_mma_tf32(acc[{j}], {f}[0], {f}[1], {f}[2], {f}[3], {w}.{wp.format(w=w)});")
                 out.append("}")
+        if role == 0:
+            for (k, c), at in ring.items():
+                out += a_frag(k, c) if (k, c) not in done else []
+                out += [f"{at}[{i}][lane] = make_uint4({a}{k}_{c}[0], {a}{k}_{c}[1], {a}{k}_{c}[2], {a}{k}_{c}[3]);"
+                        for i, a in enumerate(("ah", "al"))]
         return out
     # after the products: h = acc, the step's outputs (the same scope as the step's other lines)
     tail: list[str] = []
@@ -407,13 +428,8 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         the others' tiles that its own read, in."""
         if split == 1:
             return [], []
-        if page:         # (at the start of the step, after the sums)
-            ring = [f"Rh[@PG@][@SL@][{x}][lane]" for x in range(len(sent_tiles(p, owners)))]
-            if role == 0:
-                return [f"{at} = make_float4(h[{c}][0], h[{c}][1], h[{c}][2], h[{c}][3]);"
-                        for at, c in zip(ring, sent_tiles(p, owners))], xchg
-            return [f"{{ const float4 x = {at}; h[{c}][0] = x.x; h[{c}][1] = x.y; h[{c}][2] = x.z; h[{c}][3] = x.w; }}"
-                    for at, c in zip(ring, sent_tiles(p, owners))], []
+        if page:         # the tiles go with the products (the fragments); the sums after them
+            return [], xchg
         used = {c for j, c in tiles if j in own}
         wanted = {c for j, c in tiles if j not in own}
         out = [f"Xs[tg][@B@][{c}][lane] = make_float4(h[{c}][0], h[{c}][1], h[{c}][2], h[{c}][3]);"
@@ -449,7 +465,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         mine_t = [t for t in tiles if t[0] in own]
         send, recv = exchange(tiles)
         if page:
-            step = send + body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + recv + after
+            step = body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + recv + after
         else:
             step = body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + send + recv + after
 
