@@ -136,6 +136,18 @@ def _store(r, k: int, o, env: dict, value: str, cond: str) -> str:
     return f"if ({cond}) out{k}[{' + '.join(terms) or '0'}] = ssmc_from<{CTYPES[o.dtype]}>({value});"
 
 
+def _walking_store(r, k: int, o, env: dict, m: int) -> tuple[str, str, str] | None:
+    """A per-step output's row pointer, walked a step at a time instead of its address computed at
+    every store: (declaration before the loop, the step's walk, the pointer); None where the output
+    has no time axis."""
+    if "t" not in o.index:
+        return None
+    terms = [f"(long long)({env[ix]}) * os{k}_{d}" for d, ix in enumerate(o.index) if ix not in (1, "t")]
+    ptr = f"ob{k}_{m}"
+    return (f"{CTYPES[o.dtype]}* {ptr} = out{k} + ({' + '.join(terms) or '0'});",
+            f"{ptr} += os{k}_{o.index.index('t')};", ptr)
+
+
 def _tree(terms: list[str]) -> str:
     """A sum as chains of four (each contracted to FMAs where the terms are products) added
     pairwise: a short dependency chain."""
@@ -405,6 +417,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         xchg += [f"if (q == 0) Ps[tg][@B@][{i}][{role}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
                  for i in range(len(sums)) for m in (0, 1)]
     after: list[str] = []
+    owalk, odecl = [], []
     for k, o in row_outs:
         for m in stores:
             bind = {}
@@ -420,7 +433,14 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
             env = {**slot_env[m], "@bind": bind}
             pr.lines = after
             pr.outer = after
-            after.append(_store(r, k, o, env, pr.expr(o.expr, env), f"live{m} && q == {m if split == 1 else 0}"))
+            value, cond = pr.expr(o.expr, env), f"live{m} && q == {m if split == 1 else 0}"
+            walking = _walking_store(r, k, o, env, m)
+            if walking:
+                odecl.append(walking[0])
+                owalk.append(walking[1])
+                after.append(f"if ({cond}) *{walking[2]} = ssmc_from<{CTYPES[o.dtype]}>({value});")
+            else:
+                after.append(_store(r, k, o, env, value, cond))
     pr.outer = None
 
     def exchange(tiles) -> tuple[list[str], list[str]]:
@@ -489,7 +509,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
             out += ["    " + x.replace(U, str(u)) for x in refill]
             if hint:
                 out.append(f"    if (t + {PREFETCH} < L) {{ " + " ".join(hint) + " }")
-            out += ["    " + x for x in walk]
+            out += ["    " + x for x in walk + owalk]
             out += gate(u, False)
             out.append("  }")
         out += ["}", f"for (; s0 < L; s0 += {depth}) {{"]
@@ -501,7 +521,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
             out += copy(u)
             if refill:
                 out.append(f"    if (t + {depth} < L) {{ " + " ".join(x.replace(U, str(u)) for x in refill) + " }")
-            out += ["    " + x for x in walk]
+            out += ["    " + x for x in walk + owalk]
             if page:
                 out.append("    }")
             out += gate(u, False)
@@ -556,5 +576,5 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
                 env = {**fenv[m], "@bind": binds[m]}
                 fl.append(_store(r, k, o, env, pr.expr(o.expr, env), f"live{m} && q == {m if split == 1 else 0}"))
         post = fl
-    return dict(pre=pr.pre + offsets + init + prologue, loop0=loop0, loop1=loop1, post=post,
+    return dict(pre=pr.pre + offsets + odecl + init + prologue, loop0=loop0, loop1=loop1, post=post,
                 run_loads=pr.run_loads, nsums=len(sums))
