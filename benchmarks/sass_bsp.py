@@ -58,7 +58,7 @@ def loops(sass: str) -> list[dict]:
             elif mm.group(3):
                 writer.pop(mm.group(3), None)
         out.append({"instructions": sum(ops.values()), "HMMA": ops["HMMA"], "longest_HMMA_chain": longest,
-                    "top": ops.most_common(8)})
+                    "top": ops.most_common(8), "spill": ops["LDL"] + ops["STL"]})
     return out
 
 

@@ -662,7 +662,7 @@ class CudaBlockSparseKernel:
             if self.mma_why is None:
                 out += [(w, f"m{d}") for w in WARPS for d in DEPTHS]
                 out += [c for c in SPLITS if split_fits(self.region, p, _variant(c[1])[1])]
-                out += [c for c in PIPES if pipe_fits(self.region, p, _variant(c[1])[0])]
+                out += [c for c in PIPES if pipe_fits(self.region, p, c[1])]
             self._choices = out
         return [c for c in self._choices if not _is_mma(c) or self.arch is None or self.arch >= 80]
 

@@ -24,6 +24,7 @@ tile of every term in shared memory (the every-tile path needs them), sm_80 or l
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from ssmc import ir
@@ -37,7 +38,8 @@ WARPS = (1, 4)            # warps a block (16 rows each): the choices timed on f
 DEPTHS = (2, 4)           # steps ahead the loads are issued
 SPLITS = ((2, "m2x2"), (2, "m4x2"))     # and those with 2 warps a tile (one tile a block; "m2x4": 4 warps,
                                         # spills at the 128 registers of 4 blocks an SM: not timed)
-PIPES = ((2, "m2p1"), (2, "m4p1"), (2, "m4p2"))   # and the pipelines (one tile a block)
+PIPES = ((2, "m2p1"), (2, "m4p1"), (2, "m4p2"), (3, "m4p2x3"), (4, "m2p1x4"), (4, "m4p2x4"))
+                          # and the pipelines (one tile a block)
 PIPE_COST = (6, 1, 1, 2)  # a step's cost, in units of about an mma tile's: a state tile (its element updates,
                           # readout, split), an mma tile, a tile sent, a tile received (load and split)
 SMEM_STATIC = 48 * 1024   # a block's static shared memory
@@ -67,17 +69,21 @@ def split_fits(r: ir.Region, p: CudaBSPlan, split: int) -> bool:
     return nb % split == 0 and smem <= SMEM_STATIC
 
 
-def pipe_fits(r: ir.Region, p: CudaBSPlan, depth: int) -> bool:
-    """Whether a pipeline of `depth` steps exists for the plan and its ring fits beside W and the
-    every-tile path's exchange buffers."""
-    owners = pipeline(p)
-    if owners is None:
+def pipe_fits(r: ir.Region, p: CudaBSPlan, variant: str) -> bool:
+    """Whether the pipeline `variant` exists for the plan, its barriers number at most 15 and its
+    rings fit beside W and the every-tile path's exchange buffers."""
+    depth, stages, page = _variant(variant)
+    parts = pipeline(p, stages)
+    if parts is None or depth % page:
+        return False
+    pipe = make_pipe(p, parts, depth, page)
+    if pipe.fin() > 15:
         return False
     nb = p.n // 8
-    sums = sum(len(_reduces(o.expr)) for o in r.outputs if p.reg not in o.index)
-    ring = depth * max(len(sent_tiles(p, owners)), 1) * len(p.terms) * 2 * 32 * 16     # (shares Xs's memory)
-    smem = (len(p.terms) * nb * nb * 32 * 16 + max(2 * nb * 32 * 16, ring) + 2 * max(sums, 1) * 2 * 16 * 4
-            + depth * max(sums, 1) * 16 * 4)
+    sums = max(sum(len(_reduces(o.expr)) for o in r.outputs if p.reg not in o.index), 1)
+    ring, per_sum = pipe_smem(p, pipe)
+    smem = (len(p.terms) * nb * nb * 32 * 16 + max(2 * nb, ring) * 32 * 16 + 2 * sums * stages * 16 * 4
+            + sums * per_sum)
     return smem <= SMEM_STATIC
 
 
@@ -179,42 +185,129 @@ def partition(p: CudaBSPlan, split: int) -> list[list[int]]:
 
 def _variant(variant: str) -> tuple[int, int, int]:
     """(load depth D, warps a 16-row tile S, steps a page G: 0 unless a pipeline) of "m<D>",
-    "m<D>x<S>" or "m<D>p<G>" (S = 2)."""
-    m = re.fullmatch(r"m(\d+)(?:x(\d+)|p(\d+))?", variant)
+    "m<D>x<S>", "m<D>p<G>" (a pipeline of two warps) or "m<D>p<G>x<S>" (of S)."""
+    m = re.fullmatch(r"m(\d+)(?:p(\d+))?(?:x(\d+))?", variant)
     if m is None:
-        raise ValueError(f"tensor-core variant {variant!r} is not m<D>, m<D>x<S> or m<D>p<G>")
-    d, s, g = m.groups()
-    return int(d), 2 if g else int(s or 1), int(g or 0)
+        raise ValueError(f"tensor-core variant {variant!r} is not m<D>, m<D>x<S>, m<D>p<G> or m<D>p<G>x<S>")
+    d, g, s = m.groups()
+    return int(d), int(s or (2 if g else 1)), int(g or 0)
 
 
-def pipeline(p: CudaBSPlan) -> list[list[int]] | None:
-    """[upstream, downstream]: the state's 8-column tiles j split so that no upstream tile's
-    products read a downstream column (the compiled tiles (j, c): c upstream wherever j is), the
-    larger of the two parts' step costs (PIPE_COST) smallest; None where no such split exists
-    (a cycle through every tile, as dense A has). Every subset is tried: nb <= 8."""
+@dataclasses.dataclass(frozen=True)
+class Pipe:
+    """A pipeline of the warps of a 16-row tile: stage s owns the state's 8-column tiles parts[s]
+    and reads only its own and earlier stages' (no cycle between stages). Each stage but the last
+    writes a ring (Rh<s>: the A' fragments of its tiles `sent[s]` that later stages read; Rs<s>:
+    its partial sums over the state) of D steps in pages of `page`; `readers[s]` (the stages
+    reading its tiles, and the last, which adds the sums and stores the per-row outputs) wait for
+    a page filled (barrier `full(s, pg)`) and the writer for it emptied (`empty(s, pg)`)."""
+    parts: tuple
+    sent: tuple
+    readers: tuple
+    page: int
+    pages: int
+
+    def full(self, s: int, pg: int) -> int:
+        return 1 + 2 * self.pages * s + pg
+
+    def empty(self, s: int, pg: int) -> int:
+        return 1 + 2 * self.pages * s + self.pages + pg
+
+    def fin(self) -> int:
+        return 1 + 2 * self.pages * (len(self.parts) - 1)
+
+    def count(self, s: int) -> int:
+        """Threads at stage s's barriers: the writer and its readers."""
+        return 32 * (1 + len(self.readers[s]))
+
+    def given(self, s: int, terms: int) -> dict:
+        """(term, tile) -> the ring slot that stage s reads the tile's fragments from."""
+        mine = {c for j, c in self._tiles if j in self.parts[s]}
+        return {(k, c): f"Rh{w}[@PG@][@SL@][{x}][{k}]" for w in range(s) for x, c in enumerate(self.sent[w])
+                if c in mine for k in range(terms)}
+
+    _tiles: tuple = ()
+
+
+def pipeline(p: CudaBSPlan, stages: int = 2) -> list[list[int]] | None:
+    """The state's 8-column tiles j over `stages` warps in order, no tile's products reading a
+    column of a later stage (the compiled tiles (j, c): c's stage at most j's), the largest stage's
+    step cost (PIPE_COST: its state tiles, mma, tiles sent and received) smallest, then the fewest
+    tiles sent; None where there is no such split (a cycle through every tile, as dense A has).
+    Assigned over the mask's strongly connected tile groups in topological order, pruned by cost."""
+    import networkx as nx
     nb = p.n // 8
+    g = nx.DiGraph()
+    g.add_nodes_from(range(nb))
     reads = {j: set() for j in range(nb)}
     for j, c in tiles_of(p, p.blocks):
         reads[j].add(c)
+        g.add_edge(c, j)
+    cond = nx.condensation(g)
+    order = list(nx.topological_sort(cond))
+    if len(order) < stages:
+        return None
+    members = {u: sorted(cond.nodes[u]["members"]) for u in order}
     st, mm, tx, rx = PIPE_COST
-    best = None
-    for bits in range(1, (1 << nb) - 1):
-        up = [j for j in range(nb) if bits >> j & 1]
-        down = [j for j in range(nb) if not bits >> j & 1]
-        if any(c not in up for j in up for c in reads[j]):
-            continue
-        sent = {c for j in down for c in reads[j] if c in up}
-        cost = max(sum(st + mm * len(reads[j]) for j in up) + tx * len(sent),
-                   sum(st + mm * len(reads[j]) for j in down) + rx * len(sent))
-        if best is None or (cost, len(sent)) < best[0]:
-            best = ((cost, len(sent)), [up, down])
-    return best and best[1]
+    base = {u: sum(st + mm * len(reads[j]) for j in members[u]) for u in order}
+    best = [None]
+
+    def cost(stage_of):
+        load = [0] * stages
+        sent = [set() for _ in range(stages)]
+        for u in order:
+            load[stage_of[u]] += base[u]
+        for j in range(nb):
+            for c in reads[j]:
+                sj, sc = stage_of[cond.graph["mapping"][j]], stage_of[cond.graph["mapping"][c]]
+                if sc < sj:
+                    sent[sc].add(c)
+                    load[sj] += rx
+        for w in range(stages):
+            load[w] += tx * len(sent[w])
+        return max(load), sum(len(x) for x in sent)
+
+    def assign(i, stage_of, load):
+        if best[0] is not None and max(load) > best[0][0][0]:
+            return
+        if i == len(order):
+            if min(load) > 0:
+                c = cost(stage_of)
+                if best[0] is None or c < best[0][0]:
+                    best[0] = (c, dict(stage_of))
+            return
+        u = order[i]
+        lo = max((stage_of[v] for v in cond.predecessors(u)), default=0)
+        for w in range(lo, stages):
+            stage_of[u] = w
+            load[w] += base[u]
+            assign(i + 1, stage_of, load)
+            load[w] -= base[u]
+        stage_of.pop(u, None)
+    assign(0, {}, [0] * stages)
+    if best[0] is None:
+        return None
+    stage_of = best[0][1]
+    return [sorted(j for u in order if stage_of[u] == w for j in members[u]) for w in range(stages)]
 
 
-def sent_tiles(p: CudaBSPlan, owners) -> list[int]:
-    """The upstream tiles a pipeline's downstream products read, in ring order."""
-    up, down = owners
-    return sorted({c for j, c in tiles_of(p, p.blocks) if j in down and c in up})
+def make_pipe(p: CudaBSPlan, parts, depth: int, page: int) -> Pipe:
+    """The rings and barriers of a pipeline over `parts` (`pipeline`'s)."""
+    tiles = tuple(tiles_of(p, p.blocks))
+    stage = {j: w for w, part in enumerate(parts) for j in part}
+    last = len(parts) - 1
+    sent = tuple(tuple(sorted({c for j, c in tiles if stage[c] == w and stage[j] > w})) for w in range(len(parts)))
+    readers = tuple(tuple(sorted({stage[j] for j, c in tiles if stage[c] == w and stage[j] > w} | {last}))
+                    if w < last else () for w in range(len(parts)))
+    return Pipe(tuple(tuple(x) for x in parts), sent, readers, page, depth // page, tiles)
+
+
+def pipe_smem(p: CudaBSPlan, pipe: Pipe) -> tuple[int, int]:
+    """(float4 slots a lane of the fragment rings takes (they share Xs's memory), bytes of the
+    sums' rings per sum)."""
+    depth = pipe.page * pipe.pages
+    return (sum(depth * max(len(x), 1) * len(p.terms) * 2 for x in pipe.sent[:-1]),
+            (len(pipe.parts) - 1) * depth * 16 * 4)
 
 
 def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = False,
@@ -224,24 +317,26 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
     (its size a multiple of 16: loads free of that axis are shared between them), `split` warps a
     16-row tile (each owns nb / split of the state's tiles; the tiles another warp's products read
     are exchanged through shared memory, one barrier of the tile's warps a step); `page` > 0: the
-    two warps of a tile as a pipeline (`pipeline`'s parts, a ring of `depth` steps in pages of
+    `split` warps of a tile as a pipeline (`pipeline`'s stages, rings of `depth` steps in pages of
     `page`; one tile a block), the exchange a step where the inputs' pattern is not covered."""
     from .cuda import jinja_env
     nb = p.n // 8
+    pipe = None
     if page:
-        owners = pipeline(p)
-        if owners is None or split != 2 or warps != 2 or depth % page:
-            raise ValueError(f"no pipeline of {warps} warps, pages of {page} in {depth} steps: "
-                             + ("no upstream part" if owners is None else "one tile of two warps a block, pages dividing D"))
+        owners = pipeline(p, split)
+        if owners is None or warps != split or depth % page:
+            raise ValueError(f"no pipeline of {split} warps, pages of {page} in {depth} steps: "
+                             + ("no such stages" if owners is None else "one tile a block, pages dividing D"))
+        pipe = make_pipe(p, owners, depth, page)
     elif split < 1 or nb % split or warps % split:
         raise ValueError(f"{split} warps a tile: the {nb} tiles or the {warps} warps do not divide")
     else:
         owners = partition(p, split) if split > 1 else [list(range(nb))]
     kname = ("ssmc_bspm_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
-             + f"_w{warps}d{depth}{f'p{page}' if page else f'x{split}' if split > 1 else ''}"
+             + f"_w{warps}d{depth}{f'p{page}' if page else ''}{f'x{split}' if split > 1 else ''}"
              + f"{'v' if vec else ''}{'s' if shared else ''}")
     roles = [_role(r, p, depth, vec, shared, owners, w) for w in range(split)]
-    pipes = [_role(r, p, depth, vec, shared, owners, w, page) for w in range(split)] if page else []
+    pipes = [_role(r, p, depth, vec, shared, owners, w, pipe) for w in range(split)] if pipe else []
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
     decls, params = kernel_params(r, p)
@@ -253,9 +348,22 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         params=decls, args=[d.split()[-1] for d in decls], decomp=_decomp(p, shared), fill_pre=fill.pre + fill.lines,
         fill_value=wv, nterms=len(p.terms), ntiles=len(tiles_of(p, p.blocks)), split=split, owners=owners,
         nsums=max(ro["nsums"] for ro in roles), roles=roles, pipes=pipes, page=page, pages=depth // max(page, 1),
-        nsent=max(len(sent_tiles(p, owners)), 1) if page else 0,
-        xs_tiles=max(nb, depth * max(len(sent_tiles(p, owners)), 1) * len(p.terms)) if page else nb)
+        rings=_rings(p, pipe, max(ro["nsums"] for ro in roles)) if pipe else [],
+        xs_tiles=max(nb, -(-pipe_smem(p, pipe)[0] // 2)) if pipe else nb)
     return Rendered(warps, kname, src, tuple(params), tuple(run_loads))
+
+
+def _rings(p: CudaBSPlan, pipe: Pipe, nsums: int) -> list[str]:
+    """Declarations of a pipeline's rings: each writing stage's fragments (uint4 [page][step][tile
+    sent][term][hi, lo][lane], in Xs's memory) and partial sums ([page][step][sum][row])."""
+    out, off = [], 0
+    shape = f"[{pipe.page}]"
+    for w, sent in enumerate(pipe.sent[:-1]):
+        dims = f"{shape}[{max(len(sent), 1)}][{len(p.terms)}][2][32]"
+        out += [f"uint4 (*Rh{w}){dims} = reinterpret_cast<uint4 (*){dims}>(&Xs[0][0][0][0] + {off});",
+                f"__shared__ float Rs{w}[{pipe.pages}]{shape}[{max(nsums, 1)}][16];"]
+        off += pipe.pages * pipe.page * max(len(sent), 1) * len(p.terms) * 2 * 32
+    return out
 
 
 def _decomp(p: CudaBSPlan, shared: bool) -> list[str]:
@@ -270,17 +378,19 @@ def _decomp(p: CudaBSPlan, shared: bool) -> list[str]:
 
 
 def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owners, role: int,
-          page: int = 0) -> dict:
+          pipe: Pipe | None = None) -> dict:
     """The code of one warp of a tile (the only one when `owners` has one part): its tiles' element
     updates, products, outputs and loads; with several parts, the exchange after each step (into
     Xs / Ps of the tile's half @B@ of the double buffer, then the barrier of the tile's warps).
-    With `page`, a pipeline's warp (`owners`: upstream, downstream): upstream writes the tiles
-    downstream reads, at the start of each step, and its partial sums after it into the ring's
-    page @PG@, slot @SL@ (Rh, Rs), downstream reads them and stores the per-row outputs; each
-    page begins with a wait (upstream: the page emptied, downstream: filled: barriers 1 + pages +
-    pg and 1 + pg) and ends with the other's arrival."""
+    With `pipe`, stage `role` of a pipeline: it reads the fragments of earlier stages' tiles from
+    their rings' page @PG@, slot @SL@, writes its own that later stages read into its ring after
+    its products, and its partial sums after its readout (the last stage adds them and stores the
+    per-row outputs); a page begins with the waits (its ring emptied, the rings it reads filled)
+    and ends with the arrivals."""
     nb, reg, split = p.n // 8, p.reg, len(owners)
-    pages = depth // page if page else 0
+    page = pipe.page if pipe else 0
+    lastst = split - 1
+    writes = bool(pipe) and role < lastst          # a pipeline stage with a ring of its own
     own = owners[role]
     pr = _MmaPrinter(r, nb, vec)
     last = p.rows[-1] if p.rows else None
@@ -289,7 +399,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         env = {a: (f"ax_{a}_0" if shared and a != last else f"ax_{a}_{m}") for a in p.rows}
         slot_env.append({**env, "t": "t", "@fetch": True})
     mine = [x for x in _elems(nb) if x[0] in own]
-    stores = ([0, 1] if role == 1 else []) if page else [m for m in (0, 1) if m % split == role]
+    stores = ([0, 1] if role == lastst else []) if pipe else [m for m in (0, 1) if m % split == role]
     # (the row slots whose per-row outputs this warp stores)
 
     def elem_env(j, e, m, extra=None):
@@ -329,8 +439,9 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
             vals = [f"{sc} * {v}" for sc, v in zip((s0, s1, s0, s1), vals)]
         return ([f"unsigned ah{k}_{kk}[4], al{k}_{kk}[4];"]
                 + [f"ssmc_split_tf32({v}, ah{k}_{kk}[{i}], al{k}_{kk}[{i}]);" for i, v in enumerate(vals)])
-    sent = sent_tiles(p, owners) if page else []
-    ring = {(k, c): f"Rh[@PG@][@SL@][{x}][{k}]" for x, c in enumerate(sent) for k in range(len(p.terms))}
+    ring = ({(k, c): f"Rh{role}[@PG@][@SL@][{x}][{k}]" for x, c in enumerate(pipe.sent[role])
+             for k in range(len(p.terms))} if writes else {})
+    given = pipe.given(role, len(p.terms)) if pipe else {}
 
     def products(tiles, hoist: bool) -> list[str]:
         """The tiles' mma in groups, each group's three passes (lo(A') hi(W), hi(A') lo(W),
@@ -360,9 +471,9 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
                     if (k, kk) in done:
                         continue
                     done.add((k, kk))
-                    if role == 1 and (k, kk) in ring:
+                    if (k, kk) in given:
                         out += [f"unsigned ah{k}_{kk}[4], al{k}_{kk}[4];",
-                                f"{{ const uint4 a = {ring[k, kk]}[0][lane], b = {ring[k, kk]}[1][lane]; "
+                                f"{{ const uint4 a = {given[k, kk]}[0][lane], b = {given[k, kk]}[1][lane]; "
                                 + " ".join(f"ah{k}_{kk}[{i}] = a.{e}; al{k}_{kk}[{i}] = b.{e};" for i, e in enumerate("xyzw"))
                                 + " }"]
                     else:
@@ -376,7 +487,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
                         f = f"{a}{k}_{c}"
                         out.append(f"  ssmc_mma_tf32(acc[{j}], {f}[0], {f}[1], {f}[2], {f}[3], {w}.{wp.format(w=w)});")
                 out.append("}")
-        if role == 0:
+        if writes:
             for (k, c), at in ring.items():
                 out += a_frag(k, c) if (k, c) not in done else []
                 out += [f"{at}[{i}][lane] = make_uint4({a}{k}_{c}[0], {a}{k}_{c}[1], {a}{k}_{c}[2], {a}{k}_{c}[3]);"
@@ -410,9 +521,9 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         row_outs.append((k, o))
     # the others' partial sums and tiles (several warps a tile): through shared memory
     xchg: list[str] = []
-    if page:
-        xchg += [f"if (q == 0) Rs[@PG@][@SL@][{i}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
-                 for i in range(len(sums)) for m in (0, 1)] if role == 0 else []
+    if pipe:
+        xchg += [f"if (q == 0) Rs{role}[@PG@][@SL@][{i}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
+                 for i in range(len(sums)) for m in (0, 1)] if writes else []
     elif split > 1:
         xchg += [f"if (q == 0) Ps[tg][@B@][{i}][{role}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
                  for i in range(len(sums)) for m in (0, 1)]
@@ -424,7 +535,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
             for red in _reduces(o.expr):
                 i = sums.index(red)
                 if split > 1:
-                    others = ([f"Rs[@PG@][@SL@][{i}][{8 * m} + (lane >> 2)]"] if page else
+                    others = ([f"Rs{w}[@PG@][@SL@][{i}][{8 * m} + (lane >> 2)]" for w in range(lastst)] if pipe else
                               [f"Ps[tg][@B@][{i}][{w}][{8 * m} + (lane >> 2)]" for w in range(split) if w != role])
                     after.append(f"const ssmc_t pt{i}_{m} = ps{i}_{m} + {' + '.join(others)};")
                     bind[red] = f"pt{i}_{m}"
@@ -494,13 +605,16 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
                     .replace("@SL@", str(u % max(page, 1))) for x in step]
 
         def gate(u, start: bool) -> list[str]:
-            """A pipeline's barrier at the start of a page (a wait) or its end (an arrival)."""
-            if not page or u % page != (0 if start else page - 1):
+            """A pipeline's barriers at the start of a page (the waits) or its end (the arrivals)."""
+            if not pipe or u % page != (0 if start else page - 1):
                 return []
-            full, empty = 1 + u // page, 1 + pages + u // page
+            pg = u // page
+            read = [w for w in range(role) if role in pipe.readers[w]]
             if start:
-                return [f"    ssmc_bar({empty if role == 0 else full}, 64);"]
-            return [f"    ssmc_bar_arrive({full if role == 0 else empty}, 64);"]
+                return ([f"    ssmc_bar({pipe.full(w, pg)}, {pipe.count(w)});" for w in read]
+                        + ([f"    ssmc_bar({pipe.empty(role, pg)}, {pipe.count(role)});"] if writes else []))
+            return ([f"    ssmc_bar_arrive({pipe.full(role, pg)}, {pipe.count(role)});"] if writes else []) + [
+                f"    ssmc_bar_arrive({pipe.empty(w, pg)}, {pipe.count(w)});" for w in read]
         out = ["int s0 = 0;", f"for (; s0 + {2 * depth} <= L; s0 += {depth}) {{"]
         for u in range(depth):
             out.append(f"  {{ const int t = s0 + {u};")
@@ -534,10 +648,11 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
     # after the loop: the final outputs from the whole state (the other warps' partial sums in the
     # half of the buffer no warp reads after the last step's barrier: L % 2)
     post = []
-    if page and role == 0:        # the downstream warp's last arrivals (it arrived once ahead, below)
-        post += [f"ssmc_bar({1 + pages + pg}, 64);" for pg in range(pages)]
-    if page and role == 1:
-        prologue += [f"ssmc_bar_arrive({1 + pages + pg}, 64);" for pg in range(pages)]
+    if writes:        # the readers' last arrivals (they arrived once ahead, below)
+        post += [f"ssmc_bar({pipe.empty(role, pg)}, {pipe.count(role)});" for pg in range(pipe.pages)]
+    if pipe:
+        prologue += [f"ssmc_bar_arrive({pipe.empty(w, pg)}, {pipe.count(w)});" for w in range(role)
+                     if role in pipe.readers[w] for pg in range(pipe.pages)]
     finals = [k for k, o in enumerate(r.outputs) if o.kind == "final"]
     if finals:
         fl = pr.section(post)
@@ -563,7 +678,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         if split > 1 and fsums:
             fl += [f"if (q == 0) Ps[tg][L & 1][{i}][{role}][{8 * m} + (lane >> 2)] = ps{i}_{m};"
                    for i in fsums for m in (0, 1)]
-            fl.append(f"ssmc_bar({1 + 2 * pages if page else '1 + tg'}, {32 * split});")
+            fl.append(f"ssmc_bar({pipe.fin() if pipe else '1 + tg'}, {32 * split});")
             for i in fsums:
                 for m in stores:
                     others = [f"Ps[tg][L & 1][{i}][{w}][{8 * m} + (lane >> 2)]" for w in range(split) if w != role]
