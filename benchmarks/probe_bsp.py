@@ -27,12 +27,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--groups", default=None, help="force this choice: warps, or warps,variant (e.g. 4,m2)")
+    ap.add_argument("--dense", action="store_true", help="the all-ones mask (the benchmark's dense row)")
     args = ap.parse_args(argv)
     cfg = FULL
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     b, L, d, n, bs = cfg["b"], cfg["L"], cfg["d"], cfg["n"], cfg["bs"]
-    mask = make_mask(n, bs, cfg["density"], gen)
+    mask = torch.ones(n, n) if args.dense else make_mask(n, bs, cfg["density"], gen)
     fn, report = lowered_graph(euler_matmul, make_inputs(b=b, L=16, d=d, n=n, mask=mask, dev=dev, gen=gen,
                                                          seq_dtype=torch.bfloat16), target="cuda")
     from ssmc.runtime.op import lookup
