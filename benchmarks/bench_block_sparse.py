@@ -114,10 +114,13 @@ def main(argv=None):
                     help="kernel choices to time, each forced in turn, ';'-separated 'warps,variant' "
                          "(e.g. '1,m2;4,m2'; 'w,False' for a lane instance); default: the autotuner's pick "
                          "among all")
+    ap.add_argument("--batch", type=int, default=None, help="batch size instead of the shape's (32)")
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                     help="x, dt, B, C dtype (default: bf16 on CUDA, fp32 on CPU); A and the state are fp32")
     args = ap.parse_args(argv)
     cfg = dict(TINY if args.tiny else FULL)
+    if args.batch:
+        cfg["b"] = args.batch
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     targets = (args.targets or ("cuda,triton" if dev.type == "cuda" else "torch")).split(",")
     seq_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if dev.type == "cuda" else "fp32")]
