@@ -2,11 +2,13 @@
 instances of ``CudaBlockSparseKernel`` whose variant is "m<D>" (D: how many steps ahead the loads
 are issued), "m<D>x<S>" (S warps share one 16-row tile: each owns n/S of the state's columns,
 and the columns the others' products read, with the partial readout sums, go through shared
-memory, one named barrier a step; SPLITS lists those timed) or "m<D>p<G>" (two warps a tile
-as a pipeline: where the mask's column tiles split into an upstream part that reads nothing
-downstream (`pipeline`), the upstream warp runs ahead, handing the state the downstream warp's
-products read, and its partial readout sums, through a ring of D steps in pages of G, one
-barrier pair a page instead of a barrier a step; PIPES lists those timed).
+memory, one named barrier a step; SPLITS lists those timed) or "m<D>p<G>[x<S>]" (S warps a tile,
+2 by default, as a pipeline: where the mask's column tiles split into stages none of which reads
+a later one (`pipeline`), each stage runs ahead of its readers, handing them the split fragments
+of the state their products read, and its partial readout sums to the last stage, through a ring
+of D steps in pages of G (`Pipe`: a barrier pair a writer and page instead of a barrier a step);
+PIPES lists those timed). Measured (H100, benchmarks/NOTES.md): the two-stage pipeline gains where
+the grid leaves schedulers idle (small batches) and nothing where each holds a tile's warp.
 
 The transition's products sum_k s_k (W_k h) are, for 16 rows at once, a [16 x n] by [n x n]
 matrix product with the same W_k for every row: mma.m16n8k8 in tf32, one per nonzero 8x8 tile of
