@@ -40,7 +40,9 @@ WARPS = (1, 4)            # warps a block (16 rows each): the choices timed on f
 DEPTHS = (2, 3, 4)         # steps ahead the loads are issued (3: -3% sparse and dense on the H100 at 2d4d96a)
 SPLITS = ((2, "m2x2"), (2, "m4x2"))     # and those with 2 warps a tile (one tile a block; "m2x4": 4 warps,
                                         # spills at the 128 registers of 4 blocks an SM: not timed)
-PIPES = ((2, "m2p1"), (2, "m3p1"), (2, "m4p1"), (2, "m4p2"), (3, "m3p1x3"), (3, "m4p2x3"))   # (measurement)
+PIPES = ((2, "m2p1"), (2, "m4p2"))   # and the pipelines (one tile a block); deeper rings (m3p1, m4p1)
+                          # and three or four stages (m3p1x3, m4p2x3, m2p1x4) measured no faster on the H100
+                          # at b4, b8 and b32 (benchmarks/NOTES.md): not timed
 PIPE_COST = (6, 1, 1, 2)  # a step's cost, in units of about an mma tile's: a state tile (its element updates,
                           # readout, split), an mma tile, a tile sent, a tile received (load and split)
 SMEM_STATIC = 48 * 1024   # a block's static shared memory
