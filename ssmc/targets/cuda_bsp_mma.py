@@ -209,6 +209,7 @@ class Pipe:
     readers: tuple
     page: int
     pages: int
+    tiles: tuple               # the compiled tiles (row j, column c)
 
     def full(self, s: int, pg: int) -> int:
         return 1 + 2 * self.pages * s + pg
@@ -225,11 +226,9 @@ class Pipe:
 
     def given(self, s: int, terms: int) -> dict:
         """(term, tile) -> the ring slot that stage s reads the tile's fragments from."""
-        mine = {c for j, c in self._tiles if j in self.parts[s]}
+        mine = {c for j, c in self.tiles if j in self.parts[s]}
         return {(k, c): f"Rh{w}[@PG@][@SL@][{x}][{k}]" for w in range(s) for x, c in enumerate(self.sent[w])
                 if c in mine for k in range(terms)}
-
-    _tiles: tuple = ()
 
 
 def pipeline(p: CudaBSPlan, stages: int = 2) -> list[list[int]] | None:
