@@ -64,6 +64,7 @@ inline void named_barrier(int id, int count, bool wait) {
 }
 inline void named_sync(int id, int count) { named_barrier(id, count, true); }
 inline void named_arrive(int id, int count) { named_barrier(id, count, false); }
+inline int named_left = 0;       // named barriers some block left with a phase not completed
 
 inline void launch(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& body) {
   blockDim.x = block;
@@ -87,6 +88,7 @@ inline void launch(unsigned grid, unsigned block, unsigned smem, const std::func
         body();
       });
     for (auto& th : threads) th.join();
+    for (Named& n : named) named_left += n.arrived != 0;
   }
 }
 }  // namespace ssmc_emu
@@ -211,3 +213,7 @@ inline __half __float2half_rn(float f) {
   if (e >= 31) return {std::uint16_t(s | 0x7c00u)};
   return {std::uint16_t(s | (e << 10) | int(mant))};
 }
+
+// How many named barriers blocks have left with arrivals of an unfinished phase since the library
+// was loaded (a kernel whose arrivals and waits do not pair up).
+extern "C" int ssmc_emu_named_left() { return ssmc_emu::named_left; }

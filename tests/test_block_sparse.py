@@ -290,6 +290,7 @@ def _emulate_bsp(kernel, xs, workdir):
         f = getattr(lib, rend.kname + "_emulate")
         f.argtypes = [ctypes.c_uint] * 3 + [types[k] for k, _ in args]
         f(grid, block, 0, *[v for _, v in args])
+        assert lib.ssmc_emu_named_left() == 0, f"{rend.kname}: a block ended with a named barrier's phase open"
     return kernel.run(xs, launch)
 
 
