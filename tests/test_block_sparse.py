@@ -433,6 +433,7 @@ def test_cuda_mma_pipeline_emulated(bs, dtype, form, emu_dir, monkeypatch):
         assert up and down and not {c for j, c in tiles_of(p, p.blocks) if j in up} - set(up)
         k = CudaBlockSparseKernel(r, p, get_cache(str(emu_dir / f"pipe{bs}")))
         k.poison = True
+        assert f"tiles {up} upstream of {down}" in k.describe()
         pipes = [c for c in k.choices() if isinstance(c[1], str) and "p" in c[1]]
         assert pipes == [c for c in PIPES if pipe_fits(r, p, c[1])] and pipes
         pipes += [c for c in ((3, "m4p2x3"), (4, "m2p1x4")) if pipe_fits(r, p, c[1])]     # not timed, still right

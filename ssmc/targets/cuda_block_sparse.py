@@ -703,6 +703,11 @@ class CudaBlockSparseKernel:
         text = (f"mixed axis {p.reg} in {p.bs}x{p.bs} blocks, {len(p.blocks)}/{(p.n // p.bs) ** 2} compiled "
                 f"nonzero, rows over {list(p.rows)}: a lane each, 32 a block, the state split over warps by block rows; "
                 + ("or 16 a warp on tensor cores (tf32 x3)" if self.mma_why is None else f"no tensor cores: {self.mma_why}"))
+        if self.mma_why is None:
+            from .cuda_bsp_mma import pipeline
+            stages = pipeline(p)
+            text += (f"; as a two-warp pipeline, 8-column state tiles {stages[0]} upstream of {stages[1]}" if stages
+                     else "; no pipeline (no split of the 8-column tiles with one part reading nothing of the other)")
         if self.timings:
             text += "; warps per block timed (s: blocks moved between warps): " + ", ".join(
                 f"{_label(c)}: {ms:.3f} ms" for c, ms in sorted(self.timings.items(), key=str))
