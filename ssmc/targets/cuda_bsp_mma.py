@@ -330,8 +330,9 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
             raise ValueError(f"no pipeline of {split} warps, pages of {page} in {depth} steps: "
                              + ("no such stages" if owners is None else "one tile a block, pages dividing D"))
         pipe = make_pipe(p, owners, depth, page)
-    elif split < 1 or nb % split or warps % split:
-        raise ValueError(f"{split} warps a tile: the {nb} tiles or the {warps} warps do not divide")
+    elif split < 1 or nb % split or warps % split or (split > 1 and depth % 2):
+        raise ValueError(f"{split} warps a tile: the {nb} tiles or the {warps} warps do not divide"
+                         + (f", or {depth} steps an iteration is odd (the exchange's double buffer)" if split > 1 else ""))
     else:
         owners = partition(p, split) if split > 1 else [list(range(nb))]
     kname = ("ssmc_bspm_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
@@ -594,7 +595,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
     def loop(tiles) -> list[str]:
         """D steps an iteration: while every step and refill is in range, one block of straight-line
         code (the scheduler interleaves one step's readout with the next step's products); then
-        the rest, checked step by step. The double buffer's half is t % 2: D is even."""
+        the rest, checked step by step. The exchange's double buffer half is t % 2 (the split instances: D even)."""
         mine_t = [t for t in tiles if t[0] in own]
         send, recv = exchange(tiles)
         if page:
