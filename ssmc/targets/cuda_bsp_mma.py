@@ -67,9 +67,15 @@ def mma_unsupported(r: ir.Region, p: CudaBSPlan) -> str | None:
 def split_fits(r: ir.Region, p: CudaBSPlan, split: int) -> bool:
     """Whether `split` warps a tile divide the state's tiles and the exchange buffers fit beside W."""
     nb = p.n // 8
-    sums = sum(len(_reduces(o.expr)) for o in r.outputs if p.reg not in o.index)
+    sums = _row_sums(r, p)
     smem = len(p.terms) * nb * nb * 32 * 16 + 2 * nb * 32 * 16 + 2 * max(sums, 1) * split * 16 * 4
     return nb % split == 0 and smem <= SMEM_STATIC
+
+
+def _row_sums(r: ir.Region, p: CudaBSPlan) -> int:
+    """The sums over the state that per-row outputs (per step or final) read: the partial sums the
+    warps of a tile exchange."""
+    return sum(len(_reduces(o.expr)) for o in r.outputs if p.reg not in o.index)
 
 
 def pipe_fits(r: ir.Region, p: CudaBSPlan, variant: str) -> bool:
@@ -83,7 +89,7 @@ def pipe_fits(r: ir.Region, p: CudaBSPlan, variant: str) -> bool:
     if pipe.fin() > 15:
         return False
     nb = p.n // 8
-    sums = max(sum(len(_reduces(o.expr)) for o in r.outputs if p.reg not in o.index), 1)
+    sums = max(_row_sums(r, p), 1)
     ring, per_sum = pipe_smem(p, pipe)
     smem = (len(p.terms) * nb * nb * 32 * 16 + max(2 * nb, ring) * 32 * 16 + 2 * sums * stages * 16 * 4
             + sums * per_sum)
@@ -220,6 +226,11 @@ class Pipe:
     def fin(self) -> int:
         return 1 + 2 * self.pages * (len(self.parts) - 1)
 
+    def ring_slots(self, s: int, terms: int) -> int:
+        """float4 slots a lane of stage s's fragment ring takes: D steps, its tiles sent, each
+        term's hi and lo."""
+        return self.pages * self.page * max(len(self.sent[s]), 1) * terms * 2
+
     def count(self, s: int) -> int:
         """Threads at stage s's barriers: the writer and its readers."""
         return 32 * (1 + len(self.readers[s]))
@@ -307,9 +318,8 @@ def make_pipe(p: CudaBSPlan, parts, depth: int, page: int) -> Pipe:
 def pipe_smem(p: CudaBSPlan, pipe: Pipe) -> tuple[int, int]:
     """(float4 slots a lane of the fragment rings takes (they share Xs's memory), bytes of the
     sums' rings per sum)."""
-    depth = pipe.page * pipe.pages
-    return (sum(depth * max(len(x), 1) * len(p.terms) * 2 for x in pipe.sent[:-1]),
-            (len(pipe.parts) - 1) * depth * 16 * 4)
+    return (sum(pipe.ring_slots(w, len(p.terms)) for w in range(len(pipe.parts) - 1)),
+            (len(pipe.parts) - 1) * pipe.page * pipe.pages * 16 * 4)
 
 
 def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = False,
@@ -365,7 +375,7 @@ def _rings(p: CudaBSPlan, pipe: Pipe, nsums: int) -> list[str]:
         dims = f"{shape}[{max(len(sent), 1)}][{len(p.terms)}][2][32]"
         out += [f"uint4 (*Rh{w}){dims} = reinterpret_cast<uint4 (*){dims}>(&Xs[0][0][0][0] + {off});",
                 f"__shared__ float Rs{w}[{pipe.pages}]{shape}[{max(nsums, 1)}][16];"]
-        off += pipe.pages * pipe.page * max(len(sent), 1) * len(p.terms) * 2 * 32
+        off += pipe.ring_slots(w, len(p.terms)) * 32
     return out
 
 
