@@ -108,6 +108,9 @@ def main(argv=None):
     ap.add_argument("--step-elements", default="",
                     help="with --backward: comma-separated sizes of the backward's chunk tensors "
                          "(mix_adjoint's STEP_ELEMENTS and GPU_STEP_ELEMENTS), a row each (default: its own)")
+    ap.add_argument("--sums", default="kernel",
+                    help="with --backward: comma-separated, a row each: 'kernel' (the backward's two-factor "
+                         "sums by the mul_sum kernel where it runs them) and/or 'torch' (by torch ops)")
     ap.add_argument("--profile", action="store_true",
                     help="with --backward: one forward+backward under torch.profiler, its top ops in the row")
     ap.add_argument("--choices", default="",
@@ -118,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                     help="x, dt, B, C dtype (default: bf16 on CUDA, fp32 on CPU); A and the state are fp32")
     args = ap.parse_args(argv)
+    if set(args.sums.split(",")) - {"kernel", "torch"}:
+        ap.error(f"--sums: {args.sums!r}: each must be 'kernel' or 'torch'")
     cfg = dict(TINY if args.tiny else FULL)
     if args.batch:
         cfg["b"] = args.batch
@@ -237,18 +242,28 @@ def main(argv=None):
     if args.backward:
         from ssmc.targets import mix_adjoint as M
         default = M.STEP_ELEMENTS, M.GPU_STEP_ELEMENTS
+        from ssmc.targets import mul_sum as MS
+        usable = MS.usable
         for target in targets:
             for se in [int(v) for v in args.step_elements.split(",") if v] or [None]:
-                if se:
-                    M.STEP_ELEMENTS = M.GPU_STEP_ELEMENTS = se
-                row = backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check, args.profile)
-                elements = M.step_elements(dev, 4)
-                row.update(step_elements=elements, chunk_steps=M.chunk_steps(b * d * n, L, None, elements))
-                M.STEP_ELEMENTS, M.GPU_STEP_ELEMENTS = default
-                if se:
-                    row["variant"] += f" (chunk tensors of {se} elements)"
-                res["rows"].append(row)
-                write()
+                for sums in args.sums.split(","):
+                    if se:
+                        M.STEP_ELEMENTS = M.GPU_STEP_ELEMENTS = se
+                    MS.usable = usable if sums == "kernel" else (lambda a, b: False)
+                    try:
+                        row = backward_row(target, cfg, sparse, dev, gen, seq_dtype, bench, small, check, args.profile)
+                    finally:
+                        MS.usable = usable
+                    elements = M.step_elements(dev, 4)
+                    row.update(step_elements=elements, chunk_steps=M.chunk_steps(b * d * n, L, None, elements),
+                               sums=sums)
+                    M.STEP_ELEMENTS, M.GPU_STEP_ELEMENTS = default
+                    if se:
+                        row["variant"] += f" (chunk tensors of {se} elements)"
+                    if sums != "kernel":
+                        row["variant"] += f" (sums by {sums})"
+                    res["rows"].append(row)
+                    write()
         res["rows"].append(backward_row(None, cfg, sparse, dev, gen, torch.float32, bench, small, check))
         write()
     row = {}

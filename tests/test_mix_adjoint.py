@@ -231,3 +231,102 @@ def test_contract_against_the_product_summed(shapes, keep, monkeypatch):
     assert rel_err(got, want) < 1e-6
     # a batched dot product needs two of the largest factors in one einsum
     assert all(sizes.count(big) < 2 for sizes in seen), seen
+
+
+@pytest.mark.parametrize("sa, sb, dim", [
+    ((5, 3, 40, 1), (5, 3, 40, 24), 2),        # dC: summed along a strided dim, the output's contiguous
+    ((5, 3, 40, 24), (5, 3, 1, 24), 3),        # dx: summed along the contiguous dim
+    ((5, 3, 40, 24), (5, 3, 40, 24), 3),       # equal shapes
+    ((7, 1, 150), (1, 9, 150), 2),             # each broadcast along a dim the other varies along
+    ((3, 1, 5, 2, 1, 4, 3), (1, 2, 5, 2, 3, 4, 3), 2),   # four outer dims and an inner one
+    ((2, 2, 2, 2, 2, 2, 5), (2, 2, 2, 2, 2, 2, 5), 6),   # five outer dims: torch
+    ((300,), (300,), 0),                       # no output dim left
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mul_sum_kernel(sa, sb, dim, dtype, interp, monkeypatch):
+    """`mul_sum` (the Triton kernel under TRITON_INTERPRET) against the product summed in float64,
+    its output poisoned first; the kernel runs where it indexes the dims, torch where it does not."""
+    from ssmc.targets import mul_sum as MS
+    monkeypatch.setattr(MS, "FORCE", True)
+    ran = []
+    real_module = MS._module
+    monkeypatch.setattr(MS, "_module", lambda outer, *a: ran.append(outer) or real_module(outer, *a))
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(*sa, generator=g).to(dtype), torch.randn(*sb, generator=g).to(dtype)
+    want = (a.double() * b.double()).sum(dim, keepdim=True)
+    got = MS.mul_sum(a, b, dim)
+    assert got.shape == want.shape and got.dtype == dtype
+    poisoned = torch.full(want.shape, float("nan"), dtype=dtype)
+    assert MS.mul_sum(a, b, dim, out=poisoned) is poisoned and torch.equal(poisoned, got)
+    with pytest.raises(ValueError, match="mul_sum: out is"):
+        MS.mul_sum(a, b, dim, out=torch.empty(3, dtype=dtype))
+    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 1e-2), rel_err(got, want)
+    others = sum(1 for d, (x, y) in enumerate(zip(sa, sb)) if d != dim and max(x, y) > 1)
+    assert ran == ([] if others > MS.MAX_OUTER + 1 else [max(0, others - 1)] * 2)
+
+
+def test_backward_sums_by_the_kernel(interp, monkeypatch):
+    """The fp32 backward with its two-factor sums on the `mul_sum` kernel (as on a GPU) against
+    float64 autograd; the kernel ran in every chunk, summing over channels and over the state."""
+    from ssmc.targets import mul_sum as MS
+    monkeypatch.setattr(MS, "FORCE", True)
+    ran = []
+    real = MS.mul_sum
+    monkeypatch.setattr(MS, "mul_sum", lambda a, b, d: ran.append(d) or real(a, b, d))
+    g = torch.Generator().manual_seed(2)
+    r, xs = _region_and_inputs(*case("euler_matmul", g, torch.float32), monkeypatch)
+    outs = run(r, xs)
+    grads = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
+    needs = [x.is_floating_point() for x in xs]
+    got = M.backward(r, xs, grads, needs, None, 3)
+    xd = [x.double() if x.is_floating_point() else x for x in xs]
+    want = grads_by_autograd(lambda ins: run(r, ins), xd, [x.double() for x in grads], needs)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), i
+        if b is not None:
+            assert rel_err(a, b) < 1e-5, (i, rel_err(a, b))
+    assert len(ran) >= 3 * 3 and set(ran) == {2, 3}, ran    # over channels (dC, dB) and the state (dx, dt)
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("r_fast", [True, False])
+def test_mul_sum_compiles_for_gpu(cc, r_fast, monkeypatch, tmp_path):
+    """The `mul_sum` kernel compiles for sm_80 and sm_90 (bf16 and fp32 operands, two outer dims,
+    either tile layout)."""
+    import triton
+    from test_triton import ast_source
+    from triton.backends.compiler import GPUTarget
+    from ssmc.targets import mul_sum as MS
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    mod = MS._module(2, str(tmp_path), False)
+    fn = getattr(mod, MS.kname(2))
+    ints = [f"{p}{d}" for d in range(2) for p in ("size", "a_s", "b_s", "o_s")]
+    ints += ["SIZE_I", "a_si", "b_si", "o_si", "R", "a_sr", "b_sr"]
+    sig = {"a_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*fp32", **{k: "i64" for k in ints}}
+    cx = {"BLOCK_I": 64, "BLOCK_R": 64, "R_FAST": r_fast, ("a_sr" if r_fast else "a_si"): 1}
+    sig.update({k: "constexpr" for k in cx})
+    ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+    ptx = ck.asm["ptx"]
+    assert f".target sm_{cc}" in ptx and "ld.global" in ptx and "st.global" in ptx
+
+
+@pytest.mark.gpu
+def test_gpu_mul_sum():
+    """`mul_sum` on the GPU at the block-sparse backward's layouts (dC, dB over channels; dx, dt
+    over the state; fp32 with bf16), against float64, and chosen by `contract` for CUDA tensors."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from ssmc.targets import mul_sum as MS
+    from ssmc.targets import reference as R
+    g = torch.Generator().manual_seed(6)
+    T, b, d, n = 33, 4, 96, 64
+    lam = torch.randn(T, b, d, n, generator=g).cuda()
+    dy = torch.randn(T, b, d, 1, generator=g).cuda().to(torch.bfloat16)
+    B = torch.randn(T, b, 1, n, generator=g).cuda().to(torch.bfloat16)
+    for a, c, dim in ((dy, lam, 2), (lam, B, 3), (lam, lam, 3), (lam, dy, 0)):
+        assert MS.usable(a, c)
+        want = (a.double() * c.double()).sum(dim, keepdim=True)
+        got = MS.mul_sum(a, c, dim)
+        assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5, (dim, rel_err(got, want))
+    keep = (T, b, 1, n)
+    assert rel_err(R.contract([dy, lam], keep), (dy.double() * lam.double()).sum(2, keepdim=True)) < 1e-5

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from ssmc import ir
 from ssmc.ir import Const, Load, Op, Reduce, Region, State
 
+from . import mul_sum
+
 _UNARY = {
     "neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "expm1": torch.expm1,
     "log": torch.log, "log1p": torch.log1p, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
@@ -202,7 +204,8 @@ def contract(values: list, shape) -> torch.Tensor:
     last product vary along the same dims, it is an elementwise product and a sum: as an einsum
     it would be a batched dot product, which cuBLAS runs as one small launch per 65535 dots (32
     launches for 2^21 rows of 64, at a tenth of the memory bandwidth, in the block-sparse
-    backward's gradient of dt)."""
+    backward's gradient of dt). Where that last product is summed over one dim and `mul_sum`
+    can run it (CUDA tensors), one Triton kernel multiplies and sums, reading each side once."""
     nd = len(shape)
     full = [max(v.shape[d] for v in values) for d in range(nd)]
     dtype = functools.reduce(torch.promote_types, [v.dtype for v in values])
@@ -215,6 +218,10 @@ def contract(values: list, shape) -> torch.Tensor:
         values = [values[big], _einsum(rest, along)]
     if len(values) == 2:
         a, b = values
+        both = [max(x, y) for x, y in zip(a.shape, b.shape)]
+        summed = [d for d in range(nd) if d not in keep and both[d] != 1]
+        if len(summed) == 1 and mul_sum.usable(a, b):      # one pass over each, on the GPU
+            return mul_sum.mul_sum(a, b, summed[0])
         if a.shape == b.shape:
             prod = a * b
             dims = [d for d in range(nd) if d not in keep and prod.shape[d] != 1]
