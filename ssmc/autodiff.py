@@ -192,23 +192,30 @@ def region_adjoint(region: Region) -> Adjoint:
 class ChunkScan:
     """A forward region derived from another for one chunk of its steps, and how to feed it:
     its input k is the original input ``reads[k]`` (the chunk's steps of it along dim ``tdim[k]``,
-    reversed in time when ``flip``; an input without a time dim, None, whole), then one tensor
-    per name in ``extra``."""
+    in time order; an input without a time dim, None, whole), then one tensor per name in
+    ``extra`` (time along dim ``extra_tdim[j]``, or None). ``backwards``: the region runs from the
+    chunk's last step to its first, step s reading every time-indexed input at index T-1-s and
+    writing its per-step outputs there (`time_dims` names them for the kernel)."""
     region: Region
     reads: tuple[int, ...]
     tdim: tuple
     extra: tuple[str, ...]
-    flip: bool = False
+    backwards: bool = False
+    extra_tdim: tuple = ()
 
     def inputs(self, inputs, t0: int, t1: int, extra) -> list:
         out = []
         for i, d in zip(self.reads, self.tdim):
             x = inputs[i]
-            if d is not None:
-                x = x.narrow(d, t0, t1 - t0)
-                x = x.flip(d) if self.flip else x
-            out.append(x)
+            out.append(x.narrow(d, t0, t1 - t0) if d is not None else x)
         return out + list(extra)
+
+    def time_dims(self) -> dict | None:
+        """{input of the region: its time dim} when it runs backwards, else None."""
+        if not self.backwards:
+            return None
+        dims = list(self.tdim) + list(self.extra_tdim) + [None] * (len(self.extra) - len(self.extra_tdim))
+        return {k: d for k, d in enumerate(dims) if d is not None}
 
 
 def time_dims(r: Region, exprs) -> dict | str:
@@ -234,13 +241,14 @@ def chunk_scans(r: Region, cdt: str) -> tuple[ChunkScan, ChunkScan, ChunkScan] |
 
     final    the state after the chunk from the state before it (extra input h0): checkpoints;
     states   every state of the chunk from h0 (outputs laid out (t, *state axes));
-    adjoint  lam, reversed in time: lam_t = a_(t+1) lam_(t+1) + m_(t+1)^T lam_(t+1) + g_t, with
-             g_t = dL/dh_t from the outputs. Run forward over the flipped chunk: step s reads the
-             transition at t = t1-1-s (the decay's and the matrix's inputs flipped), the drive is
-             the extra input g' = (g_(t1-2), ..., g_t0, 0), the initial state lam_(t1-1). Its
-             states are lam_(t1-2) .. lam_t0 and, last, a_t0 lam_t0 + m_t0^T lam_t0: dL/dh
-             before the chunk. The transposed matrix is the matrix expression with the state's
-             last axis and the column axis swapped; its block mask is the transpose.
+    adjoint  lam, backwards in time: lam_t = a_(t+1) lam_(t+1) + m_(t+1)^T lam_(t+1) + g_t,
+             with g_t = dL/dh_t from the outputs. It runs from the chunk's last step to its first
+             (`ChunkScan.backwards`): step s, at index u = T-1-s of the chunk, reads the
+             transition at t0+u and the drive at u, which the caller fills with g_(t0+u-1) (0 at
+             u = 0); the initial state is lam_(t1-1). The state it writes at u is lam_(t0+u-1),
+             and at u = 0 a_t0 lam_t0 + m_t0^T lam_t0: dL/dh before the chunk. The transposed
+             matrix is the matrix expression with the state's last axis and the column axis
+             swapped; its block mask is the transpose.
 
     A reason string where the inputs cannot be cut into chunks (`time_dims`)."""
     m = r.mix
@@ -262,13 +270,13 @@ def chunk_scans(r: Region, cdt: str) -> tuple[ChunkScan, ChunkScan, ChunkScan] |
         at = {i: k for k, i in enumerate(reads)}
         return lambda ld: Load(at[ld.input], ld.index)
 
-    def scan(name, reads, extra, init, extra_names, flip=False, **fields):
+    def scan(name, reads, extra, init, extra_names, backwards=False, extra_tdim=(), **fields):
         """The region reading `reads`, then the extra inputs; its initial state the init-th extra."""
         n = len(reads)
         reg_ = Region(name=f"{r.name}_{name}", axes=axes, axis_size=tuple((n + init, k) for k in range(len(axes))),
                       inputs=tuple(r.inputs[i] for i in reads) + extra, init=n + init,
                       state_dtype=r.state_dtype, **fields)
-        return ChunkScan(reg_, reads, tuple(tdim.get(i) for i in reads), extra_names, flip)
+        return ChunkScan(reg_, reads, tuple(tdim.get(i) for i in reads), extra_names, backwards, extra_tdim)
 
     reads = reads_of(*fwd_exprs, also=(r.length[0],))
     mp = renumbered(reads)
@@ -283,7 +291,8 @@ def chunk_scans(r: Region, cdt: str) -> tuple[ChunkScan, ChunkScan, ChunkScan] |
     mt = map_loads(m.expr, lambda ld: mp(Load(ld.input, tuple(swap.get(ix, ix) for ix in ld.index))))
     n = len(reads)
     adjoint = scan("adjoint", reads, (InputSpec("grad_state", 1 + len(axes), cdt), state_in), 1, ("g", "lam0"),
-                   flip=True, outputs=(steps_out,), length=(n, 0), decay=map_loads(r.decay, mp),
+                   backwards=True, extra_tdim=(0, None), outputs=(steps_out,), length=(n, 0),
+                   decay=map_loads(r.decay, mp),
                    drive=Load(n, ("t", *axes)),
                    mix=Mix(mt, m.block, tuple(sorted((c, b) for b, c in m.blocks)), m.nblocks))
     return final, states, adjoint

@@ -279,7 +279,7 @@ def _region_and_inputs(fn, inputs, monkeypatch):
     return report.regions[0].ir, seen[0]
 
 
-def _emulate_bsp(kernel, xs, workdir):
+def _emulate_bsp(kernel, xs, workdir, **run):
     import ctypes
     from test_cuda_codegen import _emulator
     types = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32}
@@ -291,7 +291,7 @@ def _emulate_bsp(kernel, xs, workdir):
         f.argtypes = [ctypes.c_uint] * 3 + [types[k] for k, _ in args]
         f(grid, block, 0, *[v for _, v in args])
         assert lib.ssmc_emu_named_left() == 0, f"{rend.kname}: a block ended with a named barrier's phase open"
-    return kernel.run(xs, launch)
+    return kernel.run(xs, launch, **run)
 
 
 def _bsp_case(form, bs, dtype, g):

@@ -49,7 +49,10 @@ def test_chunk_scans_structure(monkeypatch):
     assert [o.kind for o in states.region.outputs] == ["steps"] and [o.kind for o in final.region.outputs] == ["final"]
     assert states.region.outputs[0].index == ("t", *r.axes)
     assert set(adjoint.reads) == {ld.input for ld in ir.loads(r.mix.expr)}     # dt and W: no x, B, C
-    assert adjoint.flip and adjoint.extra == ("g", "lam0") and states.extra == ("h0",)
+    assert adjoint.backwards and adjoint.extra == ("g", "lam0") and states.extra == ("h0",)
+    assert not states.backwards and states.time_dims() is None
+    assert adjoint.time_dims() == {**{k: d for k, d in enumerate(adjoint.tdim) if d is not None},
+                                   len(adjoint.reads): 0}           # g along time, lam0 not
     assert adjoint.region.mix.blocks == tuple(sorted((c, b) for b, c in r.mix.blocks))
     assert (2, 0) in adjoint.region.mix.blocks and (0, 2) not in adjoint.region.mix.blocks
     w = next(ld for ld in ir.loads(r.mix.expr) if reg in ld.index)
@@ -129,7 +132,8 @@ def test_triton_backward_scans(form, step_elements, interp, monkeypatch):
 def test_cuda_backward_scans_emulated(dtype, mma, emu_dir, monkeypatch, tmp_path):
     """The CUDA kernel's backward with its scans on CUDA block-sparse kernels run by the CPU
     emulator (outputs NaN-poisoned; a lane a row, or the tensor-core instances), in chunks of 3
-    steps; against float64 autograd."""
+    steps, the adjoint's walking time backwards through negated strides, its states written into
+    the backward's buffer; against float64 autograd."""
     from ssmc.runtime.cache import get_cache
     from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
     monkeypatch.setattr(M, "STEP_ELEMENTS", 3 * (2 * 3 * 16))        # 3 steps of the (2, 3, 16) state
@@ -143,16 +147,21 @@ def test_cuda_backward_scans_emulated(dtype, mma, emu_dir, monkeypatch, tmp_path
     ran = []
 
     class Emulated:
+        walks_back = True
+
         def __init__(self, reg):
             self.k = CudaBlockSparseKernel(reg, bsp_plan(reg), cache)
             self.k.poison = True
             if mma:
                 self.k.force_groups = next(c for c in self.k.choices() if isinstance(c[1], str))
 
-        def forward(self, inputs):
-            out = _emulate_bsp(self.k, inputs, emu_dir)
+        def forward(self, inputs, backwards=None, out=None):
+            got = _emulate_bsp(self.k, inputs, emu_dir, backwards=backwards, out=out)
+            assert out is None or all(a is b for a, b in zip(got, out))
             ran.append((self.k.region.name, isinstance(self.k.last_launch["split"], str)))
-            return out
+            walked.append((self.k.region.name.rsplit("_", 1)[1], backwards is not None))
+            return got
+    walked = []
     k.scans.make = Emulated
     outs = run(r, [x.double() for x in xs])
     grads = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in outs]
@@ -164,6 +173,7 @@ def test_cuda_backward_scans_emulated(dtype, mma, emu_dir, monkeypatch, tmp_path
         assert rel_err(a, b) < tol, (i, rel_err(a, b))
     assert not k.scans.declined and len(ran) == 3 * 3            # 3 chunks of the 7 steps, 3 scans each
     assert {m for _, m in ran} == {mma}
+    assert set(walked) == {("final", False), ("states", False), ("adjoint", True)}
 
 
 def test_chunk_size_policy(monkeypatch):
@@ -330,3 +340,27 @@ def test_gpu_mul_sum():
         assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5, (dim, rel_err(got, want))
     keep = (T, b, 1, n)
     assert rel_err(R.contract([dy, lam], keep), (dy.double() * lam.double()).sum(2, keepdim=True)) < 1e-5
+
+
+def test_walking_back_checks_its_arguments(monkeypatch, tmp_path):
+    """The CUDA kernel's `run` names an `out` tensor of the wrong shape or dtype and a backwards
+    input of another length, before any launch."""
+    from ssmc.runtime.cache import get_cache
+    from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
+    g = torch.Generator().manual_seed(4)
+    r, xs = _region_and_inputs(*case("euler_matmul", g, torch.float32), monkeypatch)
+    k = CudaBlockSparseKernel(r, bsp_plan(r), get_cache(str(tmp_path / "cache")))
+    want = run(r, xs)
+
+    def launch(*a):
+        raise AssertionError("launched")
+    shape = tuple(want[0].shape)
+    with pytest.raises(ValueError, match=rf"out\[0\] is \({shape[0]}, .* torch.float64; output 0 of region"):
+        k.run(xs, launch, out=[torch.empty(shape, dtype=torch.float64)])
+    short = (shape[0], shape[1] - 1, *shape[2:])
+    with pytest.raises(ValueError, match=rf"out\[0\] is \({short[0]}, {short[1]},"):
+        k.run(xs, launch, out=[torch.empty(short, dtype=want[0].dtype)])
+    x0 = xs[0]
+    t = next(d for d in range(x0.dim()) if x0.shape[d] == 7)
+    with pytest.raises(ValueError, match=rf"backwards: input 0 \(.*\) has {x0.shape[(t + 1) % x0.dim()]} steps along dim"):
+        k.run(xs, launch, backwards={0: (t + 1) % x0.dim()})

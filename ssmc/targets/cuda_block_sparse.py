@@ -737,12 +737,14 @@ class CudaBlockSparseKernel:
         return binary
 
     # -- running ----------------------------------------------------------------------------------
-    def forward(self, inputs):
+    walks_back = True           # forward(..., backwards=) runs time backwards without copies (`run`)
+
+    def forward(self, inputs, backwards=None, out=None):
         from .cuda import device_arch
         idx, arch = device_arch(inputs)
         self.arch = arch
         return self.run(inputs, functools.partial(self._launch, idx, arch), timer=_cuda_timer,
-                        prebuild=functools.partial(self._prebuild, arch))
+                        prebuild=functools.partial(self._prebuild, arch), backwards=backwards, out=out)
 
     def _prebuild(self, arch: int, choices):
         """NVRTC builds of every warp count at once (seconds each; NVRTC runs in parallel)."""
@@ -763,10 +765,16 @@ class CudaBlockSparseKernel:
         from .mix_adjoint import Scans
         return Scans(lambda r: CudaBlockSparseKernel(r, bsp_plan(r), self.cache, self.extra_flags))
 
-    def run(self, inputs, launch, timer=None, prebuild=None):
+    def run(self, inputs, launch, timer=None, prebuild=None, backwards=None, out=None):
         """Outputs, the coverage flag and the arguments; ``launch(groups, grid, block, args)``
         with args as (kind, value), kind "ptr" | "i64" | "i32". `timer(fn) -> ms` times each warp
-        count on the first call of a shape (without one: the first choice)."""
+        count on the first call of a shape (without one: the first choice).
+
+        ``backwards`` ({input: its time dim}): the recurrence runs from the last step to the
+        first, as on inputs flipped in time, with no copy: those inputs and the per-step outputs
+        are passed as pointers to their last step with the time stride negated, so step s reads
+        and writes index L-1-s. ``out``: tensors the outputs are written into (each of the
+        output's shape and dtype) instead of new ones."""
         r, p = self.region, self.plan
         for i, (x, s) in enumerate(zip(inputs, r.inputs)):
             if ir.dtype_name(x.dtype) != s.dtype:
@@ -776,16 +784,32 @@ class CudaBlockSparseKernel:
             raise ValueError(f"the mixed axis {p.reg} has {sizes[p.reg]} elements; the kernel was compiled for {p.n}")
         L = int(inputs[r.length[0]].shape[r.length[1]])
         if L == 0:
-            return self._reference.forward(inputs)
+            got = self._reference.forward(inputs)
+            return got if out is None else [o.copy_(g) for o, g in zip(out, got)]
         if L >= 2**31 - 1:
             raise ValueError(f"sequence length {L} beyond the kernel's int32 time index")
         dev = inputs[0].device
         outs = []
-        for o in r.outputs:
+        for k, o in enumerate(r.outputs):
             shape = tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index)
             dt = ir.to_dtype(o.dtype)
+            if out is not None:
+                if tuple(out[k].shape) != shape or out[k].dtype != dt:
+                    raise ValueError(f"out[{k}] is {tuple(out[k].shape)} {out[k].dtype}; output {k} of "
+                                     f"region {r.name} is {shape} {dt}")
+                outs.append(out[k].fill_(float("nan")) if self.poison else out[k])
+                continue
             outs.append(torch.full(shape, float("nan"), dtype=dt, device=dev) if self.poison
                         else torch.empty(shape, dtype=dt, device=dev))
+        back_in = dict(backwards or {})
+        back_out = {k: o.index.index("t") for k, o in enumerate(r.outputs) if backwards and "t" in o.index}
+        for k, d in back_in.items():
+            if inputs[k].shape[d] != L:
+                raise ValueError(f"backwards: input {k} ({r.inputs[k].name}) has {inputs[k].shape[d]} steps "
+                                 f"along dim {d}, the region runs {L}")
+
+        def last_step(x, d):        # the address of x's last step along d (its first when walking back)
+            return x.data_ptr() + (x.shape[d] - 1) * x.stride(d) * x.element_size()
         rows = 1
         for a in p.rows:
             rows *= sizes[a]
@@ -795,13 +819,15 @@ class CudaBlockSparseKernel:
         args = []
         for kind, src in self.rendered(self.choices()[0]).params:     # the same in every instance
             if src[0] == "in":
-                v = inputs[src[1]].data_ptr()
+                k = src[1]
+                v = last_step(inputs[k], back_in[k]) if k in back_in else inputs[k].data_ptr()
             elif src[0] == "in_stride":
-                v = inputs[src[1]].stride(src[2])
+                v = inputs[src[1]].stride(src[2]) * (-1 if back_in.get(src[1], -1) == src[2] else 1)
             elif src[0] == "out":
-                v = outs[src[1]].data_ptr()
+                k = src[1]
+                v = last_step(outs[k], back_out[k]) if k in back_out else outs[k].data_ptr()
             elif src[0] == "out_stride":
-                v = outs[src[1]].stride(src[2])
+                v = outs[src[1]].stride(src[2]) * (-1 if back_out.get(src[1], -1) == src[2] else 1)
             elif src[0] == "size":
                 v = sizes[src[1]]
             elif src[0] == "flag":

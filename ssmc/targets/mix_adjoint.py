@@ -6,9 +6,10 @@ The sequential work is three forward regions derived from the region
 of the target that runs the region (a block-sparse kernel multiplying only the nonzero blocks,
 of the transposed mask for the adjoint; `Scans`), or the torch reference. A first pass keeps the
 state at each chunk start; then, chunk by chunk in reverse: the chunk's states from its start,
-dL/dh_t from the outputs, lam over the chunk in reverse time, and the gradients of the inputs by
-torch ops on the whole chunk (`Evaluator`): the decay's and the drive's as in the diagonal case,
-and the transition's from dm_t[.., i, j] = lam_t[.., i] h_(t-1)[.., j]. That outer product is
+dL/dh_t from the outputs, lam over the chunk backwards in time (`walk`: through negated
+strides where the kernel can, else on flipped copies), and the gradients of the inputs by torch
+ops on the whole chunk (`Evaluator`; a sum of two factors by the `mul_sum` kernel on a GPU): the
+decay's and the drive's as in the diagonal case, and the transition's from dm_t[.., i, j] = lam_t[.., i] h_(t-1)[.., j]. That outer product is
 never formed where the matrix's adjoint is a product of a part along time and the rows and a
 part along (i, j) (m = s_t W: dW = sum over time and rows of s lam h_prev^T, one matrix product;
 ds = lam . (W h_prev)); otherwise it is formed a few steps at a time.
@@ -81,17 +82,27 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
             h = scan(final.region, final.inputs(inputs, t0, t1, [h]))[0].to(cdt)
         lam_next = g.seed_final(r, adj, h)          # dL/dh_(t1-1) from the steps after the chunk
         for (t0, t1), h0 in reversed(list(zip(bounds, starts))):
+            T = t1 - t0
             H = scan(states.region, states.inputs(inputs, t0, t1, [h0]))[0].to(cdt)
             ev = Evaluator(r, g.allin, t0, t1, cdt)
             ev.state = H
-            direct = ev.eval(adj.state_steps).expand(t1 - t0, *state_shape) if adj.state_steps is not None \
-                else torch.zeros_like(H)
+            # the adjoint's drive at chunk index u is g_(t0+u-1) (0 at u = 0): g, the direct
+            # gradients, written one step into a buffer of T+1 steps; its states land one step
+            # early in another, after which that buffer's last step holds lam_(t1-1): lam and
+            # the carry to the chunk before are views, nothing is reversed or copied
+            drive = torch.empty((T + 1, *state_shape), dtype=cdt, device=H.device)
+            drive[0].zero_()
+            if adj.state_steps is not None:
+                ev.eval_into(adj.state_steps, drive[1:])
+            else:
+                drive[1:].zero_()
             g.put(ev, adj.loads_steps)
-            last = direct[-1] + lam_next
-            gr = _reversed_then(direct[:-1], torch.zeros_like(last))     # g', the adjoint's drive
-            out = scan(adjoint.region, adjoint.inputs(inputs, t0, t1, [gr, last]))[0].to(cdt)
-            lam = _reversed_then(out[:-1], last)
-            lam_next = out[-1]                      # a_t0 lam_t0 + m_t0^T lam_t0
+            last = drive[T] + lam_next
+            states_of_lam = torch.empty_like(drive)
+            walk(scan, adjoint, adjoint.inputs(inputs, t0, t1, [drive[:T], last]), [states_of_lam[:T]])
+            states_of_lam[T] = last
+            lam = states_of_lam[1:]
+            lam_next = states_of_lam[0]             # a_t0 lam_t0 + m_t0^T lam_t0
             ev.memo[GRAD_B] = lam
             g.put(ev, adj.loads_drive)
             # what reads the state before each step, in two parts: the first step (h0) and the
@@ -109,12 +120,36 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
     return g.result(r, inputs, lam_next)
 
 
-def _reversed_then(x, last):
-    """(x reversed along dim 0, then `last`) in one new tensor, each element written once."""
-    out = torch.empty((x.shape[0] + 1, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    torch.index_select(x, 0, torch.arange(x.shape[0] - 1, -1, -1, device=x.device), out=out[:-1])
-    out[-1] = last
-    return out
+def walk(scan, cs, xs, out) -> None:
+    """Run the derived region of `cs` (a `ChunkScan`) on `xs`, its outputs written into `out`;
+    backwards in time where ``cs.backwards``: by the kernel where it walks time backwards
+    (`Scans`, `walks_back`), else on inputs flipped in time, the outputs flipped back."""
+    dims = cs.time_dims()
+    if isinstance(scan, Scans):
+        scan(cs.region, xs, dims, out)
+    else:
+        _flipped(lambda ys: scan(cs.region, ys), cs.region, xs, dims, out)
+
+
+def _flipped(forward, region: Region, xs, dims, out) -> list:
+    """``forward(xs)`` run backwards in time over the dims `dims` ({input: time dim}; None:
+    forwards), into `out` (or new tensors when None): copies of the time-indexed inputs flipped,
+    and of the per-step outputs flipped back, each written once."""
+    if dims:
+        xs = [x.flip(dims[k]) if k in dims else x for k, x in enumerate(xs)]
+    got = forward(xs)
+    res = []
+    for k, (o, spec) in enumerate(zip(got, region.outputs)):
+        dst = out[k] if out is not None else None
+        if dims and "t" in spec.index:
+            d = spec.index.index("t")
+            rev = torch.arange(o.shape[d] - 1, -1, -1, device=o.device)
+            o = torch.index_select(o.to(dst.dtype) if dst is not None else o, d, rev,
+                                   **({"out": dst} if dst is not None else {}))
+        elif dst is not None:
+            o = dst.copy_(o)
+        res.append(o)
+    return res
 
 
 def factored(e, r: Region) -> list | None:
@@ -191,7 +226,9 @@ class Scans:
         self.kernels: dict = {}
         self.declined: dict = {}
 
-    def __call__(self, region: Region, inputs):
+    def __call__(self, region: Region, inputs, backwards: dict | None = None, out=None):
+        """The region's outputs on `inputs`; ``backwards`` and ``out`` as in `_flipped` (by the
+        kernel itself where it walks time backwards, `walks_back`)."""
         key = region.key()
         k = self.kernels.get(key)
         if k is None:
@@ -201,12 +238,20 @@ class Scans:
                 k = self._decline(region, f"compile: {type(e).__name__}: {e}")
             self.kernels[key] = k
         try:
-            return k.forward(inputs)
+            return self._run(k, region, inputs, backwards, out)
         except Exception as e:
             if isinstance(k, ReferenceKernel):
                 raise
             self.kernels[key] = self._decline(region, f"run: {type(e).__name__}: {e}")
-            return self.kernels[key].forward(inputs)
+            return self._run(self.kernels[key], region, inputs, backwards, out)
+
+    @staticmethod
+    def _run(k, region, inputs, backwards, out):
+        if backwards is None and out is None:
+            return k.forward(inputs)
+        if getattr(k, "walks_back", False):
+            return k.forward(inputs, backwards=backwards, out=out)
+        return _flipped(k.forward, region, inputs, backwards, out)
 
     def _decline(self, region, why: str):
         self.declined[region.name] = why

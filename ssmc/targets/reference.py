@@ -170,6 +170,17 @@ class Evaluator:
         from .triton_ssd import factors
         return [self.eval(f) for f in factors(e)]
 
+    def eval_into(self, e, out: torch.Tensor) -> torch.Tensor:
+        """e's value (broadcast to `out`'s shape) written into `out`: by its last op itself where
+        that is an arithmetic op of two values of out's dtype that broadcast to out's shape (no
+        intermediate of out's size), else copied."""
+        if isinstance(e, Op) and e.name in ("add", "sub", "mul", "div") and e not in self.memo:
+            args = [self.eval(a) for a in e.args]
+            if (all(a.dtype == out.dtype for a in args)
+                    and tuple(torch.broadcast_shapes(*(a.shape for a in args))) == tuple(out.shape)):
+                return _BINARY[e.name](*args, out=out)
+        return out.copy_(self.eval(e))
+
     def eval(self, e) -> torch.Tensor:
         if e in self.memo:
             return self.memo[e]
