@@ -7,7 +7,8 @@ One forward+backward of bench_block_sparse's recurrence (the sparse mask, the CU
 under torch.cuda.set_sync_debug_mode("warn"): every synchronizing torch call is recorded with the
 ssmc frames of its stack (counted per call site). Then the step is timed on the host
 (perf_counter, synchronized at both ends) and by the kernels' own sum under torch.profiler;
-host time well above kernel time means the GPU waits for the host.
+host time well above kernel time means the GPU waits for the host. ``--cprofile FILE``: one
+more step under cProfile, where the host's time goes.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=FULL["b"])
     ap.add_argument("--L", type=int, default=FULL["L"])
+    ap.add_argument("--cprofile", default="", help="also one step under cProfile, its top functions "
+                                                   "(by own time and by cumulative time) written to this file")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -75,6 +78,20 @@ def main(argv=None):
         step(fn, ins)
         torch.cuda.synchronize()
     kernel_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+        prof_ = cProfile.Profile()
+        prof_.enable()
+        step(fn, ins)
+        torch.cuda.synchronize()
+        prof_.disable()
+        text = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof_, stream=text).sort_stats(key).print_stats(45)
+        with open(args.cprofile, "w") as f:
+            f.write(text.getvalue())
     res = {"device": torch.cuda.get_device_name(), "shape": dict(b=b, L=args.L, d=d, n=n, bs=bs),
            "host_ms_median": sorted(times)[len(times) // 2], "host_ms": times, "kernel_ms": kernel_ms,
            "syncs": len(seen), "sync_sites": dict(sites.most_common())}
