@@ -38,10 +38,15 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=FULL["b"])
     ap.add_argument("--L", type=int, default=FULL["L"])
+    ap.add_argument("--step-elements", type=int, default=None,
+                    help="the backward's chunk tensors (mix_adjoint.GPU_STEP_ELEMENTS), default its own")
     ap.add_argument("--cprofile", default="", help="also one step under cProfile, its top functions "
                                                    "(by own time and by cumulative time) written to this file")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
+    if args.step_elements:
+        from ssmc.targets import mix_adjoint as M
+        M.GPU_STEP_ELEMENTS = args.step_elements
     gen = torch.Generator().manual_seed(0)
     b, d, n, bs = args.batch, FULL["d"], FULL["n"], FULL["bs"]
     mask = make_mask(n, bs, FULL["density"], gen)
@@ -92,7 +97,9 @@ def main(argv=None):
             pstats.Stats(prof_, stream=text).sort_stats(key).print_stats(45)
         with open(args.cprofile, "w") as f:
             f.write(text.getvalue())
+    from ssmc.targets import mix_adjoint as M
     res = {"device": torch.cuda.get_device_name(), "shape": dict(b=b, L=args.L, d=d, n=n, bs=bs),
+           "chunk_steps": M.chunk_steps(b * d * n, args.L, None, M.step_elements(dev, 4)),
            "host_ms_median": sorted(times)[len(times) // 2], "host_ms": times, "kernel_ms": kernel_ms,
            "syncs": len(seen), "sync_sites": dict(sites.most_common())}
     print(json.dumps(res, indent=1))
