@@ -183,7 +183,7 @@ def test_chunk_size_policy(monkeypatch):
     free = {"bytes": 64 << 30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (free["bytes"], 141 << 30))
     gpu = torch.device("cuda", 0)
-    assert M.step_elements(gpu, 4) == M.GPU_STEP_ELEMENTS == 1 << 27
+    assert M.step_elements(gpu, 4) == M.GPU_STEP_ELEMENTS == 1 << 28
     free["bytes"] = 20 * 4 * (1 << 26)
     assert M.step_elements(gpu, 4) == 1 << 26
     free["bytes"] = 1 << 20

@@ -35,7 +35,10 @@ from .triton_ssd import factors, product, summands
 log = logging.getLogger("ssmc")
 
 STEP_ELEMENTS = 1 << 25       # elements of one (steps, *state) tensor of a chunk
-GPU_STEP_ELEMENTS = 1 << 27   # ... on a GPU with the memory for it
+# ... on a GPU with the memory for it. Fewer chunks, less host work: the block-sparse benchmark's
+# training step (b32 L4096, 256 channels, d_state 64) waited on the host with 2^27 (H100 at
+# 753cd9f: 104-109 ms on the host, 67 ms of kernels) and not with 2^28 (72 ms, 65 ms of kernels).
+GPU_STEP_ELEMENTS = 1 << 28
 
 
 def step_elements(device: torch.device, esize: int) -> int:
