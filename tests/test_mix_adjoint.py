@@ -276,13 +276,23 @@ def test_mul_sum_kernel(sa, sb, dim, dtype, interp, monkeypatch):
 
 
 def test_backward_sums_by_the_kernel(interp, monkeypatch):
-    """The fp32 backward with its two-factor sums on the `mul_sum` kernel (as on a GPU) against
-    float64 autograd; the kernel ran in every chunk, summing over channels and over the state."""
+    """The fp32 backward with its two-factor sums on the `mul_sum` kernel and the transition's
+    gradients on the `transition_grads` kernel (as on a GPU) against float64 autograd; `mul_sum`
+    ran in every chunk, summing over channels and over the state; `transition_grads` for the
+    first step and the rest of each chunk, G and rs in one pass."""
     from ssmc.targets import mul_sum as MS
+    from ssmc.targets import transition_grads as TG
     monkeypatch.setattr(MS, "FORCE", True)
-    ran = []
+    monkeypatch.setattr(TG, "FORCE", True)
+    ran, tg = [], []
     real = MS.mul_sum
     monkeypatch.setattr(MS, "mul_sum", lambda a, b, d: ran.append(d) or real(a, b, d))
+    real_module = TG._module
+    monkeypatch.setattr(TG, "_module", lambda *a: tg.append(a) or real_module(*a))
+    real_gr = M.gram_and_rows
+    wants = []
+    monkeypatch.setattr(M, "gram_and_rows", lambda lam, h, fr, fm: wants.append((fr is not None, fm is not None))
+                        or real_gr(lam, h, fr, fm))
     g = torch.Generator().manual_seed(2)
     r, xs = _region_and_inputs(*case("euler_matmul", g, torch.float32), monkeypatch)
     outs = run(r, xs)
@@ -296,6 +306,7 @@ def test_backward_sums_by_the_kernel(interp, monkeypatch):
         if b is not None:
             assert rel_err(a, b) < 1e-5, (i, rel_err(a, b))
     assert len(ran) >= 3 * 3 and set(ran) == {2, 3}, ran    # over channels (dC, dB) and the state (dx, dt)
+    assert wants == [(True, True)] * 5 and len(tg) == 5     # chunks of 3, 3, 1 steps: 2 + 2 + 1 parts
 
 
 @pytest.mark.parametrize("cc", [80, 90])
@@ -364,3 +375,61 @@ def test_walking_back_checks_its_arguments(monkeypatch, tmp_path):
     t = next(d for d in range(x0.dim()) if x0.shape[d] == 7)
     with pytest.raises(ValueError, match=rf"backwards: input 0 \(.*\) has {x0.shape[(t + 1) % x0.dim()]} steps along dim"):
         k.run(xs, launch, backwards={0: (t + 1) % x0.dim()})
+
+
+@pytest.mark.parametrize("K, n", [(300, 64), (37, 8), (129, 20), (1, 128)])
+def test_transition_grads_kernel(K, n, interp, monkeypatch):
+    """`gram_and_rows` on the Triton kernel (TRITON_INTERPRET) against float64: G = (fr lam)^T h
+    and rs = lam . (h fm^T), each alone and together; several programs, a tail block, n below
+    16 and not a power of two; torch where the kernel does not run (float64)."""
+    from ssmc.targets import transition_grads as TG
+    monkeypatch.setattr(TG, "FORCE", True)
+    g = torch.Generator().manual_seed(7)
+    lam, h, fr, fm = (torch.randn(K, n, generator=g), torch.randn(K, n, generator=g),
+                      torch.rand(K, generator=g), torch.randn(n, n, generator=g))
+    Gw = (lam.double() * fr.double()[:, None]).T @ h.double()
+    rw = (lam.double() * (h.double() @ fm.double().T)).sum(1)
+    G, rs = TG.gram_and_rows(lam, h, fr, fm)
+    assert G.shape == (n, n) and rs.shape == (K,)
+    assert rel_err(G, Gw) < 1e-6 and rel_err(rs, rw) < 1e-6, (rel_err(G, Gw), rel_err(rs, rw))
+    G1, none = TG.gram_and_rows(lam, h, fr, None)
+    none2, rs1 = TG.gram_and_rows(lam, h, None, fm)
+    assert none is None and none2 is None and torch.equal(G1, G) and torch.equal(rs1, rs)
+    assert TG.gram_and_rows(lam, h) == (None, None)
+    assert not TG.usable(lam.double())
+    Gd, rsd = TG.gram_and_rows(lam.double(), h.double(), fr.double(), fm.double())
+    assert rel_err(Gd, Gw) < 1e-12 and rel_err(rsd, rw) < 1e-12
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_transition_grads_compiles_for_gpu(cc, monkeypatch, tmp_path):
+    """The `transition_grads` kernel compiles for sm_80 and sm_90 with tf32x3 dots, both outputs on."""
+    import triton
+    from test_triton import ast_source
+    from triton.backends.compiler import GPUTarget
+    from ssmc.targets import transition_grads as TG
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fn = getattr(TG._module("tf32x3", str(tmp_path), False), TG.KNAME)
+    sig = {k: "*fp32" for k in ("lam_ptr", "h_ptr", "fr_ptr", "fm_ptr", "g_ptr", "rs_ptr")}
+    sig.update({"K": "i64", "N": "i32", "NPROG": "i32"})
+    cx = {"BLOCK_K": TG.BLOCK_K, "BLOCK_N": 64, "WANT_G": True, "WANT_RS": True}
+    sig.update({k: "constexpr" for k in cx})
+    ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+    assert f".target sm_{cc}" in ck.asm["ptx"] and "mma" in ck.asm["ptx"]
+
+
+@pytest.mark.gpu
+def test_gpu_transition_grads():
+    """`gram_and_rows` on the GPU (tf32x3 dots) against float64 at a chunk-like size."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from ssmc.targets import transition_grads as TG
+    g = torch.Generator().manual_seed(8)
+    K, n = 3 * 8192 + 5, 64
+    lam, h, fr, fm = (torch.randn(K, n, generator=g), torch.randn(K, n, generator=g),
+                      torch.rand(K, generator=g), torch.randn(n, n, generator=g) / 8)
+    assert TG.usable(lam.cuda())
+    G, rs = TG.gram_and_rows(lam.cuda(), h.cuda(), fr.cuda(), fm.cuda())
+    Gw = (lam.double() * fr.double()[:, None]).T @ h.double()
+    rw = (lam.double() * (h.double() @ fm.double().T)).sum(1)
+    assert rel_err(G.cpu(), Gw) < 1e-5 and rel_err(rs.cpu(), rw) < 1e-5, (rel_err(G.cpu(), Gw), rel_err(rs.cpu(), rw))

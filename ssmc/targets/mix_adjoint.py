@@ -11,8 +11,9 @@ strides where the kernel can, else on flipped copies), and the gradients of the 
 ops on the whole chunk (`Evaluator`; a sum of two factors by the `mul_sum` kernel on a GPU): the
 decay's and the drive's as in the diagonal case, and the transition's from dm_t[.., i, j] = lam_t[.., i] h_(t-1)[.., j]. That outer product is
 never formed where the matrix's adjoint is a product of a part along time and the rows and a
-part along (i, j) (m = s_t W: dW = sum over time and rows of s lam h_prev^T, one matrix product;
-ds = lam . (W h_prev)); otherwise it is formed a few steps at a time.
+part along (i, j) (m = s_t W: dW = sum over time and rows of s lam h_prev^T; ds = lam . (W
+h_prev); both from one read of lam and h_prev, `transition_grads` on a GPU); otherwise it is
+formed a few steps at a time.
 
 Memory: a chunk holds about ten (steps, *state) tensors of at most `STEP_ELEMENTS` elements
 each (on a GPU, `GPU_STEP_ELEMENTS` where a twentieth of its free memory holds one: fewer,
@@ -20,6 +21,7 @@ larger chunks, each a fixed number of kernel calls and torch ops), never (L, *st
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -30,6 +32,7 @@ from ssmc.autodiff import GRAD_A, GRAD_B, GRAD_M, chunk_scans, mix_loads, region
 from ssmc.ir import Region
 
 from .reference import MIX_CHUNK_ELEMENTS, Evaluator, Grads, ReferenceKernel, grads_by_autograd, run
+from .transition_grads import gram_and_rows
 from .triton_ssd import factors, product, summands
 
 log = logging.getLogger("ssmc")
@@ -198,18 +201,26 @@ def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, fac, dense):
     ev = Evaluator(r, g.allin, t0, t1, g.cdt, matrix=True)
     lam_i, h_j = lam.unsqueeze(-1), H_prev.unsqueeze(-2)       # dm = lam_i h_j, never formed here
     n = lam.shape[-1]
+    rows = lam.shape[:-1]                                     # (steps, the state's other axes)
+    along_mat, along_rows = [], []
     for ld, terms in fac:
         for sign, f_rows, f_mat in terms:
             fr, fm = ev.eval(f_rows), ev.eval(f_mat)
             fr = fr if sign > 0 else -fr
-            if ir.axes_of(ld, r.axes) & {r.axes[-1], ir.MIX_COL}:
-                # along the matrix's axes: (f_rows lam)^T h_prev, one product over time and rows
-                # (f_rows lam written in lam's layout, so that the product reads it as it is)
-                x = torch.mul(lam, fr[..., 0], out=torch.empty_like(lam))
-                G = (x.reshape(-1, n).T @ H_prev.reshape(-1, n)).reshape([1] * (len(ev.names) - 2) + [n, n])
-                ev.accumulate(g.acc[ld.input], ld, [G, fm])
-            else:               # along time and rows: lam . (f_mat h_prev), one einsum
-                ev.accumulate(g.acc[ld.input], ld, [lam_i, fm, h_j, fr])
+            # along the matrix's axes: G = (f_rows lam)^T h_prev summed over time and rows, then
+            # times f_mat; along time and rows: rs = lam . (f_mat h_prev), then times f_rows
+            mat = bool(ir.axes_of(ld, r.axes) & {r.axes[-1], ir.MIX_COL})
+            (along_mat if mat else along_rows).append((ld, fr, fm))
+    lam2, h2 = lam.reshape(-1, n), H_prev.reshape(-1, n)
+    for a, b in itertools.zip_longest(along_mat, along_rows):   # one pass over lam and h_prev a pair
+        G, rs = gram_and_rows(lam2, h2, a[1][..., 0, 0].expand(rows).reshape(-1) if a else None,
+                              b[2].expand(*b[2].shape[:-2], n, n).reshape(n, n) if b else None)
+        if a:
+            ld, _, fm = a
+            ev.accumulate(g.acc[ld.input], ld, [G.reshape([1] * (len(ev.names) - 2) + [n, n]), fm])
+        if b:
+            ld, fr, _ = b
+            ev.accumulate(g.acc[ld.input], ld, [rs.reshape(*rows, 1, 1), fr])
     if dense:                   # the outer product itself, a few steps at a time
         k = max(1, MIX_CHUNK_ELEMENTS // max(1, lam[0].numel() * n))
         for s0 in range(t0, t1, k):

@@ -1,0 +1,78 @@
+"""The gradients of a non-diagonal transition m = f_rows * f_mat over a chunk of the backward
+(mix_adjoint.py `_mix_grads`), as one generated Triton kernel that reads lam and the states once.
+
+With f_rows along time and the rows (Euler's dt) and f_mat along the matrix's axes (A, the
+mask), the two sums the backward needs are
+    G[i, j] = sum over steps and rows of f_rows lam_i h_j     (the f_mat inputs' gradient)
+    rs      = sum over i, j of lam_i f_mat[i, j] h_j           (the f_rows inputs', per step and row)
+In torch ops they are five passes over the chunk's (steps, rows, n) fp32 state and two writes of
+it (f_rows lam, then a matrix product; f_mat h, then a product summed), about half of the
+backward's kernel time at the block-sparse benchmark's shape (H100 profile at 748af80). Here a
+program loads a block of rows of lam and h, adds (f_rows lam)^T h into its own G (a tensor-core
+dot, tf32x3 for fp32) and stores lam . (h f_mat^T) for those rows; torch sums the programs' G.
+
+``gram_and_rows(lam, h, fr, fm)``: lam, h (K, n) contiguous fp32; fr (K,) or None; fm (n, n) or
+None; returns (G or None, rs or None). `usable` says whether the kernel runs them (CUDA, or any
+device while ``FORCE`` is set: tests under TRITON_INTERPRET); otherwise torch computes the same.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import triton as T
+
+TEMPLATE = "triton/transition_grads.py.j2"
+KNAME = "ssmc_transition_grads"
+BLOCK_K = 64
+MAX_N = 128             # the state's last axis: one (BLOCK_N, BLOCK_N) tile
+PROGRAMS_PER_SM = 4
+FORCE = False
+
+
+def render(prec: str) -> str:
+    return T._env().get_template(TEMPLATE).render(
+        kname=KNAME, prec=prec, prec_kw=f', input_precision="{prec}"' if prec else "")
+
+
+@functools.lru_cache(maxsize=8)
+def _module(prec: str, cache_dir: str, interpreting: bool):
+    from ssmc.runtime.cache import cache_key, get_cache
+    src = render(prec)
+    return T.import_source(src, cache_key("triton-transition-grads", src, T._TRITON_VERSION), get_cache(cache_dir))[0]
+
+
+def usable(lam: torch.Tensor) -> bool:
+    if lam.dtype != torch.float32 or lam.dim() != 2 or lam.shape[1] > MAX_N:
+        return False
+    return FORCE or (lam.is_cuda and T._TRITON_VERSION[0].isdigit())
+
+
+def gram_and_rows(lam, h, fr=None, fm=None):
+    """(G, rs): see the module docstring; by the kernel where `usable`, else by torch."""
+    K, n = lam.shape
+    if fr is None and fm is None:
+        return None, None
+    if not usable(lam) or K == 0:
+        G = (lam * fr[:, None]).T @ h if fr is not None else None
+        rs = (lam * (h @ fm.T)).sum(1) if fm is not None else None
+        return G, rs
+    lam, h = lam.contiguous(), h.to(lam.dtype).contiguous()
+    dev = lam.device
+    bn = max(16, T._pow2(n))
+    nblocks = -(-K // BLOCK_K)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
+    nprog = max(1, min(nblocks, PROGRAMS_PER_SM * sms))
+    dummy = torch.empty(1, dtype=lam.dtype, device=dev)
+    frv = fr.to(lam.dtype).contiguous() if fr is not None else dummy
+    fmv = fm.to(lam.dtype).contiguous() if fm is not None else dummy
+    Gp = torch.empty((nprog, n, n), dtype=torch.float32, device=dev) if fr is not None else dummy
+    rs = torch.empty(K, dtype=torch.float32, device=dev) if fm is not None else dummy
+    from ssmc.options import default_cache_dir
+    prec = "tf32x3" if dev.type == "cuda" else ""
+    mod = _module(prec, default_cache_dir(), T.interpreting())
+    kw = {"num_warps": 4} if dev.type == "cuda" else {}
+    getattr(mod, KNAME)[(nprog,)](lam, h, frv, fmv, Gp, rs, K, n, nprog, BLOCK_K=BLOCK_K, BLOCK_N=bn,
+                                   WANT_G=fr is not None, WANT_RS=fm is not None, **kw)
+    return (Gp.sum(0) if fr is not None else None), (rs if fm is not None else None)
