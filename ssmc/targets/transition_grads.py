@@ -49,8 +49,12 @@ def usable(lam: torch.Tensor) -> bool:
     return FORCE or (lam.is_cuda and T._TRITON_VERSION[0].isdigit())
 
 
-def gram_and_rows(lam, h, fr=None, fm=None):
-    """(G, rs): see the module docstring; by the kernel where `usable`, else by torch."""
+CONFIG = {"BLOCK_K": BLOCK_K, "num_warps": 4, "programs_per_sm": PROGRAMS_PER_SM, "num_stages": None}
+
+
+def gram_and_rows(lam, h, fr=None, fm=None, config: dict | None = None):
+    """(G, rs): see the module docstring; by the kernel where `usable`, else by torch. `config`
+    overrides entries of `CONFIG` (benchmarks.probe_transition_grads times them)."""
     K, n = lam.shape
     if fr is None and fm is None:
         return None, None
@@ -60,10 +64,11 @@ def gram_and_rows(lam, h, fr=None, fm=None):
         return G, rs
     lam, h = lam.contiguous(), h.to(lam.dtype).contiguous()
     dev = lam.device
+    cfg = {**CONFIG, **(config or {})}
     bn = max(16, T._pow2(n))
-    nblocks = -(-K // BLOCK_K)
+    nblocks = -(-K // cfg["BLOCK_K"])
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
-    nprog = max(1, min(nblocks, PROGRAMS_PER_SM * sms))
+    nprog = max(1, min(nblocks, cfg["programs_per_sm"] * sms))
     dummy = torch.empty(1, dtype=lam.dtype, device=dev)
     frv = fr.to(lam.dtype).contiguous() if fr is not None else dummy
     fmv = fm.to(lam.dtype).contiguous() if fm is not None else dummy
@@ -72,7 +77,11 @@ def gram_and_rows(lam, h, fr=None, fm=None):
     from ssmc.options import default_cache_dir
     prec = "tf32x3" if dev.type == "cuda" else ""
     mod = _module(prec, default_cache_dir(), T.interpreting())
-    kw = {"num_warps": 4} if dev.type == "cuda" else {}
-    getattr(mod, KNAME)[(nprog,)](lam, h, frv, fmv, Gp, rs, K, n, nprog, BLOCK_K=BLOCK_K, BLOCK_N=bn,
+    kw = {}
+    if dev.type == "cuda":
+        kw["num_warps"] = cfg["num_warps"]
+        if cfg["num_stages"]:
+            kw["num_stages"] = cfg["num_stages"]
+    getattr(mod, KNAME)[(nprog,)](lam, h, frv, fmv, Gp, rs, K, n, nprog, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=bn,
                                    WANT_G=fr is not None, WANT_RS=fm is not None, **kw)
     return (Gp.sum(0) if fr is not None else None), (rs if fm is not None else None)
