@@ -4,7 +4,8 @@ at one chunk of the block-sparse benchmark's backward (512 steps x 8192 rows, d_
     python -m benchmarks.probe_transition_grads --out tg.json [--K 4194304]
 
 Rows: torch (the matrix product and the product summed), then each config with both outputs (the
-first also with G alone and rs alone); every kernel row checked against the torch one first.
+first, or with --split every one, also with G alone and rs alone); every kernel row checked
+against the torch one first.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--K", type=int, default=512 * 8192)
     ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--split", action="store_true", help="time G alone and rs alone for every config")
     args = ap.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     K, n = args.K, args.n
@@ -34,7 +36,7 @@ def main(argv=None):
     gb = 2 * K * n * 4 / 1e9
     print(f"torch {rows[0]['ms']:.3f} ms ({gb / rows[0]['ms']:.2f} TB/s over lam and h)", flush=True)
     configs = [(64, 4, 4, None), (128, 8, 4, None), (64, 8, 4, None), (32, 4, 4, None), (128, 4, 2, None),
-               (64, 4, 1, 2), (32, 2, 8, None)]
+               (64, 4, 1, 2), (32, 2, 8, None), (64, 4, 2, 2), (32, 4, 2, 2)]
     for i, (bk, nw, pps, ns) in enumerate(configs):
         cfg = {"BLOCK_K": bk, "num_warps": nw, "programs_per_sm": pps, "num_stages": ns}
         row = {"variant": "kernel", "config": cfg}
@@ -42,7 +44,7 @@ def main(argv=None):
             G, rs = TG.gram_and_rows(lam, h, fr, fm, cfg)
             row["rel_err"] = max(((G - Gt).norm() / Gt.norm()).item(), ((rs - rt).norm() / rt.norm()).item())
             row["ms"] = bench(lambda: TG.gram_and_rows(lam, h, fr, fm, cfg))
-            if i == 0:          # each output alone, for the first config
+            if i == 0 or args.split:          # each output alone
                 row["ms_G"] = bench(lambda: TG.gram_and_rows(lam, h, fr, None, cfg))
                 row["ms_rs"] = bench(lambda: TG.gram_and_rows(lam, h, None, fm, cfg))
             print(f"{cfg}: {row['ms']:.3f} ms (G alone {row.get('ms_G', float('nan')):.3f}, rs alone "
