@@ -412,7 +412,7 @@ def test_transition_grads_compiles_for_gpu(cc, monkeypatch, tmp_path):
     fn = getattr(TG._module("tf32x3", str(tmp_path), False), TG.KNAME)
     sig = {k: "*fp32" for k in ("lam_ptr", "h_ptr", "fr_ptr", "fm_ptr", "g_ptr", "rs_ptr")}
     sig.update({"K": "i64", "N": "i32", "NPROG": "i32"})
-    cx = {"BLOCK_K": TG.BLOCK_K, "BLOCK_N": 64, "WANT_G": True, "WANT_RS": True}
+    cx = {"BLOCK_K": TG.CONFIG["BLOCK_K"], "BLOCK_N": 64, "WANT_G": True, "WANT_RS": True}
     sig.update({k: "constexpr" for k in cx})
     ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
     assert f".target sm_{cc}" in ck.asm["ptx"] and "mma" in ck.asm["ptx"]
