@@ -9,11 +9,11 @@ state at each chunk start; then, chunk by chunk in reverse: the chunk's states f
 dL/dh_t from the outputs, lam over the chunk backwards in time (`walk`: through negated
 strides where the kernel can, else on flipped copies), and the gradients of the inputs by torch
 ops on the whole chunk (`Evaluator`; a sum of two factors by the `mul_sum` kernel on a GPU): the
-decay's and the drive's as in the diagonal case, and the transition's from dm_t[.., i, j] = lam_t[.., i] h_(t-1)[.., j]. That outer product is
-never formed where the matrix's adjoint is a product of a part along time and the rows and a
-part along (i, j) (m = s_t W: dW = sum over time and rows of s lam h_prev^T; ds = lam . (W
-h_prev); both from one read of lam and h_prev, `transition_grads` on a GPU); otherwise it is
-formed a few steps at a time.
+decay's and the drive's as in the diagonal case, and the transition's from dm_t[.., i, j] =
+lam_t[.., i] h_(t-1)[.., j]. That outer product is never formed where the matrix's adjoint is
+a product of a part along time and the rows and a part along (i, j) (m = s_t W: dW = sum over
+time and rows of s lam h_prev^T; ds = lam . (W h_prev); both from one read of lam and h_prev,
+`transition_grads` on a GPU); otherwise it is formed a few steps at a time.
 
 Memory: a chunk holds about ten (steps, *state) tensors of at most `STEP_ELEMENTS` elements
 each (on a GPU, `GPU_STEP_ELEMENTS` where a twentieth of its free memory holds one: fewer,
@@ -274,7 +274,8 @@ class Scans:
 
     def note(self, target: str) -> str:
         text = (f"backward: the adjoint in chunks, its scans (states, and lam with the transposed mask) "
-                f"on {target} block-sparse kernels, the gradients by torch ops (ssmc/targets/mix_adjoint.py)")
+                f"on {target} block-sparse kernels, the gradients by torch ops and, on a GPU, the mul_sum "
+                f"and transition_grads Triton kernels (ssmc/targets/mix_adjoint.py)")
         if self.declined:
             text += "; on the torch reference: " + "; ".join(f"{n} ({w})" for n, w in self.declined.items())
         return text
