@@ -128,17 +128,20 @@ def test_triton_backward_scans(form, step_elements, interp, monkeypatch):
     assert "on Triton block-sparse kernels" in k.backward_note()
 
 
-@pytest.mark.parametrize("dtype,mma", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("dtype,mma", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                       (torch.float32, "m2x2"), (torch.float32, "m4p2")])
 def test_cuda_backward_scans_emulated(dtype, mma, emu_dir, monkeypatch, tmp_path):
     """The CUDA kernel's backward with its scans on CUDA block-sparse kernels run by the CPU
-    emulator (outputs NaN-poisoned; a lane a row, or the tensor-core instances), in chunks of 3
-    steps, the adjoint's walking time backwards through negated strides, its states written into
-    the backward's buffer; against float64 autograd."""
+    emulator (outputs NaN-poisoned; a lane a row, the tensor-core instances, split over two warps
+    or as a two-warp pipeline on a block-triangular mask), in chunks of 3 steps, the adjoint's
+    walking time backwards through negated strides, its states written into the backward's
+    buffer; against float64 autograd."""
     from ssmc.runtime.cache import get_cache
     from ssmc.targets.cuda_block_sparse import CudaBlockSparseKernel, bsp_plan
     monkeypatch.setattr(M, "STEP_ELEMENTS", 3 * (2 * 3 * 16))        # 3 steps of the (2, 3, 16) state
     g = torch.Generator().manual_seed(4)
-    mask = P.block_mask(4, 4, 0.3, g)
+    mask = P.block_mask(4, 4, 0.3, g) if not isinstance(mma, str) else \
+        torch.tensor([[1.0, 0.0], [1.0, 1.0]]).repeat_interleave(8, 0).repeat_interleave(8, 1)
     ins = P.euler_inputs(2, 7, 3, 16, mask, g)
     ins = tuple(t.to(dtype) if t.dim() == 3 else t for t in ins)
     r, xs = _region_and_inputs(P.euler_matmul, ins, monkeypatch)
@@ -153,7 +156,8 @@ def test_cuda_backward_scans_emulated(dtype, mma, emu_dir, monkeypatch, tmp_path
             self.k = CudaBlockSparseKernel(reg, bsp_plan(reg), cache)
             self.k.poison = True
             if mma:
-                self.k.force_groups = next(c for c in self.k.choices() if isinstance(c[1], str))
+                self.k.force_groups = next(c for c in self.k.choices() if isinstance(c[1], str)
+                                           and (mma is True or c[1] == mma))
 
         def forward(self, inputs, backwards=None, out=None):
             got = _emulate_bsp(self.k, inputs, emu_dir, backwards=backwards, out=out)
@@ -172,7 +176,7 @@ def test_cuda_backward_scans_emulated(dtype, mma, emu_dir, monkeypatch, tmp_path
     for i, (a, b) in enumerate(zip(got, want)):
         assert rel_err(a, b) < tol, (i, rel_err(a, b))
     assert not k.scans.declined and len(ran) == 3 * 3            # 3 chunks of the 7 steps, 3 scans each
-    assert {m for _, m in ran} == {mma}
+    assert {m for _, m in ran} == {bool(mma)}
     assert set(walked) == {("final", False), ("states", False), ("adjoint", True)}
 
 
