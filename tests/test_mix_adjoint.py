@@ -437,3 +437,36 @@ def test_gpu_transition_grads():
     Gw = (lam.double() * fr.double()[:, None]).T @ h.double()
     rw = (lam.double() * (h.double() @ fm.double().T)).sum(1)
     assert rel_err(G.cpu(), Gw) < 1e-5 and rel_err(rs.cpu(), rw) < 1e-5, (rel_err(G.cpu(), Gw), rel_err(rs.cpu(), rw))
+
+
+def test_sum_kernels_that_fail_fall_back_to_torch(interp, monkeypatch):
+    """A `mul_sum` or `transition_grads` kernel that fails to compile: the sums come from torch ops
+    (the same values, float64-checked), no later call tries the kernel, and the backward's note
+    names the failure."""
+    from ssmc.targets import mul_sum as MS
+    from ssmc.targets import transition_grads as TG
+    for mod in (MS, TG):
+        monkeypatch.setattr(mod, "FORCE", True)
+        monkeypatch.setattr(mod, "FAILED", None)
+    tries = []
+
+    def broken(*a):
+        tries.append(a)
+        raise RuntimeError("no compiler here")
+    monkeypatch.setattr(MS, "_module", broken)
+    monkeypatch.setattr(TG, "_module", broken)
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randn(5, 3, 40, 1, generator=g), torch.randn(5, 3, 40, 24, generator=g)
+    want = (a.double() * b.double()).sum(2, keepdim=True)
+    assert rel_err(MS.mul_sum(a, b, 2), want) < 1e-6 and rel_err(MS.mul_sum(a, b, 2), want) < 1e-6
+    lam, h, fr, fm = (torch.randn(70, 8, generator=g), torch.randn(70, 8, generator=g),
+                      torch.rand(70, generator=g), torch.randn(8, 8, generator=g))
+    G, rs = TG.gram_and_rows(lam, h, fr, fm)
+    assert rel_err(G, (lam.double() * fr.double()[:, None]).T @ h.double()) < 1e-6
+    assert rel_err(rs, (lam.double() * (h.double() @ fm.double().T)).sum(1)) < 1e-6
+    TG.gram_and_rows(lam, h, fr, fm)
+    assert len(tries) == 2                  # one try each, then torch
+    assert not MS.usable(a, b) and not TG.usable(lam)
+    note = M.Scans(lambda r: None).note("CUDA")
+    assert "mul_sum by torch ops (the kernel failed: RuntimeError: no compiler here)" in note
+    assert "transition_grads by torch ops (the kernel failed: RuntimeError: no compiler here)" in note

@@ -278,4 +278,8 @@ class Scans:
                 f"and transition_grads Triton kernels (ssmc/targets/mix_adjoint.py)")
         if self.declined:
             text += "; on the torch reference: " + "; ".join(f"{n} ({w})" for n, w in self.declined.items())
+        from . import mul_sum, transition_grads
+        for mod in (mul_sum, transition_grads):
+            if mod.FAILED is not None:
+                text += f"; {mod.__name__.rsplit('.', 1)[1]} by torch ops (the kernel failed: {mod.FAILED})"
         return text

@@ -12,11 +12,14 @@ each operand through its strides (0 where it is broadcast), multiplies, and sums
 ``mul_sum(a, b, dim)``: a, b of one rank, broadcastable; the result has the broadcast shape
 with size 1 at `dim`. `usable(a, b)` says whether the kernel runs them (CUDA tensors of a
 float dtype Triton sums in fp32, large enough to pay for a launch; or any device while
-``FORCE`` is set, as the CPU tests do under TRITON_INTERPRET).
+``FORCE`` is set, as the CPU tests do under TRITON_INTERPRET). If the kernel fails to compile
+or launch, the sums run as torch ops from then on: `FAILED` keeps why (logged once, and named
+in the backward's note), since the torch reference's own backward sums through here too.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -30,6 +33,9 @@ MAX_OUTER = 4               # outer output dims the kernel indexes (more: torch)
 MAX_INNER = 1 << 20         # the innermost output dim's blocks are the grid's second axis
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FORCE = False               # run the kernel on any device (tests, under TRITON_INTERPRET)
+FAILED: str | None = None   # the kernel's first compile or launch failure: torch ops from then on
+
+log = logging.getLogger("ssmc")
 
 
 def kname(outer: int) -> str:
@@ -48,7 +54,7 @@ def _module(outer: int, cache_dir: str, interpreting: bool):
 
 
 def usable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dim() != b.dim() or a.dtype not in DTYPES or b.dtype not in DTYPES:
+    if FAILED is not None or a.dim() != b.dim() or a.dtype not in DTYPES or b.dtype not in DTYPES:
         return False
     if not FORCE and not (a.is_cuda and b.is_cuda and T._TRITON_VERSION[0].isdigit()):
         return False
@@ -91,8 +97,14 @@ def mul_sum(a: torch.Tensor, b: torch.Tensor, dim: int, out: torch.Tensor | None
         args += [shape[d], sa[d], sb[d], so[d]]
     args += [size_i, pick(sa, inner), pick(sb, inner), pick(so, inner), R, sa[dim], sb[dim]]
     from ssmc.options import default_cache_dir
-    mod = _module(len(outer), default_cache_dir(), T.interpreting())
     grid = (math.prod(shape[d] for d in outer), -(-size_i // block_i))
     kw = {"num_warps": 4} if a.is_cuda else {}
-    getattr(mod, kname(len(outer)))[grid](*args, BLOCK_I=block_i, BLOCK_R=block_r, R_FAST=r_fast, **kw)
+    try:
+        mod = _module(len(outer), default_cache_dir(), T.interpreting())
+        getattr(mod, kname(len(outer)))[grid](*args, BLOCK_I=block_i, BLOCK_R=block_r, R_FAST=r_fast, **kw)
+    except Exception as e:
+        global FAILED
+        FAILED = f"{type(e).__name__}: {e}"
+        log.warning("ssmc: the mul_sum kernel failed (%s); the backward's sums run as torch ops from now on", FAILED)
+        return out.copy_((a.to(dtype) * b.to(dtype)).sum(dim, keepdim=True))
     return out

@@ -13,11 +13,14 @@ dot, tf32x3 for fp32) and stores lam . (h f_mat^T) for those rows; torch sums th
 
 ``gram_and_rows(lam, h, fr, fm)``: lam, h (K, n) contiguous fp32; fr (K,) or None; fm (n, n) or
 None; returns (G or None, rs or None). `usable` says whether the kernel runs them (CUDA, or any
-device while ``FORCE`` is set: tests under TRITON_INTERPRET); otherwise torch computes the same.
+device while ``FORCE`` is set: tests under TRITON_INTERPRET); otherwise torch computes the same,
+as it does from then on if the kernel fails to compile or launch (`FAILED` keeps why; logged once
+and named in the backward's note).
 """
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -27,6 +30,8 @@ TEMPLATE = "triton/transition_grads.py.j2"
 KNAME = "ssmc_transition_grads"
 MAX_N = 128             # the state's last axis: one (BLOCK_N, BLOCK_N) tile
 FORCE = False
+FAILED: str | None = None   # the kernel's first compile or launch failure: torch ops from then on
+log = logging.getLogger("ssmc")
 # H100 at f73e543 (`benchmarks.probe_transition_grads --split`, one 512-step chunk of the
 # block-sparse benchmark, n 64): both outputs 1.87 ms with this config, 2.5-7.5 ms with the other
 # eight timed; the torch ops it replaces 5.06 ms
@@ -46,7 +51,7 @@ def _module(prec: str, cache_dir: str, interpreting: bool):
 
 
 def usable(lam: torch.Tensor) -> bool:
-    if lam.dtype != torch.float32 or lam.dim() != 2 or lam.shape[1] > MAX_N:
+    if FAILED is not None or lam.dtype != torch.float32 or lam.dim() != 2 or lam.shape[1] > MAX_N:
         return False
     return FORCE or (lam.is_cuda and T._TRITON_VERSION[0].isdigit())
 
@@ -58,9 +63,7 @@ def gram_and_rows(lam, h, fr=None, fm=None, config: dict | None = None):
     if fr is None and fm is None:
         return None, None
     if not usable(lam) or K == 0:
-        G = (lam * fr[:, None]).T @ h if fr is not None else None
-        rs = (lam * (h @ fm.T)).sum(1) if fm is not None else None
-        return G, rs
+        return _by_torch(lam, h, fr, fm)
     lam, h = lam.contiguous(), h.to(lam.dtype).contiguous()
     dev = lam.device
     cfg = {**CONFIG, **(config or {})}
@@ -75,12 +78,25 @@ def gram_and_rows(lam, h, fr=None, fm=None, config: dict | None = None):
     rs = torch.empty(K, dtype=torch.float32, device=dev) if fm is not None else dummy
     from ssmc.options import default_cache_dir
     prec = "tf32x3" if dev.type == "cuda" else ""
-    mod = _module(prec, default_cache_dir(), T.interpreting())
     kw = {}
     if dev.type == "cuda":
         kw["num_warps"] = cfg["num_warps"]
         if cfg["num_stages"]:
             kw["num_stages"] = cfg["num_stages"]
-    getattr(mod, KNAME)[(nprog,)](lam, h, frv, fmv, Gp, rs, K, n, nprog, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=bn,
-                                   WANT_G=fr is not None, WANT_RS=fm is not None, **kw)
+    try:
+        mod = _module(prec, default_cache_dir(), T.interpreting())
+        getattr(mod, KNAME)[(nprog,)](lam, h, frv, fmv, Gp, rs, K, n, nprog, BLOCK_K=cfg["BLOCK_K"], BLOCK_N=bn,
+                                       WANT_G=fr is not None, WANT_RS=fm is not None, **kw)
+    except Exception as e:
+        global FAILED
+        FAILED = f"{type(e).__name__}: {e}"
+        log.warning("ssmc: the transition_grads kernel failed (%s); the transition's gradients run as "
+                    "torch ops from now on", FAILED)
+        return _by_torch(lam, h, fr, fm)
     return (Gp.sum(0) if fr is not None else None), (rs if fm is not None else None)
+
+
+def _by_torch(lam, h, fr, fm):
+    G = (lam * fr[:, None]).T @ h if fr is not None else None
+    rs = (lam * (h @ fm.T)).sum(1) if fm is not None else None
+    return G, rs
