@@ -199,7 +199,6 @@ def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, fac, dense):
     """The transition's gradients over [t0, t1) into the accumulators of its inputs (``fac``,
     ``dense``: `split_mix_grads`)."""
     ev = Evaluator(r, g.allin, t0, t1, g.cdt, matrix=True)
-    lam_i, h_j = lam.unsqueeze(-1), H_prev.unsqueeze(-2)       # dm = lam_i h_j, never formed here
     n = lam.shape[-1]
     rows = lam.shape[:-1]                                     # (steps, the state's other axes)
     along_mat, along_rows = [], []
@@ -221,7 +220,8 @@ def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, fac, dense):
         if b:
             ld, fr, _ = b
             ev.accumulate(g.acc[ld.input], ld, [rs.reshape(*rows, 1, 1), fr])
-    if dense:                   # the outer product itself, a few steps at a time
+    if dense:                   # the outer product itself, dm = lam_i h_j, a few steps at a time
+        lam_i, h_j = lam.unsqueeze(-1), H_prev.unsqueeze(-2)
         k = max(1, MIX_CHUNK_ELEMENTS // max(1, lam[0].numel() * n))
         for s0 in range(t0, t1, k):
             s1 = min(t1, s0 + k)
