@@ -1072,10 +1072,28 @@ def loop_from_associative_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
             getitems[u.args[1]].append(u)
         else:
             raise ValueError(f"associative_scan output used by {u.name} directly")
-    if getitems.get(0):
+    dead = _dead_users(getitems.get(0, []))
+    if dead is None:
         raise ValueError("the running product of the decays (output 0) is used")
     body.output((new, new))
     return Loop("", fx.GraphModule(gm, body), None, [None], [Read(a, 0, 0), Read(b, 0, 0)], [],
                 [Result("steps", "scan", 0, getitems.get(1, []))],
-                erase=[node, *[u for us in getitems.values() for u in us]], anchor=node,
+                erase=[node, *[u for us in getitems.values() for u in us], *dead], anchor=node,
                 origin="associative_scan")
+
+
+def _dead_users(roots: list) -> list | None:
+    """The nodes computed from `roots` (their users, transitively), in graph order, when none of
+    them reaches the output or writes in place, so all can go; None when one is live. (torch's
+    own `associative_scan` moves the scan dim back on every output, the unused ones too.)"""
+    seen, todo = {}, list(roots)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        if n.op == "output" or n.is_impure() or mutated(n) is not None:
+            return None
+        seen[n] = None
+        todo.extend(n.users)
+    order = {n: i for i, n in enumerate(roots[0].graph.nodes)} if roots else {}
+    return sorted((n for n in seen if n not in roots), key=order.__getitem__)

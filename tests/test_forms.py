@@ -92,9 +92,11 @@ def test_not_associative_falls_back(kind):
     assert torch.equal(out, fn(*ins))        # runs unchanged
 
 
-def _assoc_scan_graph(combine):
+def _assoc_scan_graph(combine, products=None):
     """A graph as Dynamo captures torch.associative_scan(combine, (a, b), dim=0) (pointwise mode
-    needs CUDA to trace, so the CPU test builds the same graph by hand)."""
+    needs CUDA to trace, so the CPU test builds the same graph by hand). `products`: "dead" adds
+    the unused movedim torch's frontend puts on the running product (output 0), "live" returns
+    that product too."""
     import operator
     import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -105,8 +107,11 @@ def _assoc_scan_graph(combine):
     a, b = g.placeholder("a"), g.placeholder("b")
     fn = g.get_attr("comb")
     n = g.call_function(torch.ops.higher_order.associative_scan, (fn, [a, b], []))
-    out = g.call_function(operator.getitem, (n, 1))
-    g.output((out,))
+    outs = [g.call_function(operator.getitem, (n, 1))]
+    if products:
+        prod = g.call_function(torch.movedim, (g.call_function(operator.getitem, (n, 0)), 0, 0))
+        outs += [prod] if products == "live" else []
+    g.output(tuple(outs))
     gm = fx.GraphModule(root, g)
     xa, xb = torch.rand(7, 2, 3), torch.randn(7, 2, 3)
     a.meta["example_value"], b.meta["example_value"] = mode.from_tensor(xa), mode.from_tensor(xb)
@@ -125,6 +130,26 @@ def test_associative_scan_hop():
         h = xa[t] * h + xb[t]
         ref.append(h)
     assert torch.allclose(y, torch.stack(ref), atol=1e-6)
+
+
+def test_associative_scan_with_an_unused_running_product():
+    """torch's frontend moves the scan dim back on every output (HF transformers' Mamba unpacks
+    `_, states = associative_scan(...)`): the dead movedim of the products goes with the scan, a
+    live use of them declines."""
+    import ssmc
+    pair = lambda a1, b1, a2, b2: (a1 * a2, a2 * b1 + b2)   # noqa: E731
+    gm, (xa, xb) = _assoc_scan_graph(pair, products="dead")
+    rep = ssmc.Report()
+    fn = ssmc.ssmc_backend(gm, [xa, xb], _report=rep)
+    assert len(rep.regions) == 1, str(rep)
+    assert not any(n.target is torch.movedim for n in gm.graph.nodes)
+    (y,) = fn(xa, xb)
+    assert torch.allclose(y, _assoc_scan_graph(pair)[0](xa, xb)[0], atol=1e-6)
+    gm, _ = _assoc_scan_graph(pair, products="live")
+    rep = ssmc.Report()
+    y, prod = ssmc.ssmc_backend(gm, [xa, xb], _report=rep)(xa, xb)
+    assert not rep.regions and any("running product" in why for _, why in rep.fallbacks)
+    assert torch.allclose(prod, torch.cumprod(xa, 0), atol=1e-6)
 
 
 def test_associative_scan_other_combine_is_left_alone():
