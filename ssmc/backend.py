@@ -125,6 +125,9 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     from ssmc.passes.pipeline import run_pipeline
     if greport.nodes_in > 2000:
         log.info("ssmc: re-rolling a graph of %d nodes", greport.nodes_in)
+    for n in gm.graph.nodes:       # Dynamo keeps a node nothing reads only for its effect (vmap's
+        if not n.users:            # level pushes and pops): lowering's dead-code sweep leaves it
+            n.meta["ssmc_effect"] = True
     loaded = load_plugins()
     ctx = PassContext(gm, list(example_inputs), opts, device, arch, targets=loaded.loaded("ssmc.targets"))
     dumper = Dumper(opts.debug_dir) if opts.debug_dir else None

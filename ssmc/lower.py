@@ -214,7 +214,7 @@ def finish_lowering(gm: fx.GraphModule, erase: list) -> None:
 
 
 def _impure(n: fx.Node) -> bool:
-    return n.is_impure() or mutated(n) is not None
+    return n.is_impure() or mutated(n) is not None or n.meta.get("ssmc_effect", False)
 
 
 def _is_alloc(n: fx.Node) -> bool:

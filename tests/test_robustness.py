@@ -217,3 +217,19 @@ def test_recompiles_with_sizes_dynamo_made_dynamic(fn):
             assert rel_err(o, r) < 1e-5, str(rep)
     assert len(rep.graphs) >= 3 and not rep.fallbacks, str(rep)
     assert all(gr.regions for gr in rep.graphs), str(rep)
+
+
+def test_vmapped_code_beside_a_region():
+    """Dynamo inlines torch.vmap as level pushes and pops that nothing reads: lowering a region
+    in the same graph keeps them (swept as dead code, the vmapped ops ran outside any level)."""
+    def fn(x, a, w):
+        y = torch.vmap(lambda r: r * w + r.sin())(x)
+        h, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + y[:, t]
+            out.append(h)
+        return torch.stack(out, 1)
+    ins = (torch.randn(2, 7, 3), torch.rand(2, 7, 3), torch.randn(7, 3))
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1, str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) < TOL[torch.float32]
