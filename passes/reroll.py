@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, copies_as_writes, decompose_composites,
                           erase_unused, find_reads, functionalize_updates)
+from ssmc.inlined_scan import find_inlined_scans
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import is_tensor, mutated, reaches, shape, value as value_of
 
@@ -64,6 +65,7 @@ class Reroll(Pass):
                     loops.append(hops[node.target](ctx.gm, node))
                 except ValueError as e:
                     ctx.fallbacks.append((node.name, f"{node.target} not taken: {e}"))
+        loops += loops_from_inlined_scans(ctx.gm)
         loops += find_unrolled(ctx.gm, ctx)
         if not loops and not ctx.fallbacks:
             ctx.note("reroll: no loop here: no tensor is read at consecutive indices (x[:, t], "
@@ -1053,7 +1055,30 @@ def loop_from_associative_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
         raise ValueError("only associative_scan(combine, (a, b)) with the linear-recurrence pair")
     if not _is_pair_combine(getattr(gm, fn.target)):
         raise ValueError("the combine function is not (a1*a2, a2*b1 + b2)")
-    a, b = xs
+    getitems = defaultdict(list)
+    for u in node.users:
+        if u.op == "call_function" and u.target is operator.getitem and _is_int(u.args[1]):
+            getitems[u.args[1]].append(u)
+        else:
+            raise ValueError(f"associative_scan output used by {u.name} directly")
+    dead = _dead_users(getitems.get(0, []))
+    if dead is None:
+        raise ValueError("the running product of the decays (output 0) is used")
+    return _pair_loop(gm, *xs, getitems.get(1, []),
+                      [node, *[u for us in getitems.values() for u in us], *dead], node,
+                      "associative_scan")
+
+
+def loops_from_inlined_scans(gm: fx.GraphModule) -> list[Loop]:
+    """associative_scan(..., combine_mode="generic") inlined by Dynamo (ssmc.inlined_scan)."""
+    return [_pair_loop(gm, s.decays, s.inputs, s.outputs, list(s.outputs), s.outputs[0],
+                       "associative_scan (generic, inlined)")
+            for s in find_inlined_scans(gm.graph)]
+
+
+def _pair_loop(gm, a, b, replace, erase, anchor, origin) -> Loop:
+    """The loop h_t = a_t * h_{t-1} + b_t over dim 0 of a and b from a zero state, its stacked
+    states standing for the outer nodes `replace`."""
     mode = _fake_mode(gm.graph)
     body = fx.Graph()
     h = body.placeholder("carry_0")
@@ -1066,20 +1091,10 @@ def loop_from_associative_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
         m.meta["example_value"] = h.meta["example_value"] * ra.meta["example_value"]
         new = body.call_function(operator.add, (m, rb))
         new.meta["example_value"] = m.meta["example_value"] + rb.meta["example_value"]
-    getitems = defaultdict(list)
-    for u in node.users:
-        if u.op == "call_function" and u.target is operator.getitem and _is_int(u.args[1]):
-            getitems[u.args[1]].append(u)
-        else:
-            raise ValueError(f"associative_scan output used by {u.name} directly")
-    dead = _dead_users(getitems.get(0, []))
-    if dead is None:
-        raise ValueError("the running product of the decays (output 0) is used")
     body.output((new, new))
     return Loop("", fx.GraphModule(gm, body), None, [None], [Read(a, 0, 0), Read(b, 0, 0)], [],
-                [Result("steps", "scan", 0, getitems.get(1, []))],
-                erase=[node, *[u for us in getitems.values() for u in us], *dead], anchor=node,
-                origin="associative_scan")
+                [Result("steps", "scan", 0, list(replace))], erase=erase, anchor=anchor,
+                origin=origin)
 
 
 def _dead_users(roots: list) -> list | None:

@@ -862,3 +862,55 @@ def test_copies_into_a_step_of_a_buffer(fn):
     rep = check(fn, ins)
     assert not rep.fallbacks, str(rep)
     grads_match(fn, ins)
+
+
+def _pair(left, right):
+    return left[0] * right[0], right[0] * left[1] + right[1]
+
+
+def _generic_scans():
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    def states(a, b):
+        return associative_scan(_pair, (a, b), dim=1, combine_mode="generic")[1] * 2
+
+    def reversed_(a, b):
+        return associative_scan(_pair, (a, b), dim=0, reverse=True, combine_mode="generic")[1]
+
+    def swapped(a, b):      # inputs first, and the product written the other way round
+        def comb(left, right):
+            return right[0] + left[0] * right[1], right[1] * left[1]
+        return associative_scan(comb, (b, a), dim=1, combine_mode="generic")[0]
+
+    def with_products(a, b):
+        prods, hs = associative_scan(_pair, (a, b), dim=1, combine_mode="generic")
+        return hs, prods
+    return [states, reversed_, swapped, with_products]
+
+
+@pytest.mark.parametrize("L", [2, 5, 8, 11])
+@pytest.mark.parametrize("fn", _generic_scans(), ids=lambda f: f.__name__)
+def test_generic_associative_scan_inlined_by_dynamo(fn, L):
+    """combine_mode="generic" (HF transformers' Mamba off the GPU) has no scan node: Dynamo
+    inlines torch's odd-even tree, and the recurrence is proved from it."""
+    g = torch.Generator().manual_seed(L)
+    ins = (torch.rand(3, L, 4, generator=g), torch.randn(3, L, 4, generator=g))
+    if fn.__name__ == "reversed_":
+        ins = tuple(x.transpose(0, 1).contiguous() for x in ins)
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1 and "generic" in rep.regions[0].loop, str(rep)
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o, r) < 1e-6
+    grads_match(fn, ins)
+
+
+def test_generic_associative_scan_of_another_combine_runs_as_written():
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    def fn(a, b):
+        return associative_scan(lambda l, r: (l[0] * r[0], torch.maximum(r[0] * l[1], r[1])),
+                                (a, b), dim=1, combine_mode="generic")[1]
+    ins = (torch.rand(2, 9, 3), torch.randn(2, 9, 3))
+    out, rep = ssmc_run(fn, ins)
+    assert not rep.regions
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-6
