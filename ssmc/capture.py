@@ -226,25 +226,40 @@ def _fresh(r: fx.Node) -> bool:
     return name in _FRESH or not (_maybe_view(r) or name in _MAY_ALIAS or r.target in _AUGMENTED)
 
 
-_COMPOSITE = {"lerp", "addmm", "baddbmm", "addbmm", "addmv", "addr"}
+_COMPOSITE = {"lerp", "addmm", "baddbmm", "addbmm", "addmv", "addr", "einsum"}
+_SHAPED_AS = {"expand_as": torch.broadcast_to, "view_as": torch.reshape, "reshape_as": torch.reshape}
 
 
 def decompose_composites(graph: fx.Graph) -> int:
     """Composite ops of a step body written as the plain ops they are, so that the passes after
     re-rolling see the linear ops they know: ``lerp(h, x, w)`` is ``h + w * (x - h)``;
     ``addmm(b, h, W)`` is ``beta * b + alpha * (h @ W)``, and ``baddbmm``, ``addbmm`` (summed
-    over the batch), ``addmv`` and ``addr`` (an outer product) alike. Only the loop's own body
+    over the batch), ``addmv`` and ``addr`` (an outer product) alike; an einsum that sums over
+    nothing (``"bdn,bdn->bdn"``, ``"bd,bn->bdn"``) is the product of its operands' views; and
+    ``x.expand_as(h)`` (``view_as``, ``reshape_as``) takes h's static shape, not h, so that the
+    state's shape read there is no use of the state. Only the loop's own body
     is rewritten: a loop that is then declined runs the captured graph as it was. Returns the
     nodes rewritten."""
     b = _Builder(graph, _fake_mode(graph))
     count = 0
     for n in list(graph.nodes):
+        if n.op == "call_method" and n.target in _SHAPED_AS and len(n.args) == 2:
+            size = shape(n.args[1]) if isinstance(n.args[1], fx.Node) else None
+            if size is not None and all(isinstance(k, int) for k in size):
+                n.replace_all_uses_with(b.call(n, _SHAPED_AS[n.target], (n.args[0], tuple(size))))
+                graph.erase_node(n)
+                count += 1
+            continue
         if n.op not in ("call_function", "call_method") or _name(n) not in _COMPOSITE or "out" in n.kwargs:
             continue
         if n.op == "call_function" and getattr(torch, _name(n), None) is not n.target:
             continue
         op, args, kw = _name(n), list(n.args), dict(n.kwargs)
-        if op == "lerp":
+        if op == "einsum":
+            r = _einsum_as_product(b, n)
+            if r is None:
+                continue
+        elif op == "lerp":
             if len(args) < 3 and "weight" not in kw:
                 continue
             start, end, weight = args[0], args[1] if len(args) > 1 else kw["end"], \
@@ -273,6 +288,29 @@ def decompose_composites(graph: fx.Graph) -> int:
         graph.erase_node(n)
         count += 1
     return count
+
+
+def _einsum_as_product(b: _Builder, n: fx.Node) -> fx.Node | None:
+    """An einsum of two or more operands that sums over no letter, as the product of each
+    operand permuted to the output's order with its missing letters as size-1 dims."""
+    from ssmc.ops import canonical
+    c = canonical(n)
+    if c is None or c.kind != "contract" or len(c.args) < 2:
+        return None
+    subs, out = c.params["subs"], c.params["out"]
+    if len(set(out)) != len(out) or any(len(set(s)) != len(s) or set(s) - set(out) for s in subs):
+        return None
+    r = None
+    for x, s in zip(c.args, subs):
+        if not isinstance(x, fx.Node):
+            return None
+        order = sorted(range(len(s)), key=lambda i: out.index(s[i]))
+        if order != list(range(len(s))):
+            x = b.call(n, torch.permute, (x, order))
+        if len(s) < len(out):
+            x = b.call(n, operator.getitem, (x, tuple(slice(None) if ch in s else None for ch in out)))
+        r = x if r is None else b.call(n, operator.mul, (r, x))
+    return r
 
 
 def copies_as_writes(gm: fx.GraphModule) -> int:

@@ -653,9 +653,21 @@ def _baddbmm_addr(x, z, W, v):
     return torch.stack(ys, 0)
 
 
-@pytest.mark.parametrize("fn", [_lerp, _addmm, _baddbmm_addr])
+def _einsum_products(x, z, W, v):
+    """einsums that sum over nothing: the decay (elementwise), the input (an outer product with
+    the operand's letters out of order) and a scale by a vector."""
+    h = x.new_zeros(x.shape[0], 3, x.shape[2])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.einsum("bnd,bnd->bnd", z[:, t, None, :].expand_as(h), h) \
+            + torch.einsum("db,n->bnd", x[:, t].T, v) + torch.einsum("bd,n,bd->bnd", x[:, t], v, z[:, t])
+        ys.append(torch.einsum("bnd,nd->bd", h, W))
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_lerp, _addmm, _baddbmm_addr, _einsum_products])
 def test_composite_ops_in_the_step(fn):
-    """lerp, addmm, addmv, baddbmm and addr in a step are written as the plain ops they are
+    """lerp, addmm, addmv, baddbmm, addr and einsums that sum over nothing in a step are written as the plain ops they are
     (in the loop's body only): one region, values and gradients equal to float64 eager."""
     g = torch.Generator().manual_seed(23)
     ins = (torch.randn(2, 7, 3, generator=g), torch.rand(2, 7, 3, generator=g), torch.randn(3, 3, generator=g),
