@@ -7,6 +7,7 @@ Whatever ssmc cannot do falls back to the captured graph, with the reason in the
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -86,6 +87,7 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
     greport.compile_ms = (time.perf_counter() - t0) * 1e3
     log.info("ssmc: graph of %d nodes -> %d nodes, %d region(s), %.0f ms",
              greport.nodes_in, greport.nodes_out, len(greport.regions), greport.compile_ms)
+    n_regions += _compile_bodies(gm, report, opts, device, arch)
     if greport.rest == "inductor" and n_regions and _only_regions(gm):
         greport.rest = "eager"
         log.info("ssmc: nothing outside the regions for Inductor; the graph runs eagerly")
@@ -97,6 +99,43 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
     if not n_regions and greport.nodes_in > 2000:
         log.info("ssmc: no region found; running the captured graph of %d nodes eagerly", greport.nodes_in)
     return gm.forward
+
+
+def _compile_bodies(gm: fx.GraphModule, report: Report, opts: Options, device, arch) -> int:
+    """Loops in checkpointed code: Dynamo captures torch.utils.checkpoint as a
+    tag_activation_checkpoint node calling a subgraph, run (through an fx Interpreter) in the
+    forward and again in the backward. Each such body is compiled as a graph of its own (its
+    own entry in the report); one that fails runs as captured, its graph restored. Returns the
+    regions made."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    made = 0
+    for n in list(gm.graph.nodes):
+        if hop is None or n.op != "call_function" or n.target is not hop or not n.args \
+                or getattr(n.args[0], "op", None) != "get_attr":
+            continue
+        name = n.args[0].target
+        sub = getattr(gm, name, None)
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        ex = [p.meta.get("example_value") for p in sub.graph.nodes if p.op == "placeholder"]
+        greport = GraphReport(nodes_in=len(sub.graph.nodes), rest=report.graphs[-1].rest,
+                              within=f"the checkpointed body {name} of {n.name}")
+        report.graphs.append(greport)
+        t0, captured = time.perf_counter(), copy.deepcopy(sub.graph)
+        try:
+            k = _compile(sub, ex, opts, device, arch, greport)
+        except Exception as e:  # never crash the user's model
+            log.warning("ssmc: %s runs as captured: %s: %s", name, type(e).__name__, e)
+            greport.fallbacks.append((name, f"internal error, the body runs as captured: {type(e).__name__}: {e}"))
+            greport.regions.clear()
+            sub.graph = captured
+            k = 0
+        if k:
+            _direct_calls(sub)
+        greport.nodes_out = len(sub.graph.nodes)
+        greport.compile_ms = (time.perf_counter() - t0) * 1e3
+        made += k
+    return made
 
 
 def _only_regions(gm: fx.GraphModule) -> bool:

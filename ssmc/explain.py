@@ -109,6 +109,7 @@ class GraphReport:
     fallbacks: list = dataclasses.field(default_factory=list)
     log: list = dataclasses.field(default_factory=list)
     rest: str = ""
+    within: str = ""           # a body a node of another graph calls (checkpointed code)
 
 
 @dataclasses.dataclass
@@ -136,7 +137,8 @@ class Report:
         out = [f"ssmc: {len(self.graphs)} graph(s), {len(self.regions)} region(s), "
                f"{len(self.fallbacks)} fallback(s)"]
         for gi, g in enumerate(self.graphs):
-            out.append(f"\ngraph {gi}: {g.nodes_in} FX nodes from Dynamo -> {g.nodes_out} after ssmc "
+            where = f" ({g.within})" if g.within else ""
+            out.append(f"\ngraph {gi}{where}: {g.nodes_in} FX nodes from Dynamo -> {g.nodes_out} after ssmc "
                        f"({g.compile_ms:.0f} ms in ssmc; the rest of the graph runs with {g.rest})")
             out.append("  passes:")
             for p in g.passes:

@@ -233,3 +233,54 @@ def test_vmapped_code_beside_a_region():
     out, rep = ssmc_run(fn, ins)
     assert len(rep.regions) == 1, str(rep)
     assert rel_err(out, reference(fn, ins)[0]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("rest", ["eager", "inductor"])
+def test_loop_in_checkpointed_code(rest):
+    """torch.utils.checkpoint reaches the backend as a node calling a subgraph: the loop inside
+    is compiled there (its own graph in the report), values and gradients equal eager's."""
+    from torch.utils.checkpoint import checkpoint
+
+    def scan(x, a):
+        h, ys = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+    def fn(x, a):
+        return checkpoint(scan, x.sin(), a, use_reentrant=False) * 2
+    g = torch.Generator().manual_seed(70)
+    x, a = torch.randn(2, 6, 3, generator=g, requires_grad=True), torch.rand(2, 6, 3, generator=g, requires_grad=True)
+    out, rep = ssmc_run(fn, [x, a], rest=rest)
+    assert len(rep.regions) == 1 and "checkpointed body" in str(rep), str(rep)
+    got = torch.autograd.grad(out.sum(), [x, a])
+    x64, a64 = (v.detach().double().requires_grad_() for v in (x, a))
+    ref = fn(x64, a64)
+    want = torch.autograd.grad(ref.sum(), [x64, a64])
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert all(rel_err(p, q) < TOL[torch.float32] for p, q in zip(got, want))
+
+
+def test_checkpointed_body_that_fails_runs_as_captured(monkeypatch):
+    """A body whose compile raises after changing it runs as Dynamo captured it, the reason in
+    the report."""
+    import ssmc.backend as backend
+    from torch.utils.checkpoint import checkpoint
+    real = backend._compile
+
+    def broken(gm, *args):
+        if hasattr(gm, "wrap_body_0"):          # the outer graph
+            return real(gm, *args)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        out.args = ((None,),)
+        gm.recompile()
+        raise RuntimeError("boom")
+    monkeypatch.setattr(backend, "_compile", broken)
+
+    def fn(x, a):
+        return checkpoint(lambda x, a: a * x.cos(), x, a, use_reentrant=False) + 1
+    x, a = torch.randn(2, 3), torch.rand(2, 3)
+    out, rep = ssmc_run(fn, [x, a])
+    assert any("the body runs as captured: RuntimeError: boom" in why for _, why in rep.fallbacks), str(rep)
+    assert torch.allclose(out, fn(x, a))
