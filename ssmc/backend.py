@@ -101,6 +101,20 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
     return gm.forward
 
 
+def _for_effect(n: fx.Node) -> bool:
+    """A node of the captured graph nothing reads that is not a known pure tensor op (Dynamo
+    leaves dead views and arithmetic in too: those may go)."""
+    from ssmc.ops import canonical
+    if n.users or n.op not in ("call_function", "call_method"):
+        return False
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return canonical(n) is None and name not in _PURE
+
+
+_PURE = {"_add_batch_dim", "_remove_batch_dim", "zeros", "ones", "empty", "full", "zeros_like",
+         "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full"}
+
+
 def _compile_bodies(gm: fx.GraphModule, report: Report, opts: Options, device, arch) -> int:
     """Loops in checkpointed code: Dynamo captures torch.utils.checkpoint as a
     tag_activation_checkpoint node calling a subgraph, run (through an fx Interpreter) in the
@@ -164,8 +178,8 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     from ssmc.passes.pipeline import run_pipeline
     if greport.nodes_in > 2000:
         log.info("ssmc: re-rolling a graph of %d nodes", greport.nodes_in)
-    for n in gm.graph.nodes:       # Dynamo keeps a node nothing reads only for its effect (vmap's
-        if not n.users:            # level pushes and pops): lowering's dead-code sweep leaves it
+    for n in gm.graph.nodes:       # lowering's dead-code sweep leaves what Dynamo kept with no
+        if _for_effect(n):         # reader for its effect (vmap's level pushes and pops)
             n.meta["ssmc_effect"] = True
     loaded = load_plugins()
     ctx = PassContext(gm, list(example_inputs), opts, device, arch, targets=loaded.loaded("ssmc.targets"))
