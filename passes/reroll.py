@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, copies_as_writes, decompose_composites,
                           erase_unused, find_reads, functionalize_updates)
-from ssmc.inlined_scan import find_inlined_scans
+from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import is_tensor, mutated, reaches, shape, value as value_of
 
@@ -66,6 +66,9 @@ class Reroll(Pass):
                 except ValueError as e:
                     ctx.fallbacks.append((node.name, f"{node.target} not taken: {e}"))
         loops += loops_from_inlined_scans(ctx.gm)
+        for n in symbolic_trees(ctx.gm.graph)[:1]:
+            ctx.fallbacks.append((n.name, "associative_scan (generic, inlined) not taken: its length is "
+                                  "symbolic (Dynamo recompiled for another length), the tree runs as captured"))
         loops += find_unrolled(ctx.gm, ctx)
         if not loops and not ctx.fallbacks:
             ctx.note("reroll: no loop here: no tensor is read at consecutive indices (x[:, t], "

@@ -122,15 +122,16 @@ def _compile_bodies(gm: fx.GraphModule, report: Report, opts: Options, device, a
     own entry in the report); one that fails runs as captured, its graph restored. Returns the
     regions made."""
     hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    made = 0
+    made, seen = 0, set()
     for n in list(gm.graph.nodes):
         if hop is None or n.op != "call_function" or n.target is not hop or not n.args \
                 or getattr(n.args[0], "op", None) != "get_attr":
             continue
         name = n.args[0].target
         sub = getattr(gm, name, None)
-        if not isinstance(sub, fx.GraphModule):
+        if not isinstance(sub, fx.GraphModule) or name in seen:   # a body called twice: once
             continue
+        seen.add(name)
         ex = [p.meta.get("example_value") for p in sub.graph.nodes if p.op == "placeholder"]
         greport = GraphReport(nodes_in=len(sub.graph.nodes), rest=report.graphs[-1].rest,
                               within=f"the checkpointed body {name} of {n.name}")

@@ -63,6 +63,12 @@ def find_inlined_scans(graph: fx.Graph) -> list[InlinedScan]:
     return list(found.values())
 
 
+def symbolic_trees(graph: fx.Graph) -> list[fx.Node]:
+    """Operands an odd-even tree slices by twos whose length along dim 0 is symbolic (Dynamo
+    made it so on a recompile): no proof runs over a length not known."""
+    return [n for n in graph.nodes if _twos(n) and _len0(n) is None]
+
+
 def _len0(n) -> int | None:
     s = shape(n) if isinstance(n, fx.Node) else None
     return int(s[0]) if s and isinstance(s[0], int) else None
@@ -74,10 +80,14 @@ def _same_shape(*nodes) -> bool:
 
 
 def _sliced_by_twos(n: fx.Node) -> bool:
+    return _twos(n) and (_len0(n) or 0) >= 2
+
+
+def _twos(n: fx.Node) -> bool:
     """The first op torch's tree does on an operand: elements 0, 2, 4, ... and 1, 3, 5, ..."""
     steps = {(_arg(u, 2, "start", 0), _arg(u, 4, "step", 1)) for u in n.users
              if u.op == "call_function" and u.target in _SLICE and _arg(u, 1, "dim", 0) == 0}
-    return (0, 2) in steps and (1, 2) in steps and (_len0(n) or 0) >= 2
+    return (0, 2) in steps and (1, 2) in steps
 
 
 def _arg(n: fx.Node, i: int, name: str, default):

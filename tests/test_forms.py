@@ -928,3 +928,24 @@ def test_generic_associative_scan_of_another_combine_runs_as_written():
     out, rep = ssmc_run(fn, ins)
     assert not rep.regions
     assert rel_err(out, reference(fn, ins)[0]) < 1e-6
+
+
+def test_generic_associative_scan_over_a_symbolic_length_says_why():
+    """A second length makes Dynamo recompile with the length symbolic: the odd-even tree runs
+    as captured, the reason in the report, the values right."""
+    import ssmc.backend
+    from torch._higher_order_ops.associative_scan import associative_scan
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b: associative_scan(_pair, (a, b), dim=1, combine_mode="generic")[1],
+                      backend="ssmc")
+    for L, regions in ((9, 1), (13, 0)):
+        a, b = torch.rand(2, L, 3), torch.randn(2, L, 3)
+        out = f(a, b)
+        rep = ssmc.backend.LAST_REPORT
+        assert len(rep.regions) == regions, str(rep)
+        assert regions or any("its length is symbolic" in why for _, why in rep.fallbacks), str(rep)
+        h, ref = torch.zeros(2, 3, dtype=torch.float64), []
+        for t in range(L):
+            h = a[:, t].double() * h + b[:, t].double()
+            ref.append(h)
+        assert rel_err(out, torch.stack(ref, 1)) < 1e-6
