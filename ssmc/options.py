@@ -26,7 +26,7 @@ class Options:
     rest: str = "auto"            # what runs the graph outside the regions: inductor | eager | auto
     debug_dir: str | None = None
     cache_dir: str = ""
-    chunk: int = 64               # time-chunk of the torch reference executor
+    chunk: int = 0                # time-chunk of the torch reference executor (0: by state size)
     validate: bool = True         # shape-check the rewritten graph with fake tensors
     deterministic: bool = False   # backward kernels: no atomics (partial sums + a torch sum)
     autotune: str = "prune"       # prune: skip the rest of a variant family whose first config is slow; all

@@ -66,3 +66,26 @@ def test_adjoint_equals_autograd(case):
 def test_adjoint_on_random_programs(prog, seed):
     region, xs = region_and_inputs(prog.fn(), prog.make(seed))
     compare(region, xs, chunk=3)
+
+
+def test_time_chunk_by_state_size(monkeypatch):
+    """Chunk 0 (the default) sizes the executor's time chunks by the state: a small state runs
+    its steps in few chunks, a large one in chunks of 64; a given chunk is kept. The outputs and
+    gradients do not depend on the chunking."""
+    import ssmc.targets.reference as R
+    from ssmc.options import Options
+    assert Options().chunk == 0
+    assert R.time_chunk(5, 10, 100) == 5
+    assert R.time_chunk(0, 10, 100) == 100
+    assert R.time_chunk(0, 10, 3) == 64
+    assert R.time_chunk(0, R.CHUNK_ELEMENTS // 256, 10_000) == 256
+    assert R.time_chunk(0, R.CHUNK_ELEMENTS, 10_000) == 64
+    region, xs = region_and_inputs(P.mamba1("stack"), P.mamba1_inputs(L=150, seed=68))
+    xs = [x.double() if x.is_floating_point() else x for x in xs]
+    monkeypatch.setattr(R, "CHUNK_ELEMENTS", 2 * 4 * 3 * 70)   # this state: 70 steps a chunk
+    assert R.time_chunk(0, 2 * 4 * 3, 150) == 70
+    want = R.ReferenceKernel(region, 150).forward(xs)
+    for chunk in (0, 3):
+        got = R.ReferenceKernel(region, chunk).forward(xs)
+        assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(got, want))
+    compare(region, xs, chunk=0)

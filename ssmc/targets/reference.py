@@ -50,9 +50,21 @@ class TorchTarget:
         return None
 
 
+CHUNK_ELEMENTS = 1 << 22
+
+
+def time_chunk(chunk: int, state_elements: int, L: int) -> int:
+    """The executor's steps per chunk: `chunk` when given (> 0); else (0) as many as keep one
+    (steps, *state) tensor near CHUNK_ELEMENTS, at least 64: a small state runs in few chunks
+    (each chunk costs some fifty torch calls), a large one in chunks of bounded memory."""
+    if chunk > 0:
+        return chunk
+    return max(64, min(max(L, 1), CHUNK_ELEMENTS // max(1, state_elements)))
+
+
 class ReferenceKernel:
-    def __init__(self, region: Region, chunk: int = 64):
-        self.region, self.chunk = region, max(1, int(chunk))
+    def __init__(self, region: Region, chunk: int = 0):
+        self.region, self.chunk = region, max(0, int(chunk))
 
     def forward(self, inputs):
         with torch.no_grad():
@@ -341,13 +353,14 @@ def _to_output(v: torch.Tensor, names, index, sizes):
     return v
 
 
-def run(region: Region, inputs, chunk: int = 64):
+def run(region: Region, inputs, chunk: int = 0):
     r = region
     cdt = compute_dtype(r, inputs)
     dev = inputs[0].device
     sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
     L = inputs[r.length[0]].shape[r.length[1]]
     state_shape = tuple(sizes[a] for a in r.axes)
+    chunk = time_chunk(chunk, math.prod(state_shape), L)
     h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
     steps = {i: [] for i, o in enumerate(r.outputs) if o.kind == "steps"}
     names = ["t", *r.axes]
@@ -430,7 +443,7 @@ class Grads:
         return [g.to(x.dtype) if g is not None else None for g, x in zip(self.acc, inputs)]
 
 
-def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 64):
+def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 0):
     """Gradients of every input from the region's adjoint (ssmc.autodiff): a forward pass keeps
     the state at each chunk start, then chunks run in reverse: the forward states of the chunk
     are recomputed, the adjoint state lam runs the recurrence backwards in time, and the
@@ -440,10 +453,11 @@ def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 64):
     r = region
     if r.mix is not None:
         from .mix_adjoint import backward
-        return backward(r, inputs, grads, needs, steps=chunk)
+        return backward(r, inputs, grads, needs, steps=chunk or None)
     adj = region_adjoint(r)
     g = Grads(r, inputs, grads, needs)
     cdt, L, state_shape = g.cdt, g.L, g.state_shape
+    chunk = time_chunk(chunk, math.prod(state_shape), L)
     with torch.no_grad():
         h = g.h0(r, inputs)
         starts = []
