@@ -969,6 +969,17 @@ def _stack_sink(u: fx.Node, seg: _Segment):
 
 # -- the scan higher-order op ------------------------------------------------------------------
 
+def _getitems(node: fx.Node, what: str) -> dict:
+    """A scan node's outputs by index: {i: [getitem nodes]}; any other use raises."""
+    getitems = defaultdict(list)
+    for u in node.users:
+        if u.op == "call_function" and u.target is operator.getitem and _is_int(u.args[1]):
+            getitems[u.args[1]].append(u)
+        else:
+            raise ValueError(f"{what} output used by {u.name} directly")
+    return getitems
+
+
 def loop_from_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
     args = list(node.args)
     if len(args) == 4:
@@ -1003,12 +1014,7 @@ def loop_from_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
         env[n] = body.node_copy(n, lambda a: env[a])
     nc = len(init)
     results, vals = [], []
-    getitems = defaultdict(list)
-    for u in node.users:
-        if u.op == "call_function" and u.target is operator.getitem and _is_int(u.args[1]):
-            getitems[u.args[1]].append(u)
-        else:
-            raise ValueError(f"scan output used by {u.name} directly")
+    getitems = _getitems(node, "scan")
     for i, v in enumerate(out_vals):
         if i < nc:
             if getitems.get(i):
@@ -1058,12 +1064,7 @@ def loop_from_associative_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
         raise ValueError("only associative_scan(combine, (a, b)) with the linear-recurrence pair")
     if not _is_pair_combine(getattr(gm, fn.target)):
         raise ValueError("the combine function is not (a1*a2, a2*b1 + b2)")
-    getitems = defaultdict(list)
-    for u in node.users:
-        if u.op == "call_function" and u.target is operator.getitem and _is_int(u.args[1]):
-            getitems[u.args[1]].append(u)
-        else:
-            raise ValueError(f"associative_scan output used by {u.name} directly")
+    getitems = _getitems(node, "associative_scan")
     dead = _dead_users(getitems.get(0, []))
     if dead is None:
         raise ValueError("the running product of the decays (output 0) is used")
