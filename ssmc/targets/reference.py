@@ -453,7 +453,9 @@ def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 0):
     r = region
     if r.mix is not None:
         from .mix_adjoint import backward
-        return backward(r, inputs, grads, needs, steps=chunk or None)
+        state = math.prod(inputs[i].shape[d] for i, d in r.axis_size)
+        L = inputs[r.length[0]].shape[r.length[1]]
+        return backward(r, inputs, grads, needs, steps=time_chunk(chunk, state, L))
     adj = region_adjoint(r)
     g = Grads(r, inputs, grads, needs)
     cdt, L, state_shape = g.cdt, g.L, g.state_shape
