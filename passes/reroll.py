@@ -65,7 +65,11 @@ class Reroll(Pass):
                     loops.append(hops[node.target](ctx.gm, node))
                 except ValueError as e:
                     ctx.fallbacks.append((node.name, f"{node.target} not taken: {e}"))
-        loops += loops_from_inlined_scans(ctx.gm)
+        try:
+            loops += loops_from_inlined_scans(ctx.gm)
+        except Exception as e:      # the search is best effort: the rest of the graph goes on
+            log.debug("ssmc: inlined scan search failed", exc_info=True)
+            ctx.fallbacks.append(("inlined associative_scan", f"search failed: {type(e).__name__}: {e}"))
         for n in symbolic_trees(ctx.gm.graph)[:1]:
             ctx.fallbacks.append((n.name, "associative_scan (generic, inlined) not taken: its length is "
                                   "symbolic (Dynamo recompiled for another length), the tree runs as captured"))

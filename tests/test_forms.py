@@ -949,3 +949,15 @@ def test_generic_associative_scan_over_a_symbolic_length_says_why():
             h = a[:, t].double() * h + b[:, t].double()
             ref.append(h)
         assert rel_err(out, torch.stack(ref, 1)) < 1e-6
+
+
+def test_inlined_scan_search_that_fails_leaves_the_other_loops(monkeypatch):
+    import ssmc.passes.reroll as reroll_mod
+
+    def boom(graph):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(reroll_mod, "find_inlined_scans", boom)
+    fn, ins = P.mamba1("stack"), P.mamba1_inputs(seed=71)
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1 and any("search failed: RuntimeError: boom" in why for _, why in rep.fallbacks)
+    assert rel_err(out, reference(fn, ins)[0]) < TOL[torch.float32]
