@@ -34,7 +34,7 @@ from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_sl
                           erase_unused, find_reads, functionalize_updates)
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.loop import Loop, Read, Result
-from ssmc.ops import is_tensor, mutated, reaches, shape, value as value_of
+from ssmc.ops import impure, is_tensor, mutated, reaches, shape, value as value_of
 
 from .base import Candidate, Pass
 
@@ -1114,7 +1114,7 @@ def _dead_users(roots: list) -> list | None:
         n = todo.pop()
         if n in seen:
             continue
-        if n.op == "output" or n.is_impure() or mutated(n) is not None:
+        if n.op == "output" or impure(n):
             return None
         seen[n] = None
         todo.extend(n.users)

@@ -172,4 +172,3 @@ def _add(p, q):
             if s and s[0] is b and (s[1], s[2]) == (mid + 1, hi):
                 return ("scan", a, b, lo, hi)
     return None
-

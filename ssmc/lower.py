@@ -10,7 +10,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .ops import mutated, shape, value
+from .ops import impure, mutated, shape, value
 
 _ALLOC = {torch.empty, torch.zeros, torch.empty_like, torch.zeros_like, torch.ones, torch.full,
           "new_empty", "new_zeros", "new_full", "new_ones"}
@@ -209,12 +209,8 @@ def finish_lowering(gm: fx.GraphModule, erase: list) -> None:
                 if u.op == "call_function" and u.target is operator.setitem:
                     g.erase_node(u)
             g.erase_node(n)
-    g.eliminate_dead_code(is_impure_node=_impure)   # in-place writes stay (out.index_add_(...))
+    g.eliminate_dead_code(is_impure_node=impure)   # in-place writes stay (out.index_add_(...))
     gm.recompile()
-
-
-def _impure(n: fx.Node) -> bool:
-    return n.is_impure() or mutated(n) is not None or n.meta.get("ssmc_effect", False)
 
 
 def _is_alloc(n: fx.Node) -> bool:

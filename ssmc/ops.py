@@ -99,6 +99,13 @@ def mutated(n: fx.Node):
     return None
 
 
+def impure(n: fx.Node) -> bool:
+    """A node that must stay though nothing reads it: torch's own idea of impure, an in-place
+    write, or what Dynamo kept with no reader for its effect (``ssmc_effect``, set by the
+    backend: vmap's level pushes and pops)."""
+    return n.is_impure() or mutated(n) is not None or n.meta.get("ssmc_effect", False)
+
+
 def reaches(roots, targets, through_not=()) -> bool:
     """Whether a node of `targets` is among `roots` or their inputs, transitively; the walk does
     not go on past nodes in `through_not`."""

@@ -109,12 +109,15 @@ def _assoc_scan_graph(combine, products=None):
     n = g.call_function(torch.ops.higher_order.associative_scan, (fn, [a, b], []))
     outs = [g.call_function(operator.getitem, (n, 1))]
     if products:
-        prod = g.call_function(torch.movedim, (g.call_function(operator.getitem, (n, 0)), 0, 0))
+        p0 = g.call_function(operator.getitem, (n, 0))
+        prod = g.call_function(torch.movedim, (p0, 0, 0))
         outs += [prod] if products == "live" else []
     g.output(tuple(outs))
     gm = fx.GraphModule(root, g)
     xa, xb = torch.rand(7, 2, 3), torch.randn(7, 2, 3)
     a.meta["example_value"], b.meta["example_value"] = mode.from_tensor(xa), mode.from_tensor(xb)
+    if products:                # as Dynamo gives every node: the products' example values
+        p0.meta["example_value"] = prod.meta["example_value"] = mode.from_tensor(xa)
     return gm, (xa, xb)
 
 
