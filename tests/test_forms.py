@@ -964,3 +964,46 @@ def test_inlined_scan_search_that_fails_leaves_the_other_loops(monkeypatch):
     out, rep = ssmc_run(fn, ins)
     assert len(rep.regions) == 1 and any("search failed: RuntimeError: boom" in why for _, why in rep.fallbacks)
     assert rel_err(out, reference(fn, ins)[0]) < TOL[torch.float32]
+
+
+def _mixer_scan(mode):
+    """A Mamba-1 mixer written around torch's associative_scan (the way HF transformers' Mamba
+    does when compiled: pointwise mode on CUDA, generic elsewhere): discretise over the whole
+    sequence, scan along dim 2, unpack `_, states`, read out with a batched matmul, return the
+    last state too."""
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    def comb(left, right):
+        return left[0] * right[0], right[0] * left[1] + right[1]
+
+    def fn(x, dt, A, B, C):             # x, dt (b, d, L); A (d, n); B, C (b, n, L)
+        dA = torch.exp(A[None, :, None, :] * dt[..., None])
+        dBx = dt[..., None] * B.transpose(1, 2)[:, None] * x[..., None]
+        _, states = associative_scan(comb, (dA, dBx), dim=2, combine_mode=mode)
+        y = torch.matmul(states.transpose(1, 2), C.transpose(1, 2).unsqueeze(-1)).squeeze(-1)
+        return y.transpose(1, 2), states[:, :, -1]
+    return fn
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pointwise", "generic"])
+def test_mixer_written_with_associative_scan_on_the_gpu(mode):
+    """The scan HOP as CUDA code reaches the backend (pointwise: a scan node whose products only
+    a dead movedim reads; generic: the odd-even tree inlined): one region, values and gradients
+    against float64 eager."""
+    fn = _mixer_scan(mode)
+    g = torch.Generator().manual_seed(31)
+    b, d, n, L = 2, 24, 8, 67
+    ins = (torch.randn(b, d, L, generator=g), torch.rand(b, d, L, generator=g) * 0.2,
+           -torch.rand(d, n, generator=g) - 0.5, torch.randn(b, n, L, generator=g), torch.randn(b, n, L, generator=g))
+    xs = [x.cuda().requires_grad_() for x in ins]
+    out, rep = ssmc_run(fn, xs)
+    assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
+    x64 = [x.double().requires_grad_() for x in ins]
+    ref = fn(*x64)
+    for o, r in zip(out, ref):
+        assert rel_err(o.cpu(), r) < 1e-5, str(rep)
+    got = torch.autograd.grad(sum(o.sum() for o in out), xs)
+    want = torch.autograd.grad(sum(r.sum() for r in ref), x64)
+    for i, (p, q) in enumerate(zip(got, want)):
+        assert rel_err(p.cpu(), q) < 1e-4, f"input {i}"

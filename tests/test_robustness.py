@@ -235,8 +235,9 @@ def test_vmapped_code_beside_a_region():
     assert rel_err(out, reference(fn, ins)[0]) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("rest", ["eager", "inductor"])
-def test_loop_in_checkpointed_code(rest):
+@pytest.mark.parametrize("rest,device", [("eager", "cpu"), ("inductor", "cpu"),
+                                         pytest.param("inductor", "cuda", marks=pytest.mark.gpu)])
+def test_loop_in_checkpointed_code(rest, device):
     """torch.utils.checkpoint reaches the backend as a node calling a subgraph: the loop inside
     is compiled there (its own graph in the report), values and gradients equal eager's."""
     from torch.utils.checkpoint import checkpoint
@@ -252,7 +253,7 @@ def test_loop_in_checkpointed_code(rest):
         y = checkpoint(scan, x.sin(), a, use_reentrant=False)
         return checkpoint(scan, y, a, use_reentrant=False) * 2     # the same body again
     g = torch.Generator().manual_seed(70)
-    x, a = torch.randn(2, 6, 3, generator=g, requires_grad=True), torch.rand(2, 6, 3, generator=g, requires_grad=True)
+    x, a = (v.to(device).requires_grad_() for v in (torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g)))
     out, rep = ssmc_run(fn, [x, a], rest=rest)
     bodies = [g for g in rep.graphs if g.within]
     assert len(rep.regions) == len(bodies) >= 1 and "checkpointed body" in str(rep), str(rep)
