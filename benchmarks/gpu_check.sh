@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
-# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune",
+# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune", "scanmixer",
 # "ncu", "m1counters", "decode", "bspprobe", "ssdcore" and "train" only when named; SSMC_BSP_FLAGS=--backward:
 # bsp also times forward+backward); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
@@ -103,6 +103,9 @@ if [[ $STEPS == *bspprobe* ]]; then  # the CUDA block-sparse kernel: its pick, t
     --import-source no -f -o /tmp/ncu_bsp python -m benchmarks.probe_bsp --out /dev/null ${SSMC_BSP_GROUPS:+--groups $SSMC_BSP_GROUPS} >> "$LOG" 2>&1
   ncu -i /tmp/ncu_bsp.ncu-rep --page details > "$OUT/ncu_bsp.txt" 2>&1
   ncu -i /tmp/ncu_bsp.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_bsp_sass.csv" 2>&1
+fi
+if [[ $STEPS == *scanmixer* ]]; then  # a mixer around torch's associative_scan: ssmc, ssmc without sink_consumers, Inductor
+  timeout ${SSMC_MIXER_TIMEOUT:-300} python -m benchmarks.bench_scan_mixer --out "$OUT/scan_mixer.json" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *fuzz* ]]; then      # workers share the GPU: compiling (Dynamo, Triton, NVRTC) is CPU-bound
   echo "== fuzz" >> "$LOG"

@@ -13,7 +13,7 @@ from ssmc.plugins import load as load_plugins
 
 log = logging.getLogger("ssmc")
 
-PIPELINE = ["reroll", "split_states", "detect_recurrence", "fuse_prologue", "fuse_epilogue", "block_sparse", "moe_grouping",
+PIPELINE = ["reroll", "sink_consumers", "split_states", "detect_recurrence", "fuse_prologue", "fuse_epilogue", "block_sparse", "moe_grouping",
             "select_strategy"]
 
 

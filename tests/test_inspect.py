@@ -73,9 +73,9 @@ def test_debug_dir(tmp_path):
     ssmc.explain(P.mamba1("stack"), *P.mamba1_inputs(seed=52), debug_dir=str(tmp_path))
     (gdir,) = list(tmp_path.iterdir())
     names = sorted(p.name for p in gdir.iterdir())
-    assert names[:9] == ["000_input.py", "001_reroll.py", "002_split_states.py", "003_detect_recurrence.py",
-                         "004_fuse_prologue.py", "005_fuse_epilogue.py", "006_block_sparse.py", "007_moe_grouping.py",
-                         "008_select_strategy.py"]
+    assert names[:10] == ["000_input.py", "001_reroll.py", "002_sink_consumers.py", "003_split_states.py",
+                          "004_detect_recurrence.py", "005_fuse_prologue.py", "006_fuse_epilogue.py", "007_block_sparse.py",
+                          "008_moe_grouping.py", "009_select_strategy.py"]
     assert "999_lowered.py" in names
     assert "def forward" in (gdir / "001_reroll.py").read_text()
     assert "torch.ops.ssmc.region" in (gdir / "999_lowered.py").read_text()

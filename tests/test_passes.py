@@ -170,7 +170,7 @@ def test_unknown_option_is_a_clear_error():
 def test_pass_timings_reported():
     _, rep = ssmc_run(P.mamba1("stack"), P.mamba1_inputs(seed=39))
     names = [p.name for p in rep.passes]
-    assert names == ["reroll", "split_states", "detect_recurrence", "fuse_prologue", "fuse_epilogue", "block_sparse", "moe_grouping",
+    assert names == ["reroll", "sink_consumers", "split_states", "detect_recurrence", "fuse_prologue", "fuse_epilogue", "block_sparse", "moe_grouping",
                      "select_strategy"]
     assert all(p.ms >= 0 for p in rep.passes)
     name, ms, changed = rep.passes[0]
