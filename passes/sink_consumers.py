@@ -83,7 +83,11 @@ class _Sink:
     def roots(self) -> dict:
         """{outer node standing for a result: (result index, time dim)} for the results whose
         steps sit whole along one dim (no peeled steps, forward time, real values)."""
-        out = {}
+        out, lp = {}, self.lp
+        n = lp.length
+        if n is None:                  # a scan: as many steps as its reads have
+            sizes = {shape(r.source)[r.dim] - r.start for r in lp.reads if _ints(shape(r.source))}
+            n = sizes.pop() if len(sizes) == 1 else None
         for i, (r, v) in enumerate(zip(self.lp.results, self.lp.result_values())):
             if r.kind != "steps" or r.sink not in ("stack", "scan") or r.prefix or r.suffix or r.reverse \
                     or i in self.lp.complex_results or not isinstance(v, fx.Node):
@@ -91,16 +95,16 @@ class _Sink:
             for R in r.replace:
                 if value(R) is None or not _ints(shape(R)):
                     continue
-                L = shape(R)[r.dim]
-                if L >= 2 and (self.lp.length is None or self.lp.length == L):
-                    out[R] = (i, r.dim)
+                if r.dim >= len(shape(R)) or shape(R)[r.dim] != n or n < 2:
+                    continue
+                out[R] = (i, r.dim)
+        self.L = n
         return out
 
     def run(self) -> int:
         roots = self.roots()
         if not roots:
             return 0
-        self.L = shape(next(iter(roots)))[next(iter(roots.values()))[1]]
         tdim = {R: k for R, (_, k) in roots.items()}
         readout = {R: False for R in roots}
         steps: dict = {}
