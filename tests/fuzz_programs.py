@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F  # noqa: F401  (used by generated code)
 from hypothesis import strategies as st
 
-FORMS = ["stack", "cat", "setitem", "unbind", "final", "h0", "scan"]
+FORMS = ["stack", "cat", "setitem", "unbind", "final", "h0", "scan", "after"]
+# "after": the loop stacks its states and the work on them follows the loop ({x}: the stacked
+# states (b, L, *state), {u}: an input, time at dim 1 too)
+AFTER = ["({x} * {u}).sum(-1)", "{x}[:, -1]", "({x} * {u}).sum(-1, keepdim=True) + {u}",
+         "{x}.transpose(1, 2)[:, :, -1] * 2.0", "{x}.mean(1)", "torch.tanh({x}) * {u}",
+         "({x} * {u}).sum(-1).movedim(1, 0) * 2.0", "({x}.movedim(1, 0) * {u}.movedim(1, 0)).sum(-1) + 1.0",
+         "{x}[:, -1] + ({x} * {u}).sum(1)", "{x}[:, -1].sum(-1) * 3.0 + {x}[:, 0].sum(-1)"]
 UNARY_SAFE = ["torch.tanh({})", "torch.sigmoid({})", "F.silu({})", "torch.sin({})",
               "(0.5 * {})", "F.softplus({})", "torch.exp(-torch.abs({}))", "torch.sqrt(1.0 + {} * {})"]
 BINARY = ["({} + {})", "({} * {})", "({} - {})", "torch.maximum({}, {})", "({} / (1.5 + torch.abs({})))"]
@@ -109,7 +115,7 @@ def programs(draw, linear=None, dtypes=None, max_len=6):
     update = update.format(a=decay, b=drive)
     readout = draw(st.sampled_from(["h", "(h * {c}).sum(-1)", "torch.tanh(h) * {c}", "h * 2.0 + {c}",
                                     "F.silu({c}) * h"])).format(c=leaf())
-    if rank == 2 and ".sum(-1)" in readout:
+    if rank == 2 and ".sum(-1)" in readout or form == "after":
         readout = "h"
     state = ", ".join(["u0.shape[0]"] + [str(s) for s in sizes[1:rank]])
     body = f"{update}\ny = {readout}"
@@ -132,7 +138,7 @@ def programs(draw, linear=None, dtypes=None, max_len=6):
             "    return ys, h"])
     else:
         head = {"stack": "ys = []", "cat": "ys = []", "unbind": "ys = []", "final": "ys = []",
-                "h0": "ys = []", "setitem": None}[form]
+                "h0": "ys = []", "setitem": None, "after": "ys = []"}[form]
         loop = "for t in range(u0.shape[1]):"
         init = zeros if form != "h0" else "h0"
         lines = [f"h = {init}"]
@@ -152,6 +158,10 @@ def programs(draw, linear=None, dtypes=None, max_len=6):
         elif form in ("final", "h0"):
             lines.append("    ys.append(y)")
             ret = "return torch.stack(ys, 1), h"
+        elif form == "after":
+            lines.append("    ys.append(y)")
+            after = draw(st.sampled_from(AFTER)).format(x="hs", u=leaf().replace("[:, t]", ""))
+            ret = f"hs = torch.stack(ys, 1)\nreturn {after}"
         else:
             lines.append("    ys.append(y)")
             ret = "return torch.stack(ys, 1)"
