@@ -1,6 +1,7 @@
 """sink_consumers: move the work done after a loop on its stacked steps into the step body.
 
-Code that collects the states and reads them out afterwards (``hs = torch.stack(hs, 1)`` then
+Code that collects the states and reads them out afterwards (``hs = torch.stack(hs, 1)``, or
+``hs[:, t] = h`` into a buffer, then
 ``(hs @ C.unsqueeze(-1)).squeeze(-1)``; ``_, hs = associative_scan(...)`` then a matmul; a
 final state taken as ``hs[:, -1]``) would have the region write every state, (b, L, d, n),
 for a readout that needs one number a channel. An op on the stacked steps that treats their
@@ -23,6 +24,7 @@ import torch.fx as fx
 
 from ssmc.capture import _fake_mode
 from ssmc.loop import Loop, Read, Result
+from ssmc.lower import _is_alloc
 from ssmc.ops import canonical, impure, shape, value, view_map
 
 from .base import Pass
@@ -59,7 +61,7 @@ class SinkConsumers(Pass):
 def _owned(lp: Loop) -> set:
     out = set(lp.erase) | set(lp.made)
     for r in lp.results:
-        out |= set(r.replace)
+        out |= set(r.replace) | ({r.buffer} if r.buffer is not None else set())
     return out
 
 
@@ -89,8 +91,15 @@ class _Sink:
             sizes = {shape(r.source)[r.dim] - r.start for r in lp.reads if _ints(shape(r.source))}
             n = sizes.pop() if len(sizes) == 1 else None
         for i, (r, v) in enumerate(zip(self.lp.results, self.lp.result_values())):
-            if r.kind != "steps" or r.sink not in ("stack", "scan") or r.prefix or r.suffix or r.reverse \
-                    or i in self.lp.complex_results or not isinstance(v, fx.Node):
+            if r.kind != "steps" or r.sink not in ("stack", "scan", "setitem") or r.prefix or r.suffix \
+                    or r.reverse or i in self.lp.complex_results or not isinstance(v, fx.Node):
+                continue
+            if r.sink == "setitem":    # a buffer the loop fills whole, read after its last write
+                R = r.buffer
+                if _is_alloc(R) and r.start == 0 and _ints(shape(R)) and r.dim < len(shape(R)) \
+                        and shape(R)[r.dim] == n and n >= 2 and all(self.pos[u] > self.pos[r.replace[-1]]
+                                                                    for u in self.users(R)):
+                    out[R] = (i, r.dim)
                 continue
             for R in r.replace:
                 if value(R) is None or not _ints(shape(R)):
@@ -108,7 +117,7 @@ class _Sink:
         tdim = {R: k for R, (_, k) in roots.items()}
         readout = {R: False for R in roots}
         steps: dict = {}
-        todo = sorted({u for R in roots for u in R.users}, key=self.pos.__getitem__)
+        todo = sorted({u for R in roots for u in self.users(R)}, key=self.pos.__getitem__)
         while todo:
             u = todo.pop(0)
             if u in steps or u in tdim:
@@ -125,6 +134,11 @@ class _Sink:
             return 0
         self.commit(roots, steps)
         return len(steps)
+
+    def users(self, R: fx.Node) -> list:
+        """The outer nodes reading R's steps (a filled buffer: all but the loop's writes)."""
+        writes = {w for r in self.lp.results if r.buffer is R for w in r.replace}
+        return [u for u in R.users if u not in writes]
 
     def classify(self, u: fx.Node, tdim: dict, readout: dict) -> _Step | None:
         if u.op not in ("call_function", "call_method") or impure(u) or u in self.owned:
@@ -310,9 +324,11 @@ class _Sink:
                 new_results.append(Result("steps", "stack", st.j, [u]))
                 new_vals.append(bval[u])
         # results whose outer nodes nobody outside the moved ops reads any more go
+        def read_after(r):
+            return [r.buffer] if r.sink == "setitem" else r.replace
         keep = [i for i, r in enumerate(lp.results)
-                if not (r.replace and all(R in roots for R in r.replace)
-                        and all(w in steps for R in r.replace for w in R.users))]
+                if not (read_after(r) and all(R in roots for R in read_after(r))
+                        and all(w in steps for R in read_after(r) for w in self.users(R)))]
         carry_out = lp.carry_outputs()
         lp.results = [lp.results[i] for i in keep] + new_results
         out_node.args = ((*carry_out, *[vals[i] for i in keep], *new_vals),)

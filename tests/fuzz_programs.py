@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F  # noqa: F401  (used by generated code)
 from hypothesis import strategies as st
 
-FORMS = ["stack", "cat", "setitem", "unbind", "final", "h0", "scan", "after"]
+FORMS = ["stack", "cat", "setitem", "unbind", "final", "h0", "scan", "after", "after_setitem"]
 # "after": the loop stacks its states and the work on them follows the loop ({x}: the stacked
-# states (b, L, *state), {u}: an input, time at dim 1 too)
+# states (b, L, *state), {u}: an input, time at dim 1 too); "after_setitem": the states are
+# written into a buffer step by step instead
 AFTER = ["({x} * {u}).sum(-1)", "{x}[:, -1]", "({x} * {u}).sum(-1, keepdim=True) + {u}",
          "{x}.transpose(1, 2)[:, :, -1] * 2.0", "{x}.mean(1)", "torch.tanh({x}) * {u}",
          "({x} * {u}).sum(-1).movedim(1, 0) * 2.0", "({x}.movedim(1, 0) * {u}.movedim(1, 0)).sum(-1) + 1.0",
@@ -115,7 +116,7 @@ def programs(draw, linear=None, dtypes=None, max_len=6):
     update = update.format(a=decay, b=drive)
     readout = draw(st.sampled_from(["h", "(h * {c}).sum(-1)", "torch.tanh(h) * {c}", "h * 2.0 + {c}",
                                     "F.silu({c}) * h"])).format(c=leaf())
-    if rank == 2 and ".sum(-1)" in readout or form == "after":
+    if rank == 2 and ".sum(-1)" in readout or form.startswith("after"):
         readout = "h"
     state = ", ".join(["u0.shape[0]"] + [str(s) for s in sizes[1:rank]])
     body = f"{update}\ny = {readout}"
@@ -138,11 +139,11 @@ def programs(draw, linear=None, dtypes=None, max_len=6):
             "    return ys, h"])
     else:
         head = {"stack": "ys = []", "cat": "ys = []", "unbind": "ys = []", "final": "ys = []",
-                "h0": "ys = []", "setitem": None, "after": "ys = []"}[form]
+                "h0": "ys = []", "setitem": None, "after": "ys = []", "after_setitem": None}[form]
         loop = "for t in range(u0.shape[1]):"
         init = zeros if form != "h0" else "h0"
         lines = [f"h = {init}"]
-        if form == "setitem":
+        if form in ("setitem", "after_setitem"):
             ysz = sizes[1:rank] if ".sum(-1)" not in readout else sizes[1:rank - 1]
             lines.append(f"out = torch.empty(u0.shape[0], u0.shape[1], {', '.join(map(str, ysz))}, dtype={sdt}, device=u0.device)")
         else:
@@ -152,6 +153,9 @@ def programs(draw, linear=None, dtypes=None, max_len=6):
         if form == "setitem":
             lines += ["    out[:, t] = y"]
             ret = "return out"
+        elif form == "after_setitem":
+            lines += ["    out[:, t] = y"]
+            ret = "return " + draw(st.sampled_from(AFTER)).format(x="out", u=leaf().replace("[:, t]", ""))
         elif form == "cat":
             lines.append("    ys.append(y.unsqueeze(1))")
             ret = "return torch.cat(ys, 1)"

@@ -31,6 +31,17 @@ def _stack_then_matmul(x, dt, A, B, C):
     return y + 0.5 * x, hs[:, -1]
 
 
+def _buffer_then_sum(x, dt, A, B, C):
+    """The states written into a buffer step by step, read after the loop."""
+    b, L, d = x.shape
+    hs = torch.empty(b, L, d, A.shape[1])
+    h = x.new_zeros(b, d, A.shape[1])
+    for t in range(L):
+        h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
+        hs[:, t] = h
+    return (hs * C.unsqueeze(2)).sum(-1), hs[:, -1]
+
+
 def _scan_hop_then_sum(x, dt, A, B, C):
     from torch._higher_order_ops.scan import scan
 
@@ -59,7 +70,7 @@ def _writes_states(region) -> bool:
     return any("t" in o.index and all(ax in o.index for ax in region.axes) for o in region.outputs)
 
 
-FORMS = [_stack_then_einsum, _stack_then_matmul, _scan_hop_then_sum, _mixer]
+FORMS = [_stack_then_einsum, _stack_then_matmul, _buffer_then_sum, _scan_hop_then_sum, _mixer]
 
 
 @pytest.mark.parametrize("fn", FORMS, ids=lambda f: f.__name__)
@@ -107,6 +118,15 @@ def _first_step_and_merged(x, a, c):
     return hs[:, 0] * 2, hs.reshape(hs.shape[0], -1).sum(-1)   # not the last step; time merged
 
 
+def _buffer_read_with_its_mean(x, a, c):
+    hs = torch.zeros(x.shape[0], x.shape[1], x.shape[2])
+    h = torch.zeros_like(x[:, 0])
+    for t in range(x.shape[1]):
+        h = a[:, t] * h + x[:, t]
+        hs[:, t] = h
+    return ((hs - hs.mean(1, keepdim=True)) * c).sum(-1)    # the mean needs every write first
+
+
 def _elementwise_only(x, a, c):
     return _loop(x, a) * c                        # no readout: left to fuse_epilogue
 
@@ -123,6 +143,7 @@ def _small(seed):
 
 @pytest.mark.parametrize("fn,moved,regions", [(_readout_and_mean_over_time, True, 1), (_scaled_by_its_own_mean, False, 1),
                                               (_first_step_and_merged, False, 1), (_elementwise_only, False, 1),
+                                              (_buffer_read_with_its_mean, False, 1),
                                               (_two_layers, True, 2)],
                          ids=lambda v: getattr(v, "__name__", str(v)))
 def test_what_cannot_run_in_the_step_stays_after_the_loop(fn, moved, regions):
