@@ -42,6 +42,12 @@ def reference(fn, inputs):
     return as_tuple(fn(*[x.double() if x.is_floating_point() else x for x in inputs]))
 
 
+def writes_states(region) -> bool:
+    """Whether some output of the region (its IR) has time and every state axis: the region
+    writes all its states."""
+    return any("t" in o.index and all(ax in o.index for ax in region.axes) for o in region.outputs)
+
+
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-2}
 
 

@@ -3,7 +3,7 @@ writes the readout, not every state."""
 import pytest
 import torch
 
-from conftest import as_tuple, grads_match, reference, rel_err, ssmc_run
+from conftest import as_tuple, grads_match, reference, rel_err, ssmc_run, writes_states
 from test_forms import _mixer_scan
 
 
@@ -65,11 +65,6 @@ def _inputs(seed, b=2, L=9, d=4, n=3):
             torch.randn(b, L, n, generator=g), torch.randn(b, L, n, generator=g))
 
 
-def _writes_states(region) -> bool:
-    """Whether some output of the region has every state axis and time: the states written."""
-    return any("t" in o.index and all(ax in o.index for ax in region.axes) for o in region.outputs)
-
-
 FORMS = [_stack_then_einsum, _stack_then_matmul, _buffer_then_sum, _scan_hop_then_sum, _mixer]
 
 
@@ -79,7 +74,7 @@ def test_readout_after_the_loop_runs_in_the_step(fn):
     out, rep = ssmc_run(fn, ins)
     assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
     info = rep.regions[0]
-    assert not _writes_states(info.ir), str(rep)
+    assert not writes_states(info.ir), str(rep)
     assert any("sink_consumers" in n for n in info.notes), str(rep)
     for o, r in zip(as_tuple(out), reference(fn, ins)):
         assert rel_err(o, r) < 1e-6
@@ -90,7 +85,7 @@ def test_readout_after_the_loop_runs_in_the_step(fn):
 def test_without_the_pass_the_states_are_written(fn):
     ins = _inputs(81)
     out, rep = ssmc_run(fn, ins, disable_passes=["sink_consumers"])
-    assert len(rep.regions) == 1 and _writes_states(rep.regions[0].ir), str(rep)
+    assert len(rep.regions) == 1 and writes_states(rep.regions[0].ir), str(rep)
     for o, r in zip(as_tuple(out), reference(fn, ins)):
         assert rel_err(o, r) < 1e-6
 
@@ -168,5 +163,5 @@ def test_operands_computed_after_the_loop_move_before_it():
         return (hs * cc).sum(-1)
     ins = _small(83)
     out, rep = ssmc_run(fn, ins)
-    assert len(rep.regions) == 1 and not _writes_states(rep.regions[0].ir), str(rep)
+    assert len(rep.regions) == 1 and not writes_states(rep.regions[0].ir), str(rep)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-6
