@@ -11,7 +11,8 @@ applied to each step, so it can run in the step, where fuse_epilogue finds it. T
 at the last index is the value after the last step.
 
 A chain moves only when it reaches such a readout (a sum or contraction) or the last step;
-after a readout only elementwise ops and views follow it in. Operands computed after the loop
+after a readout only elementwise ops and views follow it in. No op may make the steps larger:
+a dim of size > 1 that only another operand has (``y @ W_out``, an expand) stops the chain. Operands computed after the loop
 in graph order move before it when they do not depend on any loop. What stays after the loop
 keeps reading the stacked steps, which the region then still writes.
 """
@@ -165,8 +166,8 @@ class _Sink:
             if k in consts:            # the last step alone, the other dims as they were
                 rest = tuple(d for d in range(len(shape(x))) if d != k)
                 return _Step("last") if consts == {k: L - 1} and tuple(src) == rest else None
-            if k not in src:
-                return None
+            if k not in src or any(d is None and size != 1 for d, size in zip(src, shape(u))):
+                return None            # (an expand makes the steps larger: left after the loop)
             j = src.index(k)
             return self.checked(u, _Step("op", j, {x: ("sunk", k)}, after))
         if c.kind == "ew":
@@ -174,6 +175,8 @@ class _Sink:
             if len(js) != 1:
                 return None
             j = js.pop()
+            if not self.no_new_dims(shape(u), [shape(a) for a in sunk]):
+                return None
             ops = {a: ("sunk", tdim[a]) for a in sunk}
             for x in c.tensor_args():
                 if x in tdim:
@@ -201,6 +204,9 @@ class _Sink:
             tau = letters.pop()
             if tau not in out or out.count(tau) != 1:
                 return None
+            mine = {ch for i, a in enumerate(c.args) if a in tdim for ch in subs[i]}
+            if any(ch not in mine and size != 1 for ch, size in zip(out, shape(u))):
+                return None            # a dim from the other operand (y @ W_out): no readout
             ops = {}
             for s, x in zip(subs, c.args):
                 if not isinstance(x, fx.Node):
@@ -218,6 +224,16 @@ class _Sink:
                 ops[x] = how
             return self.checked(u, _Step("op", out.index(tau), ops, True))
         return None
+
+    @staticmethod
+    def no_new_dims(out_shape, sunk_shapes) -> bool:
+        """Whether every dim of the output larger than 1 is, broadcast right-aligned, a dim of
+        one of the operands from the loop: the op makes the steps no larger."""
+        for d, size in enumerate(out_shape):
+            off = len(out_shape) - d
+            if size != 1 and not any(len(sh) >= off and sh[len(sh) - off] == size for sh in sunk_shapes):
+                return False
+        return True
 
     def operand(self, x, p: int):
         """How an operand from outside the loop enters the step: read at step t along dim p,

@@ -122,6 +122,10 @@ def _buffer_read_with_its_mean(x, a, c):
     return ((hs - hs.mean(1, keepdim=True)) * c).sum(-1)    # the mean needs every write first
 
 
+def _projected(x, a, c):
+    return _loop(x, a) @ c[:3].T                  # y @ W_out: a dim only W has, no readout
+
+
 def _elementwise_only(x, a, c):
     return _loop(x, a) * c                        # no readout: left to fuse_epilogue
 
@@ -138,7 +142,7 @@ def _small(seed):
 
 @pytest.mark.parametrize("fn,moved,regions", [(_readout_and_mean_over_time, True, 1), (_scaled_by_its_own_mean, False, 1),
                                               (_first_step_and_merged, False, 1), (_elementwise_only, False, 1),
-                                              (_buffer_read_with_its_mean, False, 1),
+                                              (_buffer_read_with_its_mean, False, 1), (_projected, False, 1),
                                               (_two_layers, True, 2)],
                          ids=lambda v: getattr(v, "__name__", str(v)))
 def test_what_cannot_run_in_the_step_stays_after_the_loop(fn, moved, regions):
