@@ -106,6 +106,10 @@ class BlockSparse(Pass):
             region = cand.plan.region
             if region.mix is None:
                 continue
+            if region.mix_axis != region.axes[-1]:
+                cand.notes.append(f"transition along {region.mix_axis}, not the state's last axis: no block "
+                                  "mask; the torch executor runs it")
+                continue
             n = shape(cand.rec.prev)[-1]
             vals = example_values(ctx, cand)
             pat = transition_pattern(region, vals, n, diag=False).cpu()   # what the kernel multiplies

@@ -112,11 +112,13 @@ def detect(loop) -> Recurrence:
     b = _Builder(body, _fake_mode(loop.body.graph) or _fake_mode_outer(loop))
     lin = _Linear(b, prev, path, sshape)
     a_val, b_val = lin.of(new)
-    m = None
+    m, mdim = None, None
+    if isinstance(a_val, _Red):
+        raise Decline(f"the new state {_describe(new)} is a sum of the state over one of its dims")
     if isinstance(a_val, _Mat):
-        a_val, m = a_val.d, a_val.m
+        a_val, m, mdim = a_val.d, a_val.m, a_val.dim
     return Recurrence(prev, new, 0.0 if a_val is None else a_val, 0.0 if b_val is None else b_val,
-                      dep - {prev}, epilogue, m)
+                      dep - {prev}, epilogue, m, None if mdim in (None, len(sshape) - 1) else mdim)
 
 
 def _fake_mode_outer(loop):
@@ -136,12 +138,30 @@ def compose(w, m):
     return torch.matmul(w, m)
 
 
+def columns(w, dim):
+    """w's `dim` moved to a new last dim, a size-1 dim left in its place: the columns of a
+    rank-1 transition u w^T along `dim`, laid out (*state, j). Outside ssmc's op vocabulary like
+    `compose`: computed before the region, so the assembler does not tie w's dims to the column
+    axis (the delta rule's k is both the rows and the columns of I - beta k k^T)."""
+    return torch.movedim(w, dim, -1).unsqueeze(dim)
+
+
 class _Mat:
     """A non-diagonal coefficient: diag(d) + m, with m a body node laid out (*state, j) (or
     broadcastable to it); d as an elementwise coefficient (None: zero)."""
 
-    def __init__(self, d, m):
-        self.d, self.m = d, m
+    def __init__(self, d, m, dim=None):
+        self.d, self.m, self.dim = d, m, dim      # dim: the state dim m acts along (None: last)
+
+
+class _Red:
+    """A state term summed over one state dim: node[..] = sum_j w[.., j, ..] * h[.., j, ..], j
+    along `dim`; w is laid out as the state (broadcastable, all its dims); `keep`: the summed
+    dim stays, with size 1. Broadcast back along that dim times a vector u, it is the rank-1
+    matrix u w^T along `dim` (the delta rule's k (k^T S))."""
+
+    def __init__(self, dim, w, keep):
+        self.dim, self.w, self.keep = dim, w, keep
 
 
 LINEAR_EW = ("add", "sub", "neg", "mul", "div", "addcmul", "where")   # the elementwise ops of `_Linear`'s
@@ -170,15 +190,24 @@ class _Linear:
         c = canonical(n)
         if c is None:
             raise Decline(f"the state goes through {_describe(n)}, which ssmc does not know to be linear")
-        if shape(n) != self.sshape:
-            raise Decline(f"{_describe(n)} changes the state's shape to {shape(n)}")
         self.stack.append(n)
         try:
             r = self._rule(n, c)
         finally:
             self.stack.pop()
+        want = self.red_shape(r[0]) if isinstance(r[0], _Red) else self.sshape
+        if shape(n) != want:
+            raise Decline(f"{_describe(n)} changes the state's shape to {shape(n)}")
         self.memo[n] = r
         return r
+
+    def red_shape(self, a: "_Red") -> tuple:
+        s = list(self.sshape)
+        if a.keep:
+            s[a.dim] = 1
+        else:
+            del s[a.dim]
+        return tuple(s)
 
     # small algebra on None (zero), python numbers and nodes -------------------------------
     def _mk(self, op, x, y):
@@ -222,25 +251,92 @@ class _Linear:
 
     def scale(self, a, y):
         """a * y, y a state-free value broadcast over the state (scales rows of a matrix)."""
+        if isinstance(a, _Red):
+            return _Red(a.dim, self.mul(a.w, self.unreduce(a, y)), a.keep)
         if not isinstance(a, _Mat):
             return self.mul(a, y)
         yr = y if isinstance(y, (int, float)) else self._call(torch.unsqueeze, y, -1)
-        return _Mat(self.mul(a.d, y), self.mul(a.m, yr))
+        return _Mat(self.mul(a.d, y), self.mul(a.m, yr), a.dim)
 
     def divide(self, a, y):
+        if isinstance(a, _Red):
+            return _Red(a.dim, self.div(a.w, self.unreduce(a, y)), a.keep)
         if not isinstance(a, _Mat):
             return self.div(a, y)
         yr = y if isinstance(y, (int, float)) else self._call(torch.unsqueeze, y, -1)
-        return _Mat(self.div(a.d, y), self.div(a.m, yr))
+        return _Mat(self.div(a.d, y), self.div(a.m, yr), a.dim)
 
     def plus(self, a1, a2):
+        if isinstance(a1, _Red) or isinstance(a2, _Red):
+            if a1 is None or a2 is None:
+                return a1 if a2 is None else a2
+            if isinstance(a1, _Red) and isinstance(a2, _Red) and (a1.dim, a1.keep) == (a2.dim, a2.keep):
+                return _Red(a1.dim, self.add(a1.w, a2.w), a1.keep)
+            a1, a2 = (self.as_mat(x) if isinstance(x, _Red) else x for x in (a1, a2))
         if not isinstance(a1, _Mat) and not isinstance(a2, _Mat):
             return self.add(a1, a2)
         a1, a2 = (x if isinstance(x, _Mat) else _Mat(x, None) for x in (a1, a2))
-        return _Mat(self.add(a1.d, a2.d), self.add(a1.m, a2.m))
+        dims = {x.dim for x in (a1, a2) if x.m is not None}
+        if len(dims) > 1:
+            raise Decline(f"{_describe(self.stack[-1])} adds transitions along two different dims of the state")
+        return _Mat(self.add(a1.d, a2.d), self.add(a1.m, a2.m), dims.pop() if dims else None)
 
     def negate(self, a):
-        return _Mat(self.neg(a.d), self.neg(a.m)) if isinstance(a, _Mat) else self.neg(a)
+        if isinstance(a, _Red):
+            return _Red(a.dim, self.neg(a.w), a.keep)
+        return _Mat(self.neg(a.d), self.neg(a.m), a.dim) if isinstance(a, _Mat) else self.neg(a)
+
+    # sums over a state dim (`_Red`) --------------------------------------------------------
+    def unreduce(self, a: _Red, y):
+        """y, broadcast against a summed value, laid out as the state: a size-1 dim put back
+        where the sum took one away (right-aligned broadcasting)."""
+        if isinstance(y, (int, float)) or a.keep:
+            return y
+        nd, m = len(self.sshape), len(shape(y))
+        pos = a.dim - (nd - 1 - m)
+        return self._call(torch.unsqueeze, y, pos) if pos >= 0 else y
+
+    def row(self, a: _Red):
+        """w as the columns of a transition laid out (*state, j): w moved from its dim to a new
+        last one, a size-1 dim left where it was."""
+        w, nd, n = a.w, len(self.sshape), self.sshape[a.dim]
+        if isinstance(w, (int, float)) or not isinstance(w, fx.Node):
+            raise Decline(f"{_describe(self.stack[-1])} sums the state over a dim with no weight to "
+                          "form a transition from")
+        ws = shape(w)
+        if len(ws) < nd:
+            w = self._call(torch.reshape, w, (1,) * (nd - len(ws)) + tuple(ws))
+        if shape(w)[a.dim] != n:
+            full = list(shape(w))
+            full[a.dim] = n
+            w = self._call(torch.broadcast_to, w, tuple(full))
+        return self._call(columns, w, a.dim)
+
+    def as_mat(self, a: _Red) -> _Mat:
+        """A kept-dim sum broadcast along its dim: the rank-1 transition 1 w^T."""
+        if not a.keep:
+            raise Decline(f"{_describe(self.stack[-1])} mixes a sum over a state dim with the state")
+        return _Mat(None, self.row(a), a.dim)
+
+    def _reduce(self, n, c):
+        x = c.args[0]
+        dims = c.params["dims"]
+        if len(dims) != 1 or c.op not in ("sum", "mean"):
+            raise Decline(f"{_describe(n)} sums the state over {len(dims)} dims")
+        a1, b1 = self.of(x)
+        if isinstance(a1, (_Mat, _Red)):
+            raise Decline(f"{_describe(n)} sums a transition of the state over a dim")
+        d, keep = dims[0], c.params["keepdim"]
+        if a1 is None:
+            a = None
+        else:
+            w = a1 if c.op == "sum" else self.div(a1, self.sshape[d])
+            a = _Red(d, w, keep)
+        bb = None
+        if b1 is not None:
+            full = b1 if shape(b1) == self.sshape else self._call(torch.broadcast_to, b1, self.sshape)
+            bb = self._call(torch.sum, full, d, keep) if c.op == "sum" else self._call(torch.mean, full, d, keep)
+        return a, bb
 
     def _contract(self, n, c, x):
         """y = contraction of x (on the state's path) with one state-free operand along the last
@@ -269,6 +365,14 @@ class _Linear:
     def _rule(self, n, c):
         args = c.args
         state = [a for a in args if isinstance(a, fx.Node) and (a in self.path or a is self.prev)]
+        if c.kind == "reduce":
+            return self._reduce(n, c)
+        if c.kind == "view" and not c.params["consts"] and shape(args[0]) != shape(n):
+            a1, b1 = self.of(args[0])          # a sum given its dim back: x.unsqueeze(d), x[..., None, :]
+            if isinstance(a1, _Red) and not a1.keep and shape(n) == self.red_shape(_Red(a1.dim, None, True)):
+                b = None if b1 is None else self._call(torch.reshape, b1, shape(n))
+                return _Red(a1.dim, a1.w, True), b
+            raise Decline(f"the state goes through the view {_describe(n)}")
         if c.kind in ("identity", "view") or (c.kind == "ew" and c.op == "cast"):
             if c.kind == "view" and (c.params["consts"] or shape(args[0]) != shape(n)):
                 raise Decline(f"the state goes through the view {_describe(n)}")
@@ -278,6 +382,8 @@ class _Linear:
         if c.kind == "contract" and len(state) == 1 and list(c.args).count(state[0]) == 1:
             wt = self._contract(n, c, state[0])
             a1, b1 = self.of(state[0])
+            if isinstance(a1, _Red) or (isinstance(a1, _Mat) and a1.dim not in (None, len(self.sshape) - 1)):
+                raise Decline(f"{_describe(n)} multiplies a transition along another dim by a matrix")
             d1, m1 = (a1.d, a1.m) if isinstance(a1, _Mat) else (a1, None)
             if d1 is None:
                 m = None
@@ -290,7 +396,7 @@ class _Linear:
             bm = None if b1 is None else self._call(torch.matmul, wt, self._call(torch.unsqueeze, b1, -1))
             if bm is not None:
                 bm = self._call(torch.squeeze, bm, -1)
-            return (_Mat(None, m) if m is not None else None), bm
+            return (_Mat(None, m, len(self.sshape) - 1) if m is not None else None), bm
         if c.kind != "ew":
             raise Decline(f"the state goes through {_describe(n)} ({c.kind}), which is not elementwise-linear")
         alpha = c.params.get("alpha", 1)
@@ -309,6 +415,12 @@ class _Linear:
                 raise Decline(f"{_describe(n)} multiplies the state by itself")
             x, y = (args[0], args[1]) if args[0] in state else (args[1], args[0])
             a1, b1 = self.of(x)
+            if isinstance(a1, _Red) and shape(n) != shape(x):
+                if not a1.keep or shape(n) != self.sshape or isinstance(y, (int, float)):
+                    raise Decline(f"{_describe(n)} broadcasts a sum of the state into another shape")
+                # u * (sum_j w_j h_j) along the kept dim: the rank-1 transition u w^T
+                m = self.mul(self._call(torch.unsqueeze, y, -1), self.row(a1))
+                return _Mat(None, m, a1.dim), self.mul(b1, y)
             return self.scale(a1, y), self.mul(b1, y)
         if c.op == "div":
             if args[1] in state:
@@ -329,7 +441,7 @@ class _Linear:
             if cond in state:
                 raise Decline(f"{_describe(n)} selects by a condition computed from the state")
             (a1, b1), (a2, b2) = self.of(x), self.of(y)
-            if isinstance(a1, _Mat) or isinstance(a2, _Mat):
+            if isinstance(a1, (_Mat, _Red)) or isinstance(a2, (_Mat, _Red)):
                 raise Decline(f"{_describe(n)} selects between matrix transitions")
             return self.select(cond, a1, a2), self.select(cond, b1, b2)
         raise Decline(f"the state goes through {_describe(n)}, which is not linear")

@@ -24,6 +24,9 @@ def choose_strategy(cand, ctx) -> tuple[str, str]:
     L = cand.loop.length
     if region.mix is not None:
         m = region.mix
+        if region.mix_axis != region.axes[-1]:
+            return "block_sparse", (f"non-diagonal transition along {region.mix_axis}, not the last state axis "
+                                    "(a delta rule's I - beta k k^T): the torch executor runs it, step by step")
         if not m.block:
             return "block_sparse", "non-diagonal transition; block_sparse did not run, so every block counts as nonzero"
         return "block_sparse", (f"non-diagonal transition along {region.axes[-1]}: {m.block}x{m.block} blocks, "

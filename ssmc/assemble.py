@@ -41,6 +41,7 @@ class Recurrence:
     state_nodes: set         # body nodes that depend on the state (path + epilogue)
     epilogue: set            # body nodes computed from the new state
     m: Any = None            # body node: non-diagonal transition (*state, j), or None
+    m_dim: int | None = None # the state dim m acts along (None: the last)
 
 
 @dataclasses.dataclass
@@ -394,7 +395,7 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     state_shape = shape(rec.prev)
     axes = tuple(f"i{d}" for d in range(len(state_shape)))
     decay, drive = bld.build(rec.a), bld.build(rec.b)
-    mix = ir.Mix(bld.build(rec.m)) if rec.m is not None else None
+    mix = ir.Mix(bld.build(rec.m), axis=None if rec.m_dim is None else axes[rec.m_dim]) if rec.m is not None else None
 
     outputs: list[OutputSpec] = []
     results: list = []

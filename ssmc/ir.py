@@ -229,12 +229,15 @@ MIX_COL = "j"        # the column axis of a Mix's matrix expression
 
 @dataclasses.dataclass(frozen=True)
 class Mix:
-    """The non-diagonal part of the transition, along the region's last state axis:
-    h_t[.., i] += sum_j expr[.., i, j] * h_{t-1}[.., j]. `expr` indexes its loads with the state
-    axes and MIX_COL. The block fields are filled by the block_sparse pass from the values the
+    """The non-diagonal part of the transition, along the region's last state axis (or
+    `axis`): h_t[.., i, ..] += sum_j expr[.., i, .., j] * h_{t-1}[.., j, ..]. `expr` indexes its
+    loads with the state axes and MIX_COL (the rows on the mixed axis, the columns on MIX_COL).
+    Regions mixed along another axis than the last run as the same region with that axis moved
+    last (`Region.mixed_last`). The block fields are filled by the block_sparse pass from the values the
     inputs had at compile time (for the strategy and the report); kernels recompute the block
     pattern from the actual inputs at every call, so a mask that changes is never stale."""
     expr: Expr
+    axis: str | None = None                   # the state axis it acts along (None: the last)
     block: int = 0                            # block size (0: not analysed)
     blocks: tuple[tuple[int, int], ...] = ()  # nonzero (row, col) blocks at compile time
     nblocks: int = 0                          # blocks per row (n // block)
@@ -281,6 +284,26 @@ class Region:
             return "lti"
         return "per-element" if set(self.axes) <= ax else "shared"
 
+    @property
+    def mix_axis(self) -> str | None:
+        """The state axis the non-diagonal transition acts along (None: no mix)."""
+        if self.mix is None:
+            return None
+        return self.mix.axis or self.axes[-1]
+
+    def mixed_last(self) -> tuple["Region", tuple[int, ...]]:
+        """The same region with the mixed axis moved last among the axes (executors that mix
+        along the last axis run it), and the permutation of the state dims: the initial state
+        must be given as ``h0.permute(perm)``."""
+        k = self.axes.index(self.mix_axis)
+        perm = tuple(d for d in range(len(self.axes)) if d != k) + (k,)
+        if perm == tuple(range(len(self.axes))):
+            return dataclasses.replace(self, mix=dataclasses.replace(self.mix, axis=None)), perm
+        sizes = tuple((i, perm.index(d)) if i == self.init else (i, d) for i, d in self.axis_size)
+        return dataclasses.replace(self, axes=tuple(self.axes[p] for p in perm),
+                                   axis_size=tuple(sizes[p] for p in perm),
+                                   mix=dataclasses.replace(self.mix, axis=None)), perm
+
     def key(self) -> str:
         import hashlib
         scalars = (self.name, self.axes, self.axis_size, self.length, self.inputs, self.init,
@@ -309,7 +332,7 @@ class Region:
         if self.mix is None:
             lines.append("h[i] = a * h[i] + b")
         else:
-            last = self.axes[-1]
+            last = self.mix_axis
             lines.append(f"m[{last}, {MIX_COL}] = {show(self.mix.expr)}   # transition along {last}"
                          + (f", {self.mix.block}x{self.mix.block} blocks, {len(self.mix.blocks)}/"
                             f"{self.mix.nblocks ** 2} nonzero" if self.mix.block else ""))

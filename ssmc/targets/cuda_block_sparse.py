@@ -79,6 +79,8 @@ def bsp_plan(r: Region) -> CudaBSPlan:
         raise Unsupported("no non-diagonal transition")
     if r.reverse:
         raise Unsupported("reverse-time regions are not covered by the cuda kernel yet")
+    if r.mix_axis != r.axes[-1]:
+        raise Unsupported(f"the transition acts along {r.mix_axis}, not the last state axis")
     if not m.block or not m.nblocks:
         raise Unsupported("the block_sparse pass did not run (no block mask)")
     reg, n = r.axes[-1], m.block * m.nblocks

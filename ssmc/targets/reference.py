@@ -355,6 +355,12 @@ def _to_output(v: torch.Tensor, names, index, sizes):
 
 def run(region: Region, inputs, chunk: int = 0):
     r = region
+    if r.mix is not None and r.mix_axis != r.axes[-1]:     # mixed along another axis: moved last
+        r2, perm = r.mixed_last()
+        ins = list(inputs)
+        if r.init is not None:
+            ins[r.init] = ins[r.init].permute(perm)
+        return run(r2, ins, chunk)
     cdt = compute_dtype(r, inputs)
     dev = inputs[0].device
     sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
@@ -451,6 +457,15 @@ def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 0):
     A region with a non-diagonal transition: `ssmc.targets.mix_adjoint`."""
     from ssmc.autodiff import GRAD_A, GRAD_B, region_adjoint
     r = region
+    if r.mix is not None and r.mix_axis != r.axes[-1]:     # mixed along another axis: moved last
+        r2, perm = r.mixed_last()
+        ins = list(inputs)
+        if r.init is not None:
+            ins[r.init] = ins[r.init].permute(perm)
+        out = adjoint_run(r2, ins, grads, needs, chunk)
+        if r.init is not None and out[r.init] is not None:
+            out[r.init] = out[r.init].permute(tuple(perm.index(d) for d in range(len(perm))))
+        return out
     if r.mix is not None:
         from .mix_adjoint import backward
         state = math.prod(inputs[i].shape[d] for i, d in r.axis_size)

@@ -54,6 +54,8 @@ class BSPlan:
 def make_bsp_plan(r: Region) -> BSPlan | str:
     if r.mix is None:
         return "no non-diagonal transition"
+    if r.mix_axis != r.axes[-1]:
+        return f"the transition acts along {r.mix_axis}, not the last state axis"
     base = T.make_plan(dataclasses.replace(r, mix=None))
     if isinstance(base, str):
         return base
