@@ -294,5 +294,5 @@ def chunk_scans(r: Region, cdt: str) -> tuple[ChunkScan, ChunkScan, ChunkScan] |
                    backwards=True, extra_tdim=(0, None), outputs=(steps_out,), length=(n, 0),
                    decay=map_loads(r.decay, mp),
                    drive=Load(n, ("t", *axes)),
-                   mix=Mix(mt, m.block, tuple(sorted((c, b) for b, c in m.blocks)), m.nblocks))
+                   mix=Mix(mt, m.block, tuple(sorted((c, b) for b, c in m.blocks)), m.nblocks, m.axis))
     return final, states, adjoint

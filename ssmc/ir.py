@@ -237,10 +237,10 @@ class Mix:
     inputs had at compile time (for the strategy and the report); kernels recompute the block
     pattern from the actual inputs at every call, so a mask that changes is never stale."""
     expr: Expr
-    axis: str | None = None                   # the state axis it acts along (None: the last)
     block: int = 0                            # block size (0: not analysed)
     blocks: tuple[tuple[int, int], ...] = ()  # nonzero (row, col) blocks at compile time
     nblocks: int = 0                          # blocks per row (n // block)
+    axis: str | None = None                   # the state axis it acts along (None: the last)
 
     @property
     def density(self) -> float:

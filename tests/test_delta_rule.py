@@ -1,0 +1,149 @@
+"""Delta-rule recurrences: the state S (b, h, dk, dv) is read through k^T S and updated by a
+rank-1 product, S' = S + k (beta (v - k^T S))^T = (I - beta k k^T) S + beta k v^T: linear in S,
+the transition a matrix along dk (not the state's last dim)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import as_tuple, grads_match, reference, rel_err, ssmc_run
+
+
+def _delta(q, k, v, beta):                        # (b, h, L, d); beta (b, h, L)
+    b, h, L, dk = q.shape
+    S = q.new_zeros(b, h, dk, v.shape[-1])
+    o = torch.zeros_like(v)
+    for i in range(L):
+        k_t, v_t = k[:, :, i], v[:, :, i].clone()
+        v_t = (v_t - (S.clone() * k_t[..., None]).sum(-2)) * beta[:, :, i][..., None]
+        S = S.clone() + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
+        o[:, :, i] = torch.einsum("bhd,bhdm->bhm", q[:, :, i], S)
+    return o, S
+
+
+def _gated_delta(q, k, v, beta, g):               # g (b, h, L): a log decay per head
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    out = []
+    for i in range(q.shape[2]):
+        S = S * g[:, :, i].exp()[..., None, None]
+        kv = (S * k[:, :, i].unsqueeze(-1)).sum(dim=-2)
+        d = (v[:, :, i] - kv) * beta[:, :, i].unsqueeze(-1)
+        S = S + k[:, :, i].unsqueeze(-1) * d.unsqueeze(-2)
+        out.append((S * q[:, :, i].unsqueeze(-1)).sum(dim=-2))
+    return torch.stack(out, 2), S
+
+
+def _delta_per_channel_decay(q, k, v, beta, g):   # a decay per key channel (KDA-like), mean form
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    out = []
+    for i in range(q.shape[2]):
+        S = S * torch.sigmoid(g[:, :, i])[..., None, None] * k[:, :, i].abs().unsqueeze(-1).exp().neg().exp()
+        err = v[:, :, i] - q.shape[3] * (S * k[:, :, i].unsqueeze(-1)).mean(-2)
+        S = S + beta[:, :, i, None, None] * k[:, :, i].unsqueeze(-1) * err.unsqueeze(-2)
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, i], S))
+    return torch.stack(out, 2)
+
+
+def _delta_transposed(q, k, v, beta):            # S laid out (b, h, dv, dk): the transition along the last dim
+    S = q.new_zeros(q.shape[0], q.shape[1], v.shape[3], q.shape[3])
+    out = []
+    for i in range(q.shape[2]):
+        k_t = k[:, :, i]
+        u = (v[:, :, i] - (S * k_t[:, :, None, :]).sum(-1)) * beta[:, :, i, None]
+        S = S + u[..., None] * k_t[:, :, None, :]
+        out.append((S * q[:, :, i, None, :]).sum(-1))
+    return torch.stack(out, 2)
+
+
+def _inputs(seed, b=2, h=2, L=7, dk=4, dv=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, L, dk, generator=g)
+    k = F.normalize(torch.randn(b, h, L, dk, generator=g), dim=-1)
+    v = torch.randn(b, h, L, dv, generator=g)
+    beta = torch.rand(b, h, L, generator=g)
+    return q, k, v, beta, F.logsigmoid(torch.randn(b, h, L, generator=g))
+
+
+CASES = [(_delta, 4), (_gated_delta, 5), (_delta_per_channel_decay, 5), (_delta_transposed, 4)]
+
+
+@pytest.mark.parametrize("fn,n", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_delta_rules_are_linear_recurrences(fn, n):
+    ins = _inputs(90)[:n]
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
+    info = rep.regions[0]
+    assert info.ir.mix is not None and info.strategy == "block_sparse", str(rep)
+    want_axis = "i3" if fn is _delta_transposed else "i2"          # dk: the transition's rows and columns
+    assert info.ir.mix_axis == want_axis and f"transition along {want_axis}" in str(info.ir), str(info.ir)
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o, r) < 1e-6
+    grads_match(fn, ins)
+
+
+def test_a_longer_sequence_over_several_time_chunks():
+    """Chunks of 3 steps: the state and the adjoint carried from chunk to chunk."""
+    ins = _inputs(91, L=11)[:4]
+    out, rep = ssmc_run(_delta, ins, chunk=3)
+    assert len(rep.regions) == 1, str(rep)
+    for o, r in zip(out, reference(_delta, ins)):
+        assert rel_err(o, r) < 1e-6
+    xs = [x.clone().requires_grad_() for x in ins]
+    got = torch.autograd.grad(ssmc_run(_delta, xs, chunk=3)[0][0].sum(), xs)
+    x64 = [x.double().requires_grad_() for x in ins]
+    want = torch.autograd.grad(_delta(*x64)[0].sum(), x64)
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, want))
+
+
+def test_an_initial_state_passed_in():
+    """The initial state is laid out (b, h, dk, dv); the executor runs the region with dk moved
+    last, and the gradient of the initial state comes back in the caller's layout."""
+    def fn(S, q, k, v, beta):
+        out = []
+        for i in range(q.shape[2]):
+            kv = (S * k[:, :, i, :, None]).sum(-2)
+            S = S + k[:, :, i, :, None] * ((v[:, :, i] - kv) * beta[:, :, i, None])[:, :, None, :]
+            out.append((S * q[:, :, i, :, None]).sum(-2))
+        return torch.stack(out, 2), S
+    q, k, v, beta, _ = _inputs(92, dk=3, dv=5)
+    S0 = torch.randn(2, 2, 3, 5, generator=torch.Generator().manual_seed(93))
+    ins = (S0, q, k, v, beta)
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1 and rep.regions[0].ir.mix_axis == "i2", str(rep)
+    for o, r in zip(out, reference(fn, ins)):
+        assert rel_err(o, r) < 1e-6
+    grads_match(fn, ins)
+
+
+def test_generated_targets_leave_it_to_the_torch_executor(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    ins = _inputs(94)[:4]
+    out, rep = ssmc_run(_delta, ins, target="triton")
+    assert [r.target for r in rep.regions] == ["torch"], str(rep)
+    assert any("not the last state axis" in why for why in rep.regions[0].target_reasons.values()), str(rep)
+    assert rel_err(out[0], reference(_delta, ins)[0]) < 1e-6
+
+
+def _sum_over_two_dims(q, k, v, beta):
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    for i in range(q.shape[2]):
+        S = S + k[:, :, i, :, None] * (v[:, :, i] - (S * k[:, :, i, :, None]).sum((-2, -1), keepdim=True)[..., 0])[:, :, None, :]
+    return S
+
+
+def _gate_from_the_state(q, k, v, beta):
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    for i in range(q.shape[2]):
+        kv = torch.tanh((S * k[:, :, i, :, None]).sum(-2))
+        S = S + k[:, :, i, :, None] * (v[:, :, i] - kv)[:, :, None, :]
+    return S
+
+
+@pytest.mark.parametrize("fn,why", [(_sum_over_two_dims, "sums the state over 2 dims"),
+                                    (_gate_from_the_state, "not linear")],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_what_is_not_a_rank_one_transition_runs_as_written(fn, why):
+    ins = _inputs(95)[:4]
+    out, rep = ssmc_run(fn, ins)
+    assert not rep.regions and any(why in w for _, w in rep.fallbacks), str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-6
