@@ -147,3 +147,21 @@ def test_what_is_not_a_rank_one_transition_runs_as_written(fn, why):
     out, rep = ssmc_run(fn, ins)
     assert not rep.regions and any(why in w for _, w in rep.fallbacks), str(rep)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn,n", CASES[:2], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_delta_rules_on_the_gpu(fn, n):
+    """On CUDA inputs the generated kernels decline the transition along dk and the torch
+    executor runs it there; values and gradients against float64 on the CPU."""
+    ins = _inputs(96, L=37, dk=16, dv=24)[:n]
+    xs = [x.cuda().requires_grad_() for x in ins]
+    out, rep = ssmc_run(fn, xs)
+    assert len(rep.regions) == 1 and rep.regions[0].target == "torch", str(rep)
+    x64 = [x.double().requires_grad_() for x in ins]
+    ref = fn(*x64)
+    for o, r in zip(out, ref):
+        assert rel_err(o.cpu(), r) < 1e-5
+    got = torch.autograd.grad(sum(o.sum() for o in out), xs)
+    want = torch.autograd.grad(sum(r.sum() for r in ref), x64)
+    assert all(rel_err(p.cpu(), q) < 1e-4 for p, q in zip(got, want))

@@ -341,6 +341,36 @@ def mix_scan(a, M, b, h0):
     return torch.stack(hs)
 
 
+def rank_one(mix_expr, row_axis: str):
+    """(u, w) when the transition is one product u * w with u free of the column axis and w
+    free of the rows' (the delta rule's k_i * (-beta k)_j): M h is then u (w . h), a dot
+    product a row instead of a matrix product. None otherwise."""
+    if not isinstance(mix_expr, Op) or mix_expr.name != "mul" or len(mix_expr.args) != 2 \
+            or any(isinstance(x, (State, Reduce)) for x in ir.walk(mix_expr)):
+        return None
+
+    def names(e):
+        return {ix for ld in ir.loads(e) for ix in ld.index if isinstance(ix, str)}
+    u, w = mix_expr.args
+    for u, w in ((u, w), (w, u)):
+        if ir.MIX_COL not in names(u) and row_axis not in names(w):
+            return u, w
+    return None
+
+
+def rank_one_scan(a, u, w, b, h0):
+    """mix_scan with M_t = u_t w_t^T (u (t, *state), w (t, *state, j) with size 1 on the
+    rows): h_t = a_t h_{t-1} + u_t (w_t . h_{t-1}) + b_t."""
+    T = max(a.shape[0], b.shape[0], u.shape[0], w.shape[0])
+    a, b, u = (x.expand(T, *h0.shape) for x in (a, b, u))
+    w = w.squeeze(-2).expand(T, *h0.shape)
+    hs, h = [], h0
+    for t in range(T):
+        h = a[t] * h + u[t] * (w[t] * h).sum(-1, keepdim=True) + b[t]
+        hs.append(h)
+    return torch.stack(hs)
+
+
 def _to_output(v: torch.Tensor, names, index, sizes):
     keep = [ix for ix in index if ix != 1]
     rest = [n for n in names if n not in keep]
@@ -370,13 +400,18 @@ def run(region: Region, inputs, chunk: int = 0):
     h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
     steps = {i: [] for i, o in enumerate(r.outputs) if o.kind == "steps"}
     names = ["t", *r.axes]
-    if r.mix is not None:       # a chunk's transition matrices: at most MIX_CHUNK_ELEMENTS
+    ones = rank_one(r.mix.expr, r.axes[-1]) if r.mix is not None else None
+    if r.mix is not None and ones is None:   # a chunk's transition matrices: at most MIX_CHUNK_ELEMENTS
         chunk = max(1, min(chunk, MIX_CHUNK_ELEMENTS // max(1, math.prod(state_shape) * state_shape[-1])))
     for t0 in range(0, L, chunk):
         t1 = min(L, t0 + chunk)
         ev = Evaluator(r, inputs, t0, t1, cdt)
         if r.mix is None:
             H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
+        elif ones is not None:
+            mev = Evaluator(r, inputs, t0, t1, cdt, matrix=True)
+            H = rank_one_scan(ev.eval(r.decay).to(cdt), mev.eval(ones[0]).to(cdt)[..., 0],
+                              mev.eval(ones[1]).to(cdt), ev.eval(r.drive).to(cdt), h)
         else:
             M = Evaluator(r, inputs, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
             H = mix_scan(ev.eval(r.decay).to(cdt), M, ev.eval(r.drive).to(cdt), h)
