@@ -220,6 +220,14 @@ def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, fac, dense):
         if b:
             ld, fr, _ = b
             ev.accumulate(g.acc[ld.input], ld, [rs.reshape(*rows, 1, 1), fr])
+    rest = []
+    for ld, e in dense:         # a factor free of the rows or of the columns: no outer product
+        vals = _rank_one_grads(r, ev, lam, H_prev, e)
+        if vals is None:
+            rest.append((ld, e))
+        for v in vals or ():
+            ev.accumulate(g.acc[ld.input], ld, v)
+    dense = rest
     if dense:                   # the outer product itself, dm = lam_i h_j, a few steps at a time
         lam_i, h_j = lam.unsqueeze(-1), H_prev.unsqueeze(-2)
         k = max(1, MIX_CHUNK_ELEMENTS // max(1, lam[0].numel() * n))
@@ -228,6 +236,32 @@ def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, fac, dense):
             evd = Evaluator(r, g.allin, s0, s1, g.cdt, matrix=True)
             evd.memo[GRAD_M] = lam_i[s0 - t0:s1 - t0] * h_j[s0 - t0:s1 - t0]
             g.put(evd, dense)
+
+
+def _rank_one_grads(r: Region, ev, lam, H_prev, e) -> list | None:
+    """The adjoint e = sum of sign * GRAD_M * f, with dm = lam_i h_j, where each f is free of
+    the rows (i: the state's last axis) or of the columns (j), as values laid out like ev's
+    names (time, the state, j) that sum to it over i and j: lam_i (sum_j h_j f_j) where f has
+    no i, (sum_i lam_i f_i) h_j where f has no j (the delta rule's u w^T: its k on both sides).
+    None where a term is of neither form."""
+    nd = len(ev.names)
+    out = []
+    for sign, term in summands(e):
+        fs = factors(term)
+        if fs.count(GRAD_M) != 1 or any(GRAD_M in ir.walk(f) for f in fs if f != GRAD_M):
+            return None
+        f = product([x for x in fs if x != GRAD_M])
+        ax = ir.axes_of(f, r.axes)
+        fv = torch.as_tensor(ev.eval(f), dtype=lam.dtype, device=lam.device)
+        fv = fv.reshape((1,) * (nd - fv.dim()) + tuple(fv.shape))
+        if r.axes[-1] not in ax:
+            v = (lam * (H_prev * fv[..., 0, :]).sum(-1, keepdim=True)).unsqueeze(-1)
+        elif ir.MIX_COL not in ax:
+            v = (lam * fv[..., 0]).sum(-1, keepdim=True).unsqueeze(-1) * H_prev.unsqueeze(-2)
+        else:
+            return None
+        out.append(v if sign > 0 else -v)
+    return out
 
 
 class Scans:
