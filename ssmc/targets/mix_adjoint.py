@@ -222,7 +222,7 @@ def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, fac, dense):
             ev.accumulate(g.acc[ld.input], ld, [rs.reshape(*rows, 1, 1), fr])
     rest = []
     for ld, e in dense:         # a factor free of the rows or of the columns: no outer product
-        vals = _rank_one_grads(r, ev, lam, H_prev, e)
+        vals = _rank_one_grads(r, ev, lam, H_prev, ld, e)
         if vals is None:
             rest.append((ld, e))
         for v in vals or ():
@@ -238,13 +238,14 @@ def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, fac, dense):
             g.put(evd, dense)
 
 
-def _rank_one_grads(r: Region, ev, lam, H_prev, e) -> list | None:
-    """The adjoint e = sum of sign * GRAD_M * f, with dm = lam_i h_j, where each f is free of
-    the rows (i: the state's last axis) or of the columns (j), as values laid out like ev's
-    names (time, the state, j) that sum to it over i and j: lam_i (sum_j h_j f_j) where f has
-    no i, (sum_i lam_i f_i) h_j where f has no j (the delta rule's u w^T: its k on both sides).
-    None where a term is of neither form."""
+def _rank_one_grads(r: Region, ev, lam, H_prev, ld, e) -> list | None:
+    """The adjoint e = sum of sign * GRAD_M * f of a load `ld` that does not vary along the
+    columns j (or the rows i: the state's last axis), with dm = lam_i h_j and f free of the
+    other one, as values laid out like ev's names (time, the state, j) that hold its sum over j
+    (over i): lam_i (sum_j h_j f_j), or (sum_i lam_i f_i) h_j (the delta rule's u w^T: its k on
+    both sides). None where a term is of neither form."""
     nd = len(ev.names)
+    la = ir.axes_of(ld, r.axes)
     out = []
     for sign, term in summands(e):
         fs = factors(term)
@@ -254,9 +255,9 @@ def _rank_one_grads(r: Region, ev, lam, H_prev, e) -> list | None:
         ax = ir.axes_of(f, r.axes)
         fv = torch.as_tensor(ev.eval(f), dtype=lam.dtype, device=lam.device)
         fv = fv.reshape((1,) * (nd - fv.dim()) + tuple(fv.shape))
-        if r.axes[-1] not in ax:
+        if ir.MIX_COL not in la and r.axes[-1] not in ax:
             v = (lam * (H_prev * fv[..., 0, :]).sum(-1, keepdim=True)).unsqueeze(-1)
-        elif ir.MIX_COL not in ax:
+        elif r.axes[-1] not in la and ir.MIX_COL not in ax:
             v = (lam * fv[..., 0]).sum(-1, keepdim=True).unsqueeze(-1) * H_prev.unsqueeze(-2)
         else:
             return None
