@@ -69,12 +69,12 @@ def _owned(lp: Loop) -> set:
 @dataclasses.dataclass
 class _Step:
     """How one outer node runs in the step: its kind, where time is in its output, and per
-    tensor operand: ("sunk", time dim) | ("read", dim) | ("inv",)."""
+    tensor operand: ("sunk", time dim) | ("read", dim, hoist) | ("inv", hoist), hoist the outer
+    nodes to move before the loop for it."""
     kind: str                      # "op" | "last"
     j: int = 0
     operands: dict = dataclasses.field(default_factory=dict)
     readout: bool = False          # a sum or contraction is on the way to it
-    hoist: tuple = ()              # outer nodes to move before the loop for its operands
 
 
 class _Sink:
@@ -97,8 +97,8 @@ class _Sink:
                 continue
             if r.sink == "setitem":    # a buffer the loop fills whole, read after its last write
                 R = r.buffer
-                if _is_alloc(R) and r.start == 0 and _ints(shape(R)) and r.dim < len(shape(R)) \
-                        and shape(R)[r.dim] == n and n >= 2 and all(self.pos[u] > self.pos[r.replace[-1]]
+                if n is not None and n >= 2 and _is_alloc(R) and r.start == 0 and _ints(shape(R)) \
+                        and r.dim < len(shape(R)) and shape(R)[r.dim] == n and all(self.pos[u] > self.pos[r.replace[-1]]
                                                                     for u in self.users(R)):
                     out[R] = (i, r.dim)
                 continue
