@@ -66,10 +66,14 @@ def _inputs(seed, b=2, h=2, L=7, dk=4, dv=5):
 CASES = [(_delta, 4), (_gated_delta, 5), (_delta_per_channel_decay, 5), (_delta_transposed, 4)]
 
 
+@pytest.mark.parametrize("rest", ["eager", "inductor"])
 @pytest.mark.parametrize("fn,n", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
-def test_delta_rules_are_linear_recurrences(fn, n):
+def test_delta_rules_are_linear_recurrences(fn, n, rest):
+    """With Inductor as the rest of the graph too: it checks the region's outputs have the
+    strides the op's fake kernel promised (contiguous), which the executor's state layout (dk
+    moved last) must not change."""
     ins = _inputs(90)[:n]
-    out, rep = ssmc_run(fn, ins)
+    out, rep = ssmc_run(fn, ins, rest=rest)
     assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
     info = rep.regions[0]
     assert info.ir.mix is not None and info.strategy == "block_sparse", str(rep)

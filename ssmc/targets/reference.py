@@ -390,7 +390,7 @@ def run(region: Region, inputs, chunk: int = 0):
         ins = list(inputs)
         if r.init is not None:
             ins[r.init] = ins[r.init].permute(perm)
-        return run(r2, ins, chunk)
+        return [o.contiguous() for o in run(r2, ins, chunk)]     # as the op's fake kernel says
     cdt = compute_dtype(r, inputs)
     dev = inputs[0].device
     sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
@@ -499,7 +499,7 @@ def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 0):
             ins[r.init] = ins[r.init].permute(perm)
         out = adjoint_run(r2, ins, grads, needs, chunk)
         if r.init is not None and out[r.init] is not None:
-            out[r.init] = out[r.init].permute(tuple(perm.index(d) for d in range(len(perm))))
+            out[r.init] = out[r.init].permute(tuple(perm.index(d) for d in range(len(perm)))).contiguous()
         return out
     if r.mix is not None:
         from .mix_adjoint import backward
