@@ -353,7 +353,7 @@ def rank_one(mix_expr, row_axis: str):
         return {ix for ld in ir.loads(e) for ix in ld.index if isinstance(ix, str)}
     u, w = mix_expr.args
     for u, w in ((u, w), (w, u)):
-        if ir.MIX_COL not in names(u) and row_axis not in names(w):
+        if ir.MIX_COL not in names(u) and row_axis not in names(w) and ir.MIX_COL in names(w):
             return u, w
     return None
 
