@@ -318,6 +318,44 @@ class _Linear:
             raise Decline(f"{_describe(self.stack[-1])} mixes a sum over a state dim with the state")
         return _Mat(None, self.row(a), a.dim)
 
+    def _summed(self, n, c, x):
+        """A contraction that sums the state over one of its dims against a state-free operand
+        and keeps the others in order (``einsum("bhk,bhkv->bhv", k, S)``, ``k[..., None, :] @ S``,
+        its summed dim then kept with size 1): as `_reduce` of S times that operand. None when
+        the contraction is not of that form (a matrix product along the last dim is
+        `_contract`'s)."""
+        if len(c.args) != 2:
+            return None
+        k = c.args.index(x)
+        w, sx, sw, so = c.args[1 - k], c.params["subs"][k], c.params["subs"][1 - k], c.params["out"]
+        nd = len(self.sshape)
+        gone = [ch for ch in sx if ch not in so]
+        if not isinstance(w, fx.Node) or w in self.path or len(sx) != nd or len(set(sx)) != nd or len(gone) != 1:
+            return None
+        d = sx.index(gone[0])
+        rest = sx[:d] + sx[d + 1:]
+        sizes = dict(zip(so, shape(n)))
+        kept = [ch for ch in so if ch not in sx]
+        if [ch for ch in so if ch in sx] != list(rest) or any(sizes[ch] != 1 for ch in kept) \
+                or not set(sw) <= set(sx) | set(kept) or gone[0] not in sw:
+            return None
+        keep = len(kept) == 1 and so.index(kept[0]) == d
+        if kept and not keep:
+            return None
+        present = "".join(ch for ch in sx if ch in sw)
+        wt = self._call(torch.einsum, f"{sw}->{present}", w)     # w over the state's letters
+        for pos, ch in enumerate(sx):
+            if ch not in sw:
+                wt = self._call(torch.unsqueeze, wt, pos)
+        a1, b1 = self.of(x)
+        if isinstance(a1, (_Mat, _Red)):
+            raise Decline(f"{_describe(n)} sums a transition of the state over a dim")
+        bb = None
+        if b1 is not None:
+            full = b1 if shape(b1) == self.sshape else self._call(torch.broadcast_to, b1, self.sshape)
+            bb = self._call(torch.sum, self.mul(full, wt), d, keep)
+        return (None if a1 is None else _Red(d, self.mul(a1, wt), keep)), bb
+
     def _reduce(self, n, c):
         x = c.args[0]
         dims = c.params["dims"]
@@ -380,6 +418,9 @@ class _Linear:
                 raise Decline(f"the state is cast to {c.params['dtype']} by {_describe(n)}")
             return self.of(args[0])
         if c.kind == "contract" and len(state) == 1 and list(c.args).count(state[0]) == 1:
+            red = self._summed(n, c, state[0])
+            if red is not None:
+                return red
             wt = self._contract(n, c, state[0])
             a1, b1 = self.of(state[0])
             if isinstance(a1, _Red) or (isinstance(a1, _Mat) and a1.dim not in (None, len(self.sshape) - 1)):

@@ -54,6 +54,26 @@ def _delta_transposed(q, k, v, beta):            # S laid out (b, h, dv, dk): th
     return torch.stack(out, 2)
 
 
+def _delta_einsum(q, k, v, beta):                # k^T S and the update written as einsums
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    out = []
+    for i in range(q.shape[2]):
+        kv = torch.einsum("bhk,bhkv->bhv", k[:, :, i], S)
+        S = S + torch.einsum("bhk,bhv->bhkv", k[:, :, i], (v[:, :, i] - kv) * beta[:, :, i, None])
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, i], S))
+    return torch.stack(out, 2), S
+
+
+def _delta_matmul(q, k, v, beta):                 # k^T S as a matmul, its summed dim kept (size 1)
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    out = []
+    for i in range(q.shape[2]):
+        kv = k[:, :, i].unsqueeze(-2) @ S
+        S = S + k[:, :, i].unsqueeze(-1) * ((v[:, :, i].unsqueeze(-2) - kv) * beta[:, :, i, None, None])
+        out.append((q[:, :, i].unsqueeze(-2) @ S).squeeze(-2))
+    return torch.stack(out, 2), S
+
+
 def _inputs(seed, b=2, h=2, L=7, dk=4, dv=5):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, L, dk, generator=g)
@@ -63,7 +83,8 @@ def _inputs(seed, b=2, h=2, L=7, dk=4, dv=5):
     return q, k, v, beta, F.logsigmoid(torch.randn(b, h, L, generator=g))
 
 
-CASES = [(_delta, 4), (_gated_delta, 5), (_delta_per_channel_decay, 5), (_delta_transposed, 4)]
+CASES = [(_delta, 4), (_gated_delta, 5), (_delta_per_channel_decay, 5), (_delta_transposed, 4),
+         (_delta_einsum, 4), (_delta_matmul, 4)]
 
 
 @pytest.mark.parametrize("rest", ["eager", "inductor"])
