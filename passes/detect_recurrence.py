@@ -350,11 +350,7 @@ class _Linear:
         a1, b1 = self.of(x)
         if isinstance(a1, (_Mat, _Red)):
             raise Decline(f"{_describe(n)} sums a transition of the state over a dim")
-        bb = None
-        if b1 is not None:
-            full = b1 if shape(b1) == self.sshape else self._call(torch.broadcast_to, b1, self.sshape)
-            bb = self._call(torch.sum, self.mul(full, wt), d, keep)
-        return (None if a1 is None else _Red(d, self.mul(a1, wt), keep)), bb
+        return (None if a1 is None else _Red(d, self.mul(a1, wt), keep)), self.sum_over(self.mul(b1, wt), d, keep)
 
     def _reduce(self, n, c):
         x = c.args[0]
@@ -370,11 +366,15 @@ class _Linear:
         else:
             w = a1 if c.op == "sum" else self.div(a1, self.sshape[d])
             a = _Red(d, w, keep)
-        bb = None
-        if b1 is not None:
-            full = b1 if shape(b1) == self.sshape else self._call(torch.broadcast_to, b1, self.sshape)
-            bb = self._call(torch.sum, full, d, keep) if c.op == "sum" else self._call(torch.mean, full, d, keep)
-        return a, bb
+        return a, self.sum_over(b1, d, keep, torch.sum if c.op == "sum" else torch.mean)
+
+    def sum_over(self, b, d: int, keep: bool, fn=torch.sum):
+        """A state-free value (None: zero) broadcast to the state's shape, summed (or averaged)
+        over state dim d."""
+        if b is None:
+            return None
+        full = b if shape(b) == self.sshape else self._call(torch.broadcast_to, b, self.sshape)
+        return self._call(fn, full, d, keep)
 
     def _contract(self, n, c, x):
         """y = contraction of x (on the state's path) with one state-free operand along the last

@@ -26,7 +26,7 @@ import torch.fx as fx
 from ssmc.capture import _fake_mode
 from ssmc.loop import Loop, Read, Result
 from ssmc.lower import _is_alloc
-from ssmc.ops import canonical, impure, shape, value, view_map
+from ssmc.ops import canonical, impure, shape, value
 
 from .base import Pass
 

@@ -348,12 +348,10 @@ def rank_one(mix_expr, row_axis: str):
     if not isinstance(mix_expr, Op) or mix_expr.name != "mul" or len(mix_expr.args) != 2 \
             or any(isinstance(x, (State, Reduce)) for x in ir.walk(mix_expr)):
         return None
-
-    def names(e):
-        return {ix for ld in ir.loads(e) for ix in ld.index if isinstance(ix, str)}
     u, w = mix_expr.args
     for u, w in ((u, w), (w, u)):
-        if ir.MIX_COL not in names(u) and row_axis not in names(w) and ir.MIX_COL in names(w):
+        au, aw = ir.axes_of(u, ()), ir.axes_of(w, ())
+        if ir.MIX_COL not in au and row_axis not in aw and ir.MIX_COL in aw:
             return u, w
     return None
 
@@ -383,13 +381,20 @@ def _to_output(v: torch.Tensor, names, index, sizes):
     return v
 
 
+def _moved_last(r: Region, inputs):
+    """`Region.mixed_last` of r, the inputs with the initial state permuted to match, and the
+    permutation."""
+    r2, perm = r.mixed_last()
+    ins = list(inputs)
+    if r.init is not None:
+        ins[r.init] = ins[r.init].permute(perm)
+    return r2, ins, perm
+
+
 def run(region: Region, inputs, chunk: int = 0):
     r = region
     if r.mix is not None and r.mix_axis != r.axes[-1]:     # mixed along another axis: moved last
-        r2, perm = r.mixed_last()
-        ins = list(inputs)
-        if r.init is not None:
-            ins[r.init] = ins[r.init].permute(perm)
+        r2, ins, _ = _moved_last(r, inputs)
         return [o.contiguous() for o in run(r2, ins, chunk)]     # as the op's fake kernel says
     cdt = compute_dtype(r, inputs)
     dev = inputs[0].device
@@ -493,10 +498,7 @@ def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 0):
     from ssmc.autodiff import GRAD_A, GRAD_B, region_adjoint
     r = region
     if r.mix is not None and r.mix_axis != r.axes[-1]:     # mixed along another axis: moved last
-        r2, perm = r.mixed_last()
-        ins = list(inputs)
-        if r.init is not None:
-            ins[r.init] = ins[r.init].permute(perm)
+        r2, ins, perm = _moved_last(r, inputs)
         out = adjoint_run(r2, ins, grads, needs, chunk)
         if r.init is not None and out[r.init] is not None:
             out[r.init] = out[r.init].permute(tuple(perm.index(d) for d in range(len(perm)))).contiguous()
