@@ -3,7 +3,8 @@
 Expects candidates with a plan. Strategy from the IR and the shapes: "step" for a few tokens
 with a state passed in (decoding), "chunked_ssd" when the decay is shared over state axes
 large enough for matrix units (Mamba-2), "chunked_scan" otherwise (Mamba-1, S4D, any
-elementwise recurrence), "block_sparse" for a non-diagonal transition. Target: the one asked for (``options.target``), or on "auto" the
+elementwise recurrence), "rank_one" for a transition u w^T (delta rules), "block_sparse" for
+any other non-diagonal transition. Target: the one asked for (``options.target``), or on "auto" the
 first of cuda, triton, torch that supports the region on this device; every refusal's reason
 is kept for ``ssmc.explain``. Leaves `strategy`, `target` and the reasons on each candidate.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 
 from ssmc.ops import shape
+from ssmc.targets.reference import rank_one
 
 from .base import Pass
 
@@ -24,9 +26,12 @@ def choose_strategy(cand, ctx) -> tuple[str, str]:
     L = cand.loop.length
     if region.mix is not None:
         m = region.mix
+        if rank_one(m.expr, region.mix_axis) is not None:
+            return "rank_one", (f"the transition along {region.mix_axis} is one product u w^T (a delta rule's "
+                                "I - beta k k^T): u (w . h) a row and step, never the matrix")
         if region.mix_axis != region.axes[-1]:
-            return "block_sparse", (f"non-diagonal transition along {region.mix_axis}, not the last state axis "
-                                    "(a delta rule's I - beta k k^T): the torch executor runs it, step by step")
+            return "block_sparse", (f"non-diagonal transition along {region.mix_axis}, not the last state axis: "
+                                    "the torch executor runs it, step by step")
         if not m.block:
             return "block_sparse", "non-diagonal transition; block_sparse did not run, so every block counts as nonzero"
         return "block_sparse", (f"non-diagonal transition along {region.axes[-1]}: {m.block}x{m.block} blocks, "

@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ssmc
+
 from conftest import as_tuple, grads_match, reference, rel_err, ssmc_run
 
 
@@ -83,6 +85,15 @@ def _inputs(seed, b=2, h=2, L=7, dk=4, dv=5):
     return q, k, v, beta, F.logsigmoid(torch.randn(b, h, L, generator=g))
 
 
+def _init_state_form(S, q, k, v, beta):
+    out = []
+    for i in range(q.shape[2]):
+        kv = (S * k[:, :, i, :, None]).sum(-2)
+        S = S + k[:, :, i, :, None] * ((v[:, :, i] - kv) * beta[:, :, i, None])[:, :, None, :]
+        out.append((S * q[:, :, i, :, None]).sum(-2))
+    return torch.stack(out, 2), S
+
+
 CASES = [(_delta, 4), (_gated_delta, 5), (_delta_per_channel_decay, 5), (_delta_transposed, 4),
          (_delta_einsum, 4), (_delta_matmul, 4)]
 
@@ -97,7 +108,7 @@ def test_delta_rules_are_linear_recurrences(fn, n, rest):
     out, rep = ssmc_run(fn, ins, rest=rest)
     assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
     info = rep.regions[0]
-    assert info.ir.mix is not None and info.strategy == "block_sparse", str(rep)
+    assert info.ir.mix is not None and info.strategy == "rank_one", str(rep)
     want_axis = "i3" if fn is _delta_transposed else "i2"          # dk: the transition's rows and columns
     assert info.ir.mix_axis == want_axis and f"transition along {want_axis}" in str(info.ir), str(info.ir)
     for o, r in zip(as_tuple(out), reference(fn, ins)):
@@ -122,13 +133,7 @@ def test_a_longer_sequence_over_several_time_chunks():
 def test_an_initial_state_passed_in():
     """The initial state is laid out (b, h, dk, dv); the executor runs the region with dk moved
     last, and the gradient of the initial state comes back in the caller's layout."""
-    def fn(S, q, k, v, beta):
-        out = []
-        for i in range(q.shape[2]):
-            kv = (S * k[:, :, i, :, None]).sum(-2)
-            S = S + k[:, :, i, :, None] * ((v[:, :, i] - kv) * beta[:, :, i, None])[:, :, None, :]
-            out.append((S * q[:, :, i, :, None]).sum(-2))
-        return torch.stack(out, 2), S
+    fn = _init_state_form
     q, k, v, beta, _ = _inputs(92, dk=3, dv=5)
     S0 = torch.randn(2, 2, 3, 5, generator=torch.Generator().manual_seed(93))
     ins = (S0, q, k, v, beta)
@@ -139,14 +144,66 @@ def test_an_initial_state_passed_in():
     grads_match(fn, ins)
 
 
-def test_generated_targets_leave_it_to_the_torch_executor(monkeypatch, tmp_path):
+@pytest.fixture
+def interp(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
-    ins = _inputs(94)[:4]
-    out, rep = ssmc_run(_delta, ins, target="triton")
-    assert [r.target for r in rep.regions] == ["torch"], str(rep)
-    assert any("not the last state axis" in why for why in rep.regions[0].target_reasons.values()), str(rep)
-    assert rel_err(out[0], reference(_delta, ins)[0]) < 1e-6
+
+
+def _on_triton(fn, ins):
+    """Values and gradients through the Triton target against float64 eager; the kernel that ran."""
+    from ssmc.runtime.op import lookup
+    from ssmc.targets.triton_rank_one import RankOneKernel
+    xs = [x.clone().requires_grad_() for x in ins]
+    out, rep = ssmc_run(fn, xs, target="triton")
+    assert len(rep.regions) == 1 and rep.regions[0].strategy == "rank_one", str(rep)
+    entry = lookup(rep.regions[0].key)
+    assert entry.target == "triton" and entry.failure is None, entry.failure
+    kern = entry.kernel
+    assert isinstance(kern, RankOneKernel) and kern.fallback is None, kern.fallback
+    x64 = [x.double().requires_grad_() for x in ins]
+    ref = as_tuple(fn(*x64))
+    for o, r in zip(as_tuple(out), ref):
+        assert rel_err(o, r) < 1e-6
+    got = torch.autograd.grad(sum(o.sum() for o in as_tuple(out)), xs)
+    want = torch.autograd.grad(sum(r.sum() for r in ref), x64)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+    assert not kern.scans.declined and kern.scans.kernels, kern.backward_note()
+    assert all(isinstance(k, RankOneKernel) and k.fallback is None for k in kern.scans.kernels.values())
+    return kern
+
+
+@pytest.mark.parametrize("fn,n", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_the_triton_rank_one_kernel(fn, n, interp):
+    """The generated kernel (TRITON_INTERPRET=1) runs every delta-rule form, forward and the
+    backward's scans; dk = 6 and dv = 5 are padded to 8 lanes and cut by the masks."""
+    kern = _on_triton(fn, _inputs(97, L=6, dk=6, dv=5)[:n])
+    assert "r1s = tl.expand_dims(_sum(tl.where(mn," in kern.source and "rank-one transition" in kern.plan_text()
+
+
+def test_the_triton_kernel_reads_the_initial_state_in_the_callers_layout(interp):
+    """S0 is (b, h, dk, dv); the kernel holds dk last and reads S0 through a permuted view."""
+    q, k, v, beta, _ = _inputs(98, dk=3, dv=5)
+    S0 = torch.randn(2, 2, 3, 5, generator=torch.Generator().manual_seed(99))
+    kern = _on_triton(_init_state_form, (S0, q, k, v, beta))
+    assert kern.perm == (0, 1, 3, 2) and "moved last" in kern.plan_text()
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_the_rank_one_kernel_compiles_for_gpu(cc, tmp_path):
+    import triton
+    from test_triton import ast_source
+    from triton.backends.compiler import GPUTarget
+    from ssmc.targets import triton as T
+    _, rep = ssmc_run(_gated_delta, _inputs(100)[:5])
+    region = rep.regions[0].ir
+    kern = T.TritonTarget().compile(region, "rank_one", ssmc.make_options(cache_dir=str(tmp_path)))
+    for cfg in kern.table()[f"sm_{cc}"]:
+        fn, sig, cx = kern.signature(cfg, 128, {i: torch.bfloat16 for i in (1, 3, 5)})
+        ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
+                            options={"num_warps": cfg["num_warps"]})
+        assert f".target sm_{cc}" in ck.asm["ptx"]
 
 
 def _sum_over_two_dims(q, k, v, beta):
@@ -177,12 +234,12 @@ def test_what_is_not_a_rank_one_transition_runs_as_written(fn, why):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fn,n", CASES[:2], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_delta_rules_on_the_gpu(fn, n):
-    """On CUDA inputs the generated kernels decline the transition along dk and the torch
-    executor runs it there; values and gradients against float64 on the CPU."""
+    """On CUDA inputs the Triton rank-one kernel runs it (the CUDA target has none); values and
+    gradients against float64 on the CPU."""
     ins = _inputs(96, L=37, dk=16, dv=24)[:n]
     xs = [x.cuda().requires_grad_() for x in ins]
     out, rep = ssmc_run(fn, xs)
-    assert len(rep.regions) == 1 and rep.regions[0].target == "torch", str(rep)
+    assert len(rep.regions) == 1 and rep.regions[0].target == "triton", str(rep)
     x64 = [x.double().requires_grad_() for x in ins]
     ref = fn(*x64)
     for o, r in zip(out, ref):

@@ -61,7 +61,7 @@ log = logging.getLogger("ssmc")
 
 TEMPLATE = "triton/selective_scan_fwd.py.j2"
 CONFIGS = "triton/selective_scan_fwd.configs.json"
-STRATEGIES = ("chunked_scan", "chunked_ssd", "step", "block_sparse")
+STRATEGIES = ("chunked_scan", "chunked_ssd", "step", "block_sparse", "rank_one")
 MAX_BLOCK_N = 1024          # the register axis must fit in registers
 # Steps between the training checkpoints the forward's seq kernels write for the backward: the
 # state every CKPT_EVERY steps (b8 d1536 n16 L2048 fp32: 25 MB). The seq backward configs whose
@@ -1225,6 +1225,9 @@ class TritonTarget:
         if strategy == "block_sparse":
             from .triton_block_sparse import make_bsp_plan
             plan = make_bsp_plan(region)
+        elif strategy == "rank_one":
+            from .triton_rank_one import make_rank_one_plan
+            plan = make_rank_one_plan(region.mixed_last()[0]) if region.mix is not None else "no transition"
         else:
             plan = make_plan(region)
         return plan if isinstance(plan, str) else True
@@ -1235,6 +1238,9 @@ class TritonTarget:
         arch = None
         if not interpreting() and torch.cuda.is_available():
             arch = _arch(torch.device("cuda"))
+        if strategy == "rank_one":
+            from .triton_rank_one import RankOneKernel
+            return RankOneKernel(region, strategy, options, arch)
         if strategy == "block_sparse":           # no other Triton kernel runs a matrix transition
             from .triton_block_sparse import BlockSparseKernel, make_bsp_plan
             got = make_bsp_plan(region)

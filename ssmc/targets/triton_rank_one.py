@@ -1,0 +1,179 @@
+"""The Triton kernel of strategy "rank_one": a recurrence whose transition is one product
+u w^T along a state axis (templates/triton/rank_one_fwd.py.j2): the delta rule's
+S - beta k (k^T S) and its gated, per-channel-decay and DPLR relatives, as detect_recurrence
+finds them (`Mix` with `reference.rank_one` true).
+
+M h is u (w . h): one dot product a row and step, O(n) instead of the (n, n) matrix. The
+kernel runs the region with the mixed axis last (`Region.mixed_last`; a delta rule's state
+(b, h, dk, dv) is mixed along dk): that axis is held whole per row and summed by the
+readout, the other state axes are parallel as in the selective-scan kernel (a channel axis
+blocked by BLOCK_D rows, one program per index of the rest). The caller's initial state is
+passed as a permuted view, so nothing is copied.
+
+Backward: `ssmc.targets.mix_adjoint`, its three scans (a chunk's last state, its states, lam
+with the transposed product w u^T) on kernels of this class, the gradients by torch ops
+(the rank-one sums of `_rank_one_grads`, no outer product).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ssmc import ir
+from ssmc.ir import Load, Reduce, Region, State
+
+from . import triton as T
+from .reference import rank_one
+from .triton_printer import TritonPrinter, unsupported
+from .triton_ssd import _table
+
+TEMPLATE = "triton/rank_one_fwd.py.j2"
+CONFIGS = "triton/rank_one_fwd.configs.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOnePlan(T.Plan):
+    u: ir.Expr | None = None        # the row factor (free of the column axis)
+    w: ir.Expr | None = None        # the column factor (free of the row axis)
+
+
+def make_rank_one_plan(r: Region) -> RankOnePlan | str:
+    """The plan for `r` with its mixed axis last (the caller moves it), or why not."""
+    if r.mix is None:
+        return "no non-diagonal transition"
+    last = r.axes[-1]
+    if r.mix_axis != last:
+        return f"the transition acts along {r.mix_axis}: run Region.mixed_last first"
+    ones = rank_one(r.mix.expr, last)
+    if ones is None:
+        return "the transition is not one product u w^T of a row part and a column part"
+    base = T.make_plan(dataclasses.replace(r, mix=None))
+    if isinstance(base, str):
+        return base
+    if base.reg not in (None, last):
+        return f"the readout sums over {base.reg}, not over the mixed axis {last}"
+    names = set(r.axes) | {"t", ir.MIX_COL}
+    for x in ir.walk(r.mix.expr):
+        why = unsupported(x)
+        if why:
+            return why
+        if isinstance(x, (Reduce, State)):
+            return "a reduction or the state inside the transition"
+        if isinstance(x, Load):
+            if len(x.index) != r.inputs[x.input].ndim:
+                return f"load {x} does not match input {x.input}'s rank"
+            if any(isinstance(ix, str) and ix not in names for ix in x.index):
+                return f"load {x} indexes an unknown axis"
+    parallel = [a for a in r.axes if a != last]
+    block = base.block if base.block in parallel else (parallel[-1] if parallel else None)
+    scalars = tuple(a for a in parallel if a != block)
+    used = set(base.inputs) | {ld.input for ld in ir.loads(r.mix.expr)}
+    return RankOnePlan(last, block, scalars, tuple(sorted(used)), *ones)
+
+
+def render(r: Region, plan: RankOnePlan, cdt: str) -> str:
+    p = TritonPrinter(r, cdt)
+    pre_f, body_f, final_f = T._frames(plan, False)
+    col = {ir.MIX_COL: body_f.codes[plan.reg]}          # w's columns read as the state's elements
+    pre_f = dataclasses.replace(pre_f, codes={**pre_f.codes, **col})
+    body_f = dataclasses.replace(body_f, codes={**body_f.codes, **col})
+    p.set_prelude_frame(pre_f)
+    p.block(pre_f)
+    init = p.expr(Load(r.init, tuple(r.axes))) if r.init is not None else None
+    pre = p.block(body_f)
+    a, b = p.expr(r.decay), p.expr(r.drive)
+    u, w = p.expr(plan.u), p.expr(plan.w)
+    post = []
+    p.switch(post, state="h")
+    for k, o in enumerate(r.outputs):
+        if o.kind == "steps":
+            post.append(T._store(p, k, o, p.expr(o.expr)))
+    final = p.block(final_f)
+    for k, o in enumerate(r.outputs):
+        if o.kind == "final":
+            final.append(T._store(p, k, o, p.expr(o.expr)))
+    base = T.Plan(plan.reg, plan.block, plan.scalars, plan.inputs)
+    return T._env().get_template(TEMPLATE).render(
+        region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
+        plan=base, args=T.arg_lines(T.kernel_args(r, base)), prelude=list(p.prelude), init=init,
+        pre=pre, a=a, b=b, u=u, w=w, post=post, final=final)
+
+
+class RankOneKernel(T.TritonKernel):
+    """Forward of a rank-one recurrence. `region` is the caller's (mixed along any state axis);
+    the kernel holds it with that axis last (``self.region``) and ``perm``, the permutation of
+    the state dims that takes the caller's initial state to the kernel's."""
+    kind = "rank-one recurrence"
+    template = TEMPLATE
+    configs_file = CONFIGS
+
+    def __init__(self, region: Region, strategy: str, options, arch):
+        self.given = region
+        moved, self.perm = region.mixed_last()
+        plan = make_rank_one_plan(moved)
+        if isinstance(plan, str):
+            raise ValueError(f"triton target cannot compile region {region.name}: {plan}")
+        super().__init__(moved, strategy, plan, options, arch)
+
+    def table(self) -> dict:
+        return _table(CONFIGS)
+
+    def _render(self, cdt: str) -> str:
+        return render(self.region, self.plan, cdt)
+
+    def plan_text(self) -> str:
+        p = self.plan
+        moved = "" if self.given.mix_axis == p.reg and self.given.axes[-1] == p.reg else \
+            f" (moved last from the caller's layout, permutation {list(self.perm)})"
+        return (f"rank-one transition u (w . h) along {p.reg}, held whole per row{moved}; channel axis "
+                f"{p.block}, one program per index of {list(p.scalars)}")
+
+    def candidates(self, inputs, arch) -> list[dict]:
+        sizes, L = self.sizes(inputs)
+        bd = T._pow2(sizes[self.plan.block]) if self.plan.block else 1
+        out = []
+        for c in self.table()[T.arch_key(arch)]:
+            c = {**c, "BLOCK_D": max(1, min(int(c["BLOCK_D"]), bd)), "CHUNK": max(1, min(int(c["CHUNK"]), T._pow2(L)))}
+            if c not in out:
+                out.append(c)
+        return out
+
+    def constexprs(self, inputs, config) -> dict:
+        sizes, _ = self.sizes(inputs)
+        return {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": T._pow2(sizes[self.plan.reg]), "CHUNK": config["CHUNK"]}
+
+    def signature(self, config: dict, block_n: int = 16, dtypes: dict | None = None):
+        fn, sig, _ = super().signature({**config, "variant": "r1"}, block_n, dtypes)
+        cx = {"BLOCK_D": config["BLOCK_D"], "BLOCK_N": block_n, "CHUNK": config["CHUNK"]}
+        sig.update({k: "constexpr" for k in cx})
+        return fn, sig, cx
+
+    def moved(self, inputs) -> list:
+        """The caller's inputs with the initial state permuted as the kernel's region has it (a view)."""
+        ins = list(inputs)
+        if self.given.init is not None:
+            ins[self.given.init] = ins[self.given.init].permute(self.perm)
+        return ins
+
+    def forward(self, inputs):
+        return super().forward(self.moved(inputs))
+
+    def forward_train(self, inputs):
+        return self.forward(inputs), []          # no checkpoints: the backward runs its own scans
+
+    def backward(self, inputs, grads, needs, residual=()):
+        from .mix_adjoint import backward
+        out = backward(self.region, self.moved(inputs), grads, needs, self.scans)
+        i = self.given.init
+        if i is not None and out[i] is not None:
+            out[i] = out[i].permute(tuple(self.perm.index(d) for d in range(len(self.perm)))).contiguous()
+        return out
+
+    def backward_note(self) -> str:
+        return self.scans.note("Triton rank-one")
+
+    @functools.cached_property
+    def scans(self):
+        """The backward's derived regions (`ssmc.autodiff.chunk_scans`) on kernels like this one."""
+        from .mix_adjoint import Scans
+        return Scans(lambda r: RankOneKernel(r, self.strategy, self.options, self.arch))
