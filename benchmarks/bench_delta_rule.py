@@ -1,0 +1,123 @@
+"""The gated delta rule (Gated DeltaNet, Qwen3-Next's linear attention) written as a naive loop
+in fla's layout (q, k (B, T, H, K), v (B, T, H, V), beta and the log decay g (B, T, H)), side by
+side in one run:
+
+  ssmc               strategy rank_one: the Triton kernel u (w . h) a row and step (auto target)
+  ssmc torch         the same region on the torch executor (target "torch": what ran before)
+  eager              the loop in eager PyTorch
+  fla recurrent      fla's fused_recurrent_gated_delta_rule (hand-written Triton, sequential)
+  fla chunk          fla's chunk_gated_delta_rule (hand-written Triton, chunked on tensor cores)
+
+fla rows need flash-linear-attention (a wheel carried to the GPU machine; skipped when missing)
+and run with scale=1.0 (the loop does not scale q). Every row is first checked against a float64
+run of the loop at a small shape (fresh inputs; outputs, final state and, with --backward, the
+gradients of q, k, v, beta, g), then timed at the full shape with triton.testing.do_bench
+(median), forward and (with --backward) forward+backward.
+
+    python -m benchmarks.bench_delta_rule --out results.json [--shape B,T,H,K,V] [--backward]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import ssmc  # noqa: E402
+from benchmarks.bench_gpu import bench, env_info, rel  # noqa: E402
+
+
+def gated_delta(q, k, v, beta, g):
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    out = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None, None]
+        kv = (S * k[:, t, :, :, None]).sum(-2)
+        d = (v[:, t] - kv) * beta[:, t, :, None]
+        S = S + k[:, t, :, :, None] * d[:, :, None, :]
+        out.append((S * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(out, 1), S
+
+
+def inputs(B, T, H, K, V, seed, dev="cuda"):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=dev, generator=g)    # noqa: E731
+    return (r(B, T, H, K), F.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V),
+            torch.rand(B, T, H, device=dev, generator=g), F.logsigmoid(r(B, T, H) + 3.0))
+
+
+def row_fn(kind):
+    """fn(q, k, v, beta, g) -> (o, S) for a row, or None where it cannot run here."""
+    if kind in ("ssmc", "ssmc_torch"):
+        rep = ssmc.Report()
+        opts = {"target": "torch"} if kind == "ssmc_torch" else {}
+        torch._dynamo.reset()
+        f = torch.compile(gated_delta, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, options=opts, _report=rep))
+        f.report = rep
+        return f
+    if kind == "eager":
+        return gated_delta
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception:
+        return None
+    op = fused_recurrent_gated_delta_rule if kind == "fla_recurrent" else chunk_gated_delta_rule
+    return lambda q, k, v, beta, g: op(q, k, v, g=g, beta=beta, scale=1.0, output_final_state=True)
+
+
+def grads(f, xs):
+    xs = [x.detach().requires_grad_() for x in xs]
+    o, S = f(*xs)
+    return torch.autograd.grad(o.sum() + S.sum(), xs)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="4,1024,16,128,128", help="B,T,H,K,V")
+    ap.add_argument("--rows", default="ssmc,ssmc_torch,eager,fla_recurrent,fla_chunk")
+    ap.add_argument("--backward", action="store_true")
+    args = ap.parse_args()
+    B, T, H, K, V = map(int, args.shape.split(","))
+    res = {"env": env_info(), "shape": dict(B=B, T=T, H=H, K=K, V=V, dtype="float32"), "rows": {}}
+    small = inputs(2, 64, 4, 32, 48, seed=1)
+    want = gated_delta(*[x.double() for x in small])
+    want_g = grads(gated_delta, [x.double() for x in small]) if args.backward else None
+    full = inputs(B, T, H, K, V, seed=2)
+    for kind in args.rows.split(","):
+        row = res["rows"][kind] = {}
+        try:
+            f = row_fn(kind)
+            if f is None:
+                row["error"] = "not installed"
+                continue
+            row["rel_err_small"] = [rel(o, w) for o, w in zip(f(*small), want)]
+            if want_g is not None:
+                f = row_fn(kind)
+                row["grad_rel_err_small"] = [rel(a, b) for a, b in zip(grads(f, small), want_g)]
+            f = row_fn(kind)                 # each shape its own compile
+            f(*full)
+            rep = getattr(f, "report", None)
+            if rep is not None:
+                row["regions"] = [(r.strategy, r.target) for r in rep.regions]
+            torch.cuda.synchronize()
+            row["fwd_ms"] = bench(lambda: f(*full))
+            if args.backward:
+                xs = [x.detach().requires_grad_() for x in full]
+                grads(f, xs)
+                row["fwd_bwd_ms"] = bench(lambda: grads(f, xs))
+        except Exception as e:          # one row failing leaves the others
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        print(kind, row, flush=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
