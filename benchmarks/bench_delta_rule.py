@@ -99,9 +99,6 @@ def main():
                 row["error"] = "not installed"
                 continue
             row["rel_err_small"] = [rel(o, w) for o, w in zip(f(*small), want)]
-            if want_g is not None:
-                f = row_fn(kind)
-                row["grad_rel_err_small"] = [rel(a, b) for a, b in zip(grads(f, small), want_g)]
             f = row_fn(kind)                 # each shape its own compile
             f(*full)
             rep = getattr(f, "report", None)
@@ -109,12 +106,16 @@ def main():
                 row["regions"] = [(r.strategy, r.target) for r in rep.regions]
             torch.cuda.synchronize()
             row["fwd_ms"] = bench(lambda: f(*full))
-            if args.backward:
+        except Exception as e:          # one row failing leaves the others
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        if args.backward and "fwd_ms" in row:
+            try:                        # a backward that fails leaves the forward's numbers
+                row["grad_rel_err_small"] = [rel(a, b) for a, b in zip(grads(row_fn(kind), small), want_g)]
                 xs = [x.detach().requires_grad_() for x in full]
                 grads(f, xs)
                 row["fwd_bwd_ms"] = bench(lambda: grads(f, xs))
-        except Exception as e:          # one row failing leaves the others
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            except Exception as e:
+                row["bwd_error"] = f"{type(e).__name__}: {e}"[:500]
         print(kind, row, flush=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
 

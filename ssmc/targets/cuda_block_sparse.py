@@ -759,7 +759,7 @@ class CudaBlockSparseKernel:
         return backward(self.region, inputs, grads, needs, self.scans)
 
     def backward_note(self) -> str:
-        return self.scans.note("CUDA")
+        return self.scans.note("CUDA block-sparse")
 
     @functools.cached_property
     def scans(self):

@@ -308,8 +308,8 @@ class Scans:
         return ReferenceKernel(region)
 
     def note(self, target: str) -> str:
-        text = (f"backward: the adjoint in chunks, its scans (states, and lam with the transposed mask) "
-                f"on {target} block-sparse kernels, the gradients by torch ops and, on a GPU, the mul_sum "
+        text = (f"backward: the adjoint in chunks, its scans (states, and lam with the transposed transition) "
+                f"on {target} kernels, the gradients by torch ops and, on a GPU, the mul_sum "
                 f"and transition_grads Triton kernels (ssmc/targets/mix_adjoint.py)")
         if self.declined:
             text += "; on the torch reference: " + "; ".join(f"{n} ({w})" for n, w in self.declined.items())

@@ -395,7 +395,7 @@ class BlockSparseKernel(T.TritonKernel):
         return backward(self.region, inputs, grads, needs, self.scans)
 
     def backward_note(self) -> str:
-        return self.scans.note("Triton")
+        return self.scans.note("Triton block-sparse")
 
     @functools.cached_property
     def scans(self):
