@@ -104,6 +104,10 @@ def main():
             rep = getattr(f, "report", None)
             if rep is not None:
                 row["regions"] = [(r.strategy, r.target) for r in rep.regions]
+                from ssmc.runtime.op import lookup
+                kerns = [lookup(r.key).kernel for r in rep.regions]
+                row["configs"] = [getattr(k, "config", None) for k in kerns]
+                row["config_ms"] = [{str(b): t for b, t in getattr(k, "timings", {}).items()} for k in kerns]
             torch.cuda.synchronize()
             row["fwd_ms"] = bench(lambda: f(*full))
         except Exception as e:          # one row failing leaves the others
