@@ -594,7 +594,12 @@ def test_benchmark_tiny(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_grouped_triton(dtype):
+def test_gpu_grouped_triton(dtype, monkeypatch):
+    """Two configs of each arch's table: with all of them (the autotuner compiles and times 16 a
+    dtype) the test did not finish within 250 s on an H100 nor 130 s on an H200 (not profiled)."""
+    from ssmc.targets import moe as M
+    firsts = [c for v in M.load_configs().values() if isinstance(v, list) for c in v[:2]]
+    pin_grouped(monkeypatch, lambda c: c in firsts)
     x, dt, params = inputs(b=16, L=64, d=128, states=(8, 16, 32, 64), dtype=dtype, seed=13, device="cuda")
     fn = moe()
     idxs = split(torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(0)), 4, "cuda")
