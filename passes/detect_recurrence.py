@@ -406,10 +406,12 @@ class _Linear:
         if c.kind == "reduce":
             return self._reduce(n, c)
         if c.kind == "view" and not c.params["consts"] and shape(args[0]) != shape(n):
-            a1, b1 = self.of(args[0])          # a sum given its dim back: x.unsqueeze(d), x[..., None, :]
-            if isinstance(a1, _Red) and not a1.keep and shape(n) == self.red_shape(_Red(a1.dim, None, True)):
-                b = None if b1 is None else self._call(torch.reshape, b1, shape(n))
-                return _Red(a1.dim, a1.w, True), b
+            a1, b1 = self.of(args[0])          # a sum given its dim back (x.unsqueeze(d), x[..., None, :])
+            if isinstance(a1, _Red):           # or its kept dim dropped (matmul's (1, n) row squeezed)
+                keep = shape(n) == self.red_shape(_Red(a1.dim, None, True))
+                if keep != a1.keep and shape(n) == self.red_shape(_Red(a1.dim, None, keep)):
+                    b = None if b1 is None else self._call(torch.reshape, b1, shape(n))
+                    return _Red(a1.dim, a1.w, keep), b
             raise Decline(f"the state goes through the view {_describe(n)}")
         if c.kind in ("identity", "view") or (c.kind == "ew" and c.op == "cast"):
             if c.kind == "view" and (c.params["consts"] or shape(args[0]) != shape(n)):

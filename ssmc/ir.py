@@ -18,6 +18,7 @@ state axes (the readout sum_n h*C); `index` places it in the output tensor.
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import Union
 
@@ -341,6 +342,36 @@ class Region:
             text = show(o.expr)
             lines.append(f"out[{', '.join(map(str, o.index))}] = {text}   # {o.kind}, {o.dtype}")
         return "\n".join(lines)
+
+
+# -- products and sums of expressions -----------------------------------------------------------------
+
+def factors(e) -> list:
+    """The factors of a product tree: mul and neg are flattened, anything else is one factor."""
+    if isinstance(e, Op) and not e.attrs and e.name == "mul":
+        return factors(e.args[0]) + factors(e.args[1])
+    if isinstance(e, Op) and not e.attrs and e.name == "neg":
+        return [Const(-1.0)] + factors(e.args[0])
+    return [e]
+
+
+def summands(e, sign: int = 1) -> list:
+    """(sign, term) of a sum tree (add and sub flattened)."""
+    if isinstance(e, Op) and not e.attrs and e.name in ("add", "sub"):
+        return summands(e.args[0], sign) + summands(e.args[1], sign if e.name == "add" else -sign)
+    return [(sign, e)]
+
+
+def product(fs: list):
+    """The product of factors (Const(1.0) for none); constants are multiplied out."""
+    c = math.prod(f.value for f in fs if isinstance(f, Const))
+    rest = [f for f in fs if not isinstance(f, Const)]
+    out = None
+    for f in rest:
+        out = f if out is None else Op("mul", (out, f))
+    if out is None:
+        return Const(c)
+    return out if c == 1.0 else Op("mul", (out, Const(c)))
 
 
 def dtype_name(dt: torch.dtype) -> str:

@@ -247,3 +247,53 @@ def test_delta_rules_on_the_gpu(fn, n):
     got = torch.autograd.grad(sum(o.sum() for o in out), xs)
     want = torch.autograd.grad(sum(r.sum() for r in ref), x64)
     assert all(rel_err(p.cpu(), q) < 1e-4 for p, q in zip(got, want))
+
+
+# -- random delta-rule programs (tests/delta_programs.py) ------------------------------------------
+
+def _check_program(prog, seed, **options):
+    fn = prog.fn()
+    ins = prog.make(seed)
+    xs = [x.clone().requires_grad_() for x in ins]
+    out, rep = ssmc_run(fn, xs, **options)
+    x64 = [x.double().requires_grad_() for x in ins]
+    ref = as_tuple(fn(*x64))
+    for o, r in zip(as_tuple(out), ref):
+        assert rel_err(o, r) < 1e-6, prog.source
+    if not prog.linear:
+        assert not rep.regions and rep.fallbacks, prog.source + "\n" + str(rep)
+        return rep
+    assert len(rep.regions) == 1 and rep.regions[0].strategy == "rank_one", prog.source + "\n" + str(rep)
+    got = torch.autograd.grad(sum(o.sum() for o in as_tuple(out)), xs, allow_unused=True)
+    want = torch.autograd.grad(sum(r.sum() for r in ref), x64, allow_unused=True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), f"input {i}: gradient {a is None} / {b is None}\n{prog.source}"
+        assert b is None or rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}\n{prog.source}"
+    return rep
+
+
+def _fuzz(**settings):
+    from hypothesis import HealthCheck, given, settings as hsettings
+    from hypothesis import strategies as st
+    from delta_programs import delta_programs
+    return lambda f: hsettings(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+                               **settings)(given(prog=delta_programs(), seed=st.integers(0, 2 ** 16))(f))
+
+
+@_fuzz(max_examples=60)
+def test_random_delta_rule_programs(prog, seed):
+    """Linear ones: one rank_one region, values and gradients equal float64 eager; the others
+    (k^T S through tanh): no region, the loop runs as written."""
+    _check_program(prog, seed)
+
+
+@_fuzz(max_examples=15)
+def test_random_delta_rule_programs_on_the_triton_kernel(prog, seed):
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"      # restored below (hypothesis re-runs the body: no fixture)
+    try:
+        rep = _check_program(prog, seed, target="triton")
+        if prog.linear:
+            assert rep.regions[0].target == "triton", str(rep)
+    finally:
+        del os.environ["TRITON_INTERPRET"]

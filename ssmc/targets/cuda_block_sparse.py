@@ -42,12 +42,11 @@ import time
 import torch
 
 from ssmc import ir
-from ssmc.ir import Const, Load, Op, Reduce, Region, State
+from ssmc.ir import Const, Load, Op, Reduce, Region, State, factors, product, summands
 from ssmc.sparsity import PatternCache, uncovered
 
 from .cuda_printer import CTYPES, Unsupported, _check_expr, const, op_expr
 from .triton_block_sparse import _state_outside
-from .triton_ssd import factors, product, summands
 
 log = logging.getLogger("ssmc")
 

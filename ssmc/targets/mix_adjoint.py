@@ -29,11 +29,10 @@ import torch
 
 from ssmc import ir
 from ssmc.autodiff import GRAD_A, GRAD_B, GRAD_M, chunk_scans, mix_loads, region_adjoint
-from ssmc.ir import Region
+from ssmc.ir import Region, factors, product, summands
 
 from .reference import MIX_CHUNK_ELEMENTS, Evaluator, Grads, ReferenceKernel, grads_by_autograd, run
 from .transition_grads import gram_and_rows
-from .triton_ssd import factors, product, summands
 
 log = logging.getLogger("ssmc")
 

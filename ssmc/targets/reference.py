@@ -178,9 +178,8 @@ class Evaluator:
         view.add_(value.expand(view.shape).to(view.dtype))
 
     def factor_values(self, e) -> list:
-        """The values of the factors of a product (`triton_ssd.factors`), or [value of e]."""
-        from .triton_ssd import factors
-        return [self.eval(f) for f in factors(e)]
+        """The values of the factors of a product (`ir.factors`), or [value of e]."""
+        return [self.eval(f) for f in ir.factors(e)]
 
     def eval_into(self, e, out: torch.Tensor) -> torch.Tensor:
         """e's value (broadcast to `out`'s shape) written into `out`: by its last op itself where
@@ -343,17 +342,20 @@ def mix_scan(a, M, b, h0):
 
 def rank_one(mix_expr, row_axis: str):
     """(u, w) when the transition is one product u * w with u free of the column axis and w
-    free of the rows' (the delta rule's k_i * (-beta k)_j): M h is then u (w . h), a dot
-    product a row instead of a matrix product. None otherwise."""
-    if not isinstance(mix_expr, Op) or mix_expr.name != "mul" or len(mix_expr.args) != 2 \
-            or any(isinstance(x, (State, Reduce)) for x in ir.walk(mix_expr)):
+    free of the rows' (the delta rule's k_i * (-beta k)_j, however its factors are grouped or
+    negated): M h is then u (w . h), a dot product a row instead of a matrix product. None
+    otherwise (a factor along both axes, a sum, the state or a reduction inside)."""
+    if any(isinstance(x, (State, Reduce)) for x in ir.walk(mix_expr)):
         return None
-    u, w = mix_expr.args
-    for u, w in ((u, w), (w, u)):
-        au, aw = ir.axes_of(u, ()), ir.axes_of(w, ())
-        if ir.MIX_COL not in au and row_axis not in aw and ir.MIX_COL in aw:
-            return u, w
-    return None
+    us, ws = [], []
+    for f in ir.factors(mix_expr):
+        ax = ir.axes_of(f, ())
+        if ir.MIX_COL in ax and row_axis in ax:
+            return None
+        (ws if ir.MIX_COL in ax else us).append(f)
+    if not ws:
+        return None
+    return ir.product(us), ir.product(ws)
 
 
 def rank_one_scan(a, u, w, b, h0):

@@ -26,13 +26,13 @@ import math
 import torch
 
 from ssmc import ir
-from ssmc.ir import Const, Load, Reduce, Region, State
+from ssmc.ir import Const, Load, Reduce, Region, State, factors, product
 from ssmc.sparsity import BLOCK_SIZES, PatternCache, block_csr, uncovered
 
 from . import triton as T
 from .triton_printer import Frame, TritonPrinter, unsupported
 from .triton_ssd import _Printer as _NamedPrinter
-from .triton_ssd import _table, factors, product
+from .triton_ssd import _table
 
 TEMPLATE = "triton/block_sparse_fwd.py.j2"
 CONFIGS = "triton/block_sparse_fwd.configs.json"
