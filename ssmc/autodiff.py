@@ -3,9 +3,9 @@
 `backprop(root, seed)` returns, for every leaf of an expression (each `Load` and `State`), the
 expression of d(seed-weighted root)/d(leaf) evaluated at the same iteration point. Broadcasting
 needs no rule of its own: every expression is evaluated at the full iteration point, so the
-adjoint of a `Reduce` is its seed unchanged (constant along the reduced axes), and a leaf's
-adjoint is summed over the axes the leaf does not vary along by whoever accumulates it into an
-input's gradient. The backward of a region (`region_adjoint`) is built from these: the adjoint
+adjoint of a `Reduce` is its seed, summed over the reduced axes where its use is evaluated along
+them (one copy a point), and a leaf's adjoint is summed over the axes the leaf does not vary
+along by whoever accumulates it into an input's gradient. The backward of a region (`region_adjoint`) is built from these: the adjoint
 of the state runs the same linear recurrence in reverse time,
     lam_t = dy_t/dh_t + a_{t+1} lam_{t+1},  da_t = lam_t h_{t-1},  db_t = lam_t,
 and the gradients of the inputs follow through the decay, drive and output expressions. With a
@@ -115,10 +115,25 @@ def derivative(e: Op, j: int):
     raise NotImplementedError(f"no derivative for op {n}")
 
 
-def backprop(root: Expr, seed: Expr) -> dict:
-    """{leaf: adjoint expression} for every Load and State leaf reachable from root."""
+def backprop(root: Expr, seed: Expr, point=()) -> dict:
+    """{leaf: adjoint expression} for every Load and State leaf reachable from root.
+
+    `point`: the axes root is evaluated at, one value each (a drive: the state axes; an output:
+    its index). A `Reduce` is constant along its axes; where it is used at every point along
+    one of them (the drive k_i * sum_i'(k_i' x_i')), each point's use is a copy, and its
+    argument's adjoint is the seed summed over those axes. Along axes the use is not evaluated
+    at (a readout's sum over the state) there is one copy: the seed as it is."""
+    order = walk(root)
+    pts = {root: frozenset(point)}
+    for node in reversed(order):                # the axes every node is evaluated at, root first
+        p = pts.get(node, frozenset())
+        if isinstance(node, Op):
+            for arg in node.args:
+                pts[arg] = pts.get(arg, frozenset()) | p
+        elif isinstance(node, Reduce):
+            pts[node.arg] = pts.get(node.arg, frozenset()) | p | frozenset(node.axes)
     adj = {root: seed}
-    for node in reversed(walk(root)):
+    for node in reversed(order):
         g = adj.get(node)
         if g is None:
             continue
@@ -130,7 +145,8 @@ def backprop(root: Expr, seed: Expr) -> dict:
                 if d is not None:
                     adj[arg] = add(adj.get(arg), mul(g, d))
         elif isinstance(node, Reduce):
-            adj[node.arg] = add(adj.get(node.arg), g)
+            copies = tuple(a for a in node.axes if a in pts[node])
+            adj[node.arg] = add(adj.get(node.arg), Reduce(g, copies) if copies else g)
     return {n: g for n, g in adj.items() if isinstance(n, (Load, State)) and g is not None}
 
 
@@ -165,14 +181,15 @@ def mix_loads(region: Region) -> tuple:
     """(Load, adjoint in terms of GRAD_M) for the loads of the region's transition matrix."""
     if region.mix is None:
         return ()
-    return tuple((l, e) for l, e in backprop(region.mix.expr, GRAD_M).items() if isinstance(l, Load))
+    point = (*region.axes, MIX_COL)
+    return tuple((l, e) for l, e in backprop(region.mix.expr, GRAD_M, point).items() if isinstance(l, Load))
 
 
 def region_adjoint(region: Region) -> Adjoint:
     steps, final = None, None
     ls, lf = [], []
     for k, o in enumerate(region.outputs):
-        g = backprop(o.expr, grad_output(region, k))
+        g = backprop(o.expr, grad_output(region, k), [ix for ix in o.index if isinstance(ix, str)])
         for leaf, e in g.items():
             if isinstance(leaf, State):
                 if o.kind == "steps":
@@ -181,8 +198,8 @@ def region_adjoint(region: Region) -> Adjoint:
                     final = add(final, e)
             else:
                 (ls if o.kind == "steps" else lf).append((leaf, e))
-    da = [(l, e) for l, e in backprop(region.decay, GRAD_A).items() if isinstance(l, Load)]
-    db = [(l, e) for l, e in backprop(region.drive, GRAD_B).items() if isinstance(l, Load)]
+    da = [(l, e) for l, e in backprop(region.decay, GRAD_A, region.axes).items() if isinstance(l, Load)]
+    db = [(l, e) for l, e in backprop(region.drive, GRAD_B, region.axes).items() if isinstance(l, Load)]
     return Adjoint(steps, final, tuple(ls), tuple(lf), tuple(da), tuple(db))
 
 
@@ -288,7 +305,7 @@ def chunk_scans(r: Region, cdt: str) -> tuple[ChunkScan, ChunkScan, ChunkScan] |
     reads = reads_of(r.decay, m.expr)
     mp = renumbered(reads)
     swap = {reg: MIX_COL, MIX_COL: reg}
-    mt = map_loads(m.expr, lambda ld: mp(Load(ld.input, tuple(swap.get(ix, ix) for ix in ld.index))))
+    mt = map_loads(m.expr, lambda ld: mp(Load(ld.input, tuple(swap.get(ix, ix) for ix in ld.index))), axes=swap)
     n = len(reads)
     adjoint = scan("adjoint", reads, (InputSpec("grad_state", 1 + len(axes), cdt), state_in), 1, ("g", "lam0"),
                    backwards=True, extra_tdim=(0, None), outputs=(steps_out,), length=(n, 0),

@@ -182,17 +182,18 @@ def axes_of(e: Expr, state_axes: tuple[str, ...]) -> frozenset[str]:
     return frozenset()
 
 
-def map_loads(e: Expr, fn, memo: dict | None = None) -> Expr:
-    """`e` with every Load replaced by ``fn(load)`` (the DAG's sharing kept)."""
+def map_loads(e: Expr, fn, memo: dict | None = None, axes: dict | None = None) -> Expr:
+    """`e` with every Load replaced by ``fn(load)`` (the DAG's sharing kept); `axes`: a renaming
+    of the axes reductions sum over, to go with one that `fn` makes of the loads' axes."""
     memo = {} if memo is None else memo
     if e in memo:
         return memo[e]
     if isinstance(e, Load):
         out = fn(e)
     elif isinstance(e, Op):
-        out = Op(e.name, tuple(map_loads(a, fn, memo) for a in e.args), e.attrs)
+        out = Op(e.name, tuple(map_loads(a, fn, memo, axes) for a in e.args), e.attrs)
     elif isinstance(e, Reduce):
-        out = Reduce(map_loads(e.arg, fn, memo), e.axes, e.op)
+        out = Reduce(map_loads(e.arg, fn, memo, axes), tuple((axes or {}).get(a, a) for a in e.axes), e.op)
     else:
         out = e
     memo[e] = out

@@ -206,6 +206,28 @@ def test_the_rank_one_kernel_compiles_for_gpu(cc, tmp_path):
         assert f".target sm_{cc}" in ck.asm["ptx"]
 
 
+def _longhorn(q, k, v, beta):                    # the step size beta / (1 + beta k . k): a sum of inputs in u
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    out = []
+    for t in range(q.shape[2]):
+        kt = k[:, :, t]
+        eps = beta[:, :, t] / (1 + beta[:, :, t] * (kt * kt).sum(-1))
+        S = S - eps[..., None, None] * kt[..., :, None] * ((S * kt[..., :, None]).sum(-2) - v[:, :, t])[..., None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+    return torch.stack(out, 2)
+
+
+def test_a_sum_of_inputs_in_the_step_size(interp):
+    """Longhorn's beta / (1 + beta k . k) is a factor of u: strategy rank_one (u (w . S) on the
+    executor); the Triton kernel declines the sum in the drive, with the reason."""
+    ins = _inputs(101)[:4]
+    out, rep = ssmc_run(_longhorn, ins, target="triton")
+    assert len(rep.regions) == 1 and rep.regions[0].strategy == "rank_one", str(rep)
+    assert rep.regions[0].target == "torch" and "reduction" in rep.regions[0].target_reasons["triton"], str(rep)
+    assert rel_err(out, reference(_longhorn, ins)[0]) < 1e-6
+    grads_match(_longhorn, ins)
+
+
 def _sum_over_two_dims(q, k, v, beta):
     S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
     for i in range(q.shape[2]):

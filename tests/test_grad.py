@@ -50,3 +50,28 @@ def test_gradients_match_eager(case):
             continue
         assert a is not None, f"input {i} got no gradient"
         assert rel_err(a, b) < 1e-4, f"input {i}: rel err {rel_err(a, b):.3g}"
+
+
+def _drive_with_a_sum(x, k):
+    """The drive sums inputs over the state's dim and uses the sum at every element of it
+    (k_i * sum_j k_j x_j): each element's use is a copy, so the sum's adjoint is summed over i."""
+    h = x.new_zeros(x.shape[0], x.shape[2])
+    ys = []
+    for t in range(x.shape[1]):
+        h = 0.9 * h + k[:, t] * (k[:, t] * x[:, t]).sum(-1, keepdim=True)
+        ys.append((h * x[:, t]).sum(-1))
+    return torch.stack(ys, 1)
+
+
+def test_a_sum_of_inputs_inside_the_drive():
+    g = torch.Generator().manual_seed(3)
+    ins = [torch.randn(2, 5, 4, generator=g), torch.randn(2, 5, 4, generator=g)]
+    xs = [x.clone().requires_grad_() for x in ins]
+    out, rep = ssmc_run(_drive_with_a_sum, xs)
+    assert len(rep.regions) == 1 and any("sum(" in line and "b = " in line for line in str(rep.regions[0].ir).splitlines())
+    x64 = [x.double().requires_grad_() for x in ins]
+    ref = _drive_with_a_sum(*x64)
+    assert rel_err(out, ref) < 1e-6
+    got = torch.autograd.grad(out.sum(), xs)
+    want = torch.autograd.grad(ref.sum(), x64)
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, want)), [rel_err(a, b) for a, b in zip(got, want)]

@@ -344,8 +344,9 @@ def rank_one(mix_expr, row_axis: str):
     """(u, w) when the transition is one product u * w with u free of the column axis and w
     free of the rows' (the delta rule's k_i * (-beta k)_j, however its factors are grouped or
     negated): M h is then u (w . h), a dot product a row instead of a matrix product. None
-    otherwise (a factor along both axes, a sum, the state or a reduction inside)."""
-    if any(isinstance(x, (State, Reduce)) for x in ir.walk(mix_expr)):
+    otherwise (a factor along both axes, a sum, the state inside). A sum of inputs in a factor
+    (Longhorn's beta / (1 + beta k . k)) is a factor like any other."""
+    if any(isinstance(x, State) for x in ir.walk(mix_expr)):
         return None
     us, ws = [], []
     for f in ir.factors(mix_expr):

@@ -95,7 +95,7 @@ def make_epilogue(r: Region, plan, needs: tuple | None = None) -> Epilogue | str
         if ir.uses_state(e):
             return f"per-step output {k} reads the state outside the readout"
         seeds.append(k)
-        for leaf, g in backprop(e, grad_output(r, k)).items():
+        for leaf, g in backprop(e, grad_output(r, k), [ix for ix in o.index if isinstance(ix, str)]).items():
             adj[leaf] = add(adj.get(leaf), g)
     grads = []
     for leaf, g in adj.items():
