@@ -119,35 +119,68 @@ def backprop(root: Expr, seed: Expr, point=()) -> dict:
     """{leaf: adjoint expression} for every Load and State leaf reachable from root.
 
     `point`: the axes root is evaluated at, one value each (a drive: the state axes; an output:
-    its index). A `Reduce` is constant along its axes; where it is used at every point along
-    one of them (the drive k_i * sum_i'(k_i' x_i')), each point's use is a copy, and its
-    argument's adjoint is the seed summed over those axes. Along axes the use is not evaluated
-    at (a readout's sum over the state) there is one copy: the seed as it is."""
-    order = walk(root)
-    pts = {root: frozenset(point)}
-    for node in reversed(order):                # the axes every node is evaluated at, root first
-        p = pts.get(node, frozenset())
-        if isinstance(node, Op):
-            for arg in node.args:
-                pts[arg] = pts.get(arg, frozenset()) | p
-        elif isinstance(node, Reduce):
-            pts[node.arg] = pts.get(node.arg, frozenset()) | p | frozenset(node.axes)
-    adj = {root: seed}
-    for node in reversed(order):
-        g = adj.get(node)
+    its named index). A node is differentiated once per set of axes it is evaluated at (inside
+    a `Reduce` also along the reduced axes), so a value used both inside and outside a sum gets
+    each use's adjoint. A `Reduce` is constant along its axes; where it is used at every point
+    along one of them (the drive k_i * sum_i'(k_i' x_i')), each point's use is a copy, and its
+    argument's adjoint is the seed summed over those axes; along axes the use is not evaluated
+    at (a readout's sum over the state) there is one copy: the seed as it is. A load whose uses
+    sit at different points has each use's adjoint summed over the axes of its point the load
+    does not vary along (the caller sums a leaf's adjoint over those axes, which would count a
+    use at fewer axes once per element of the others)."""
+    start = (root, frozenset(point))
+    order, seen = [], set()
+
+    def visit(key):                              # (node, point) pairs, children after parents
+        stack = [(key, False)]
+        while stack:
+            k, done = stack.pop()
+            if done:
+                order.append(k)
+                continue
+            if k in seen:
+                continue
+            seen.add(k)
+            stack.append((k, True))
+            node, p = k
+            if isinstance(node, Op):
+                kids = [(a, p) for a in node.args if not isinstance(a, Const)]
+            elif isinstance(node, Reduce):
+                kids = [(node.arg, p | frozenset(node.axes))]
+            else:
+                kids = []
+            stack.extend((c, False) for c in kids if c not in seen)
+    visit(start)
+    adj = {start: seed}
+    for key in reversed(order):
+        g = adj.get(key)
         if g is None:
             continue
+        node, p = key
         if isinstance(node, Op):
             for j, arg in enumerate(node.args):
                 if isinstance(arg, Const):
                     continue
                 d = derivative(node, j)
                 if d is not None:
-                    adj[arg] = add(adj.get(arg), mul(g, d))
+                    adj[(arg, p)] = add(adj.get((arg, p)), mul(g, d))
         elif isinstance(node, Reduce):
-            copies = tuple(a for a in node.axes if a in pts[node])
-            adj[node.arg] = add(adj.get(node.arg), Reduce(g, copies) if copies else g)
-    return {n: g for n, g in adj.items() if isinstance(n, (Load, State)) and g is not None}
+            copies = tuple(a for a in node.axes if a in p)
+            k = (node.arg, p | frozenset(node.axes))
+            adj[k] = add(adj.get(k), Reduce(g, copies) if copies else g)
+    uses: dict = {}
+    for (node, p), g in adj.items():
+        if isinstance(node, (Load, State)) and g is not None:
+            uses.setdefault(node, []).append((p, g))
+    out = {}
+    for leaf, gs in uses.items():
+        own = (frozenset(ix for ix in leaf.index if isinstance(ix, str)) | {"t"}   # time: summed by the caller
+               if isinstance(leaf, Load) else None)
+        extra = {p - own for p, _ in gs} if own is not None else {frozenset()}
+        for p, g in gs:
+            over = tuple(sorted(p - own)) if len(extra) > 1 else ()
+            out[leaf] = add(out.get(leaf), Reduce(g, over) if over else g)
+    return out
 
 
 # sentinel leaves the backward seeds with values it already has

@@ -75,3 +75,29 @@ def test_a_sum_of_inputs_inside_the_drive():
     got = torch.autograd.grad(out.sum(), xs)
     want = torch.autograd.grad(ref.sum(), x64)
     assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, want)), [rel_err(a, b) for a, b in zip(got, want)]
+
+
+def _input_inside_and_outside_the_readout(x, u):
+    """u (b, L, 1) broadcast along the state: read inside the readout's sum and outside it; the
+    use outside is one per output element, not one per state element."""
+    h = x.new_zeros(x.shape[0], 3)
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.sigmoid(x[:, t]) * h + torch.sqrt(1.0 + u[:, t] * u[:, t])
+        ys.append(h)
+    hs = torch.stack(ys, 1)
+    return (hs * u).sum(-1, keepdim=True) + u
+
+
+def test_an_input_read_inside_and_outside_a_sum():
+    g = torch.Generator().manual_seed(4)
+    ins = [torch.randn(2, 5, 1, generator=g), torch.randn(2, 5, 1, generator=g)]
+    xs = [x.clone().requires_grad_() for x in ins]
+    out, rep = ssmc_run(_input_inside_and_outside_the_readout, xs)
+    assert len(rep.regions) == 1, str(rep)
+    x64 = [x.double().requires_grad_() for x in ins]
+    ref = _input_inside_and_outside_the_readout(*x64)
+    assert rel_err(out, ref) < 1e-6
+    got = torch.autograd.grad(out.sum(), xs)
+    want = torch.autograd.grad(ref.sum(), x64)
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, want)), [rel_err(a, b) for a, b in zip(got, want)]
