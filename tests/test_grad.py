@@ -52,6 +52,20 @@ def test_gradients_match_eager(case):
         assert rel_err(a, b) < 1e-4, f"input {i}: rel err {rel_err(a, b):.3g}"
 
 
+def _one_region_values_and_grads(fn, ins):
+    """fn through ssmc: one region, values and every input's gradient equal float64 eager's."""
+    xs = [x.clone().requires_grad_() for x in ins]
+    out, rep = ssmc_run(fn, xs)
+    assert len(rep.regions) == 1, str(rep)
+    x64 = [x.double().requires_grad_() for x in ins]
+    ref = fn(*x64)
+    assert rel_err(out, ref) < 1e-6
+    got = torch.autograd.grad(out.sum(), xs)
+    want = torch.autograd.grad(ref.sum(), x64)
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, want)), [rel_err(a, b) for a, b in zip(got, want)]
+    return rep
+
+
 def _drive_with_a_sum(x, k):
     """The drive sums inputs over the state's dim and uses the sum at every element of it
     (k_i * sum_j k_j x_j): each element's use is a copy, so the sum's adjoint is summed over i."""
@@ -65,16 +79,8 @@ def _drive_with_a_sum(x, k):
 
 def test_a_sum_of_inputs_inside_the_drive():
     g = torch.Generator().manual_seed(3)
-    ins = [torch.randn(2, 5, 4, generator=g), torch.randn(2, 5, 4, generator=g)]
-    xs = [x.clone().requires_grad_() for x in ins]
-    out, rep = ssmc_run(_drive_with_a_sum, xs)
-    assert len(rep.regions) == 1 and any("sum(" in line and "b = " in line for line in str(rep.regions[0].ir).splitlines())
-    x64 = [x.double().requires_grad_() for x in ins]
-    ref = _drive_with_a_sum(*x64)
-    assert rel_err(out, ref) < 1e-6
-    got = torch.autograd.grad(out.sum(), xs)
-    want = torch.autograd.grad(ref.sum(), x64)
-    assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, want)), [rel_err(a, b) for a, b in zip(got, want)]
+    rep = _one_region_values_and_grads(_drive_with_a_sum, [torch.randn(2, 5, 4, generator=g) for _ in range(2)])
+    assert any("sum(" in line and "b = " in line for line in str(rep.regions[0].ir).splitlines()), str(rep)
 
 
 def _input_inside_and_outside_the_readout(x, u):
@@ -91,13 +97,5 @@ def _input_inside_and_outside_the_readout(x, u):
 
 def test_an_input_read_inside_and_outside_a_sum():
     g = torch.Generator().manual_seed(4)
-    ins = [torch.randn(2, 5, 1, generator=g), torch.randn(2, 5, 1, generator=g)]
-    xs = [x.clone().requires_grad_() for x in ins]
-    out, rep = ssmc_run(_input_inside_and_outside_the_readout, xs)
-    assert len(rep.regions) == 1, str(rep)
-    x64 = [x.double().requires_grad_() for x in ins]
-    ref = _input_inside_and_outside_the_readout(*x64)
-    assert rel_err(out, ref) < 1e-6
-    got = torch.autograd.grad(out.sum(), xs)
-    want = torch.autograd.grad(ref.sum(), x64)
-    assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, want)), [rel_err(a, b) for a, b in zip(got, want)]
+    _one_region_values_and_grads(_input_inside_and_outside_the_readout,
+                                 [torch.randn(2, 5, 1, generator=g) for _ in range(2)])

@@ -51,11 +51,10 @@ class BSPlan:
     matrix: ir.Expr | None          # shared factor of m (fma2/dot)
 
 
-def make_bsp_plan(r: Region) -> BSPlan | str:
-    if r.mix is None:
-        return "no non-diagonal transition"
-    if r.mix_axis != r.axes[-1]:
-        return f"the transition acts along {r.mix_axis}, not the last state axis"
+def mixed_layout(r: Region):
+    """(channel axis, the other parallel axes, inputs read) of a kernel holding the region's last
+    state axis (the mixed one) whole per row and the rest parallel as the selective-scan kernel
+    does; or why the transition or the outputs do not fit that."""
     base = T.make_plan(dataclasses.replace(r, mix=None))
     if isinstance(base, str):
         return base
@@ -78,6 +77,20 @@ def make_bsp_plan(r: Region) -> BSPlan | str:
     block = base.block if base.block in parallel else (parallel[-1] if parallel else None)
     scalars = tuple(a for a in parallel if a != block)
     used = set(base.inputs) | {ld.input for ld in ir.loads(r.mix.expr)}
+    return block, scalars, tuple(sorted(used))
+
+
+def make_bsp_plan(r: Region) -> BSPlan | str:
+    if r.mix is None:
+        return "no non-diagonal transition"
+    if r.mix_axis != r.axes[-1]:
+        return f"the transition acts along {r.mix_axis}, not the last state axis"
+    got = mixed_layout(r)
+    if isinstance(got, str):
+        return got
+    block, scalars, used = got
+    last = r.axes[-1]
+    parallel = [a for a in r.axes if a != last]
     bs = r.mix.block
     if not bs:
         return "the block_sparse pass did not run (no block size)"
@@ -90,8 +103,8 @@ def make_bsp_plan(r: Region) -> BSPlan | str:
     shared = all(not ir.axes_of(f, r.axes) & set(parallel) for f in mat) and mat
     if shared:
         mode = "dot" if bs >= 16 else "fma2"
-        return BSPlan(last, block, scalars, tuple(sorted(used)), bs, mode, product(scale), product(mat))
-    return BSPlan(last, block, scalars, tuple(sorted(used)), bs, "fma3", None, None)
+        return BSPlan(last, block, scalars, used, bs, mode, product(scale), product(mat))
+    return BSPlan(last, block, scalars, used, bs, "fma3", None, None)
 
 
 class _Printer(TritonPrinter):

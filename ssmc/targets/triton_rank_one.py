@@ -20,11 +20,12 @@ import dataclasses
 import functools
 
 from ssmc import ir
-from ssmc.ir import Load, Reduce, Region, State
+from ssmc.ir import Load, Region
 
 from . import triton as T
 from .reference import rank_one
-from .triton_printer import TritonPrinter, unsupported
+from .triton_block_sparse import mixed_layout
+from .triton_printer import TritonPrinter
 from .triton_ssd import _table
 
 TEMPLATE = "triton/rank_one_fwd.py.j2"
@@ -47,28 +48,10 @@ def make_rank_one_plan(r: Region) -> RankOnePlan | str:
     ones = rank_one(r.mix.expr, last)
     if ones is None:
         return "the transition is not one product u w^T of a row part and a column part"
-    base = T.make_plan(dataclasses.replace(r, mix=None))
-    if isinstance(base, str):
-        return base
-    if base.reg not in (None, last):
-        return f"the readout sums over {base.reg}, not over the mixed axis {last}"
-    names = set(r.axes) | {"t", ir.MIX_COL}
-    for x in ir.walk(r.mix.expr):
-        why = unsupported(x)
-        if why:
-            return why
-        if isinstance(x, (Reduce, State)):
-            return "a reduction or the state inside the transition"
-        if isinstance(x, Load):
-            if len(x.index) != r.inputs[x.input].ndim:
-                return f"load {x} does not match input {x.input}'s rank"
-            if any(isinstance(ix, str) and ix not in names for ix in x.index):
-                return f"load {x} indexes an unknown axis"
-    parallel = [a for a in r.axes if a != last]
-    block = base.block if base.block in parallel else (parallel[-1] if parallel else None)
-    scalars = tuple(a for a in parallel if a != block)
-    used = set(base.inputs) | {ld.input for ld in ir.loads(r.mix.expr)}
-    return RankOnePlan(last, block, scalars, tuple(sorted(used)), *ones)
+    got = mixed_layout(r)
+    if isinstance(got, str):
+        return got
+    return RankOnePlan(last, *got, *ones)
 
 
 def render(r: Region, plan: RankOnePlan, cdt: str) -> str:
