@@ -5,8 +5,9 @@ expression of d(seed-weighted root)/d(leaf) evaluated at the same iteration poin
 needs no rule of its own: every expression is evaluated at the full iteration point, so the
 adjoint of a `Reduce` is its seed, summed over the reduced axes where its use is evaluated along
 them (one copy a point), and a leaf's adjoint is summed over the axes the leaf does not vary
-along by whoever accumulates it into an input's gradient. The backward of a region (`region_adjoint`) is built from these: the adjoint
-of the state runs the same linear recurrence in reverse time,
+along by whoever accumulates it into an input's gradient. The backward of a region
+(`region_adjoint`) is built from these: the adjoint of the state runs the same linear
+recurrence in reverse time,
     lam_t = dy_t/dh_t + a_{t+1} lam_{t+1},  da_t = lam_t h_{t-1},  db_t = lam_t,
 and the gradients of the inputs follow through the decay, drive and output expressions. With a
 non-diagonal transition m (`Region.mix`), lam_t also gets m_{t+1}^T lam_{t+1}, and
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .ir import MIX_COL, Const, Expr, InputSpec, Load, Mix, Op, OutputSpec, Reduce, Region, State, loads, map_loads, walk
+from .ir import MIX_COL, Const, Expr, InputSpec, Load, Mix, Op, OutputSpec, Reduce, Region, State, loads, map_loads
 
 ONE, ZERO = Const(1.0), Const(0.0)
 
@@ -174,11 +175,11 @@ def backprop(root: Expr, seed: Expr, point=()) -> dict:
             uses.setdefault(node, []).append((p, g))
     out = {}
     for leaf, gs in uses.items():
-        own = (frozenset(ix for ix in leaf.index if isinstance(ix, str)) | {"t"}   # time: summed by the caller
-               if isinstance(leaf, Load) else None)
-        extra = {p - own for p, _ in gs} if own is not None else {frozenset()}
+        own = frozenset(ix for ix in leaf.index if isinstance(ix, str)) | {"t"} if isinstance(leaf, Load) \
+            else None                                # time: summed by the caller
+        split = own is not None and len({p - own for p, _ in gs}) > 1
         for p, g in gs:
-            over = tuple(sorted(p - own)) if len(extra) > 1 else ()
+            over = tuple(sorted(p - own)) if split else ()
             out[leaf] = add(out.get(leaf), Reduce(g, over) if over else g)
     return out
 

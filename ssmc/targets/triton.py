@@ -185,16 +185,18 @@ class Variant:
     b: str
     post: list
     final: list
+    also: tuple = ()                # the codes of `_print_variant`'s `also`, printed after a and b
 
 
 def _frames(plan: Plan, three_d: bool):
-    """(prelude, body, final) frames: how each axis reads in each block of one variant."""
+    """(prelude, body, final) frames: how each axis reads in each block of one variant (a
+    transition's columns, MIX_COL, read as the register axis: rank_one's w . h)."""
     sfx, mt = ("3", "mt") if three_d else ("", None)
     codes = {a: (f"idx_{a}", None) for a in plan.scalars}
     if plan.block:
         codes[plan.block] = (f"od{sfx}", f"md{sfx}")
     if plan.reg:
-        codes[plan.reg] = (f"on{sfx}", f"mn{sfx}")
+        codes[plan.reg] = codes[ir.MIX_COL] = (f"on{sfx}", f"mn{sfx}")
     reg_mask = f"mn{sfx}" if plan.reg else None
     pre = Frame(dict(codes), None, 1, reg_mask)
     body = Frame({**codes, "t": ("tt", mt) if three_d else ("t", None)}, None, 1, reg_mask)
@@ -216,7 +218,9 @@ def _store(printer: TritonPrinter, k: int, o: ir.OutputSpec, value: str) -> str:
     return f"tl.store(out{k}_ptr + ({off}), {value}.to(out{k}_ptr.dtype.element_ty){m})"
 
 
-def _print_variant(r: Region, plan: Plan, cdt: str, three_d: bool) -> Variant:
+def _print_variant(r: Region, plan: Plan, cdt: str, three_d: bool, also=()) -> Variant:
+    """The variant's code; `also`: more expressions of the step, printed after the decay and the
+    drive (rank_one's u and w)."""
     p = TritonPrinter(r, cdt)
     pre_f, body_f, final_f = _frames(plan, three_d)
     p.set_prelude_frame(pre_f)
@@ -224,6 +228,7 @@ def _print_variant(r: Region, plan: Plan, cdt: str, three_d: bool) -> Variant:
     init = p.expr(Load(r.init, tuple(r.axes))) if r.init is not None else None
     pre = p.block(body_f)
     a, b = p.expr(r.decay), p.expr(r.drive)
+    more = tuple(p.expr(e) for e in also)
     post = []
     p.switch(post, state="H" if three_d else "h")
     for k, o in enumerate(r.outputs):
@@ -233,7 +238,7 @@ def _print_variant(r: Region, plan: Plan, cdt: str, three_d: bool) -> Variant:
     for k, o in enumerate(r.outputs):
         if o.kind == "final":
             final.append(_store(p, k, o, p.expr(o.expr)))
-    return Variant(list(p.prelude), init, pre, a, b, post, final)
+    return Variant(list(p.prelude), init, pre, a, b, post, final, more)
 
 
 @dataclasses.dataclass

@@ -20,12 +20,11 @@ import dataclasses
 import functools
 
 from ssmc import ir
-from ssmc.ir import Load, Region
+from ssmc.ir import Region
 
 from . import triton as T
 from .reference import rank_one
 from .triton_block_sparse import mixed_layout
-from .triton_printer import TritonPrinter
 from .triton_ssd import _table
 
 TEMPLATE = "triton/rank_one_fwd.py.j2"
@@ -55,31 +54,11 @@ def make_rank_one_plan(r: Region) -> RankOnePlan | str:
 
 
 def render(r: Region, plan: RankOnePlan, cdt: str) -> str:
-    p = TritonPrinter(r, cdt)
-    pre_f, body_f, final_f = T._frames(plan, False)
-    col = {ir.MIX_COL: body_f.codes[plan.reg]}          # w's columns read as the state's elements
-    pre_f = dataclasses.replace(pre_f, codes={**pre_f.codes, **col})
-    body_f = dataclasses.replace(body_f, codes={**body_f.codes, **col})
-    p.set_prelude_frame(pre_f)
-    p.block(pre_f)
-    init = p.expr(Load(r.init, tuple(r.axes))) if r.init is not None else None
-    pre = p.block(body_f)
-    a, b = p.expr(r.decay), p.expr(r.drive)
-    u, w = p.expr(plan.u), p.expr(plan.w)
-    post = []
-    p.switch(post, state="h")
-    for k, o in enumerate(r.outputs):
-        if o.kind == "steps":
-            post.append(T._store(p, k, o, p.expr(o.expr)))
-    final = p.block(final_f)
-    for k, o in enumerate(r.outputs):
-        if o.kind == "final":
-            final.append(T._store(p, k, o, p.expr(o.expr)))
+    v = T._print_variant(r, plan, cdt, False, also=(plan.u, plan.w))
     base = T.Plan(plan.reg, plan.block, plan.scalars, plan.inputs)
     return T._env().get_template(TEMPLATE).render(
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
-        plan=base, args=T.arg_lines(T.kernel_args(r, base)), prelude=list(p.prelude), init=init,
-        pre=pre, a=a, b=b, u=u, w=w, post=post, final=final)
+        plan=base, args=T.arg_lines(T.kernel_args(r, base)), v=v)
 
 
 class RankOneKernel(T.TritonKernel):
