@@ -465,6 +465,7 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     results = [(h[0], remap[h[1]], *h[2:]) if h[0] == "out" else h for h in results]
     boundary = {n: remap[k] for n, k in boundary.items()}
 
+    outputs = [_name_unit_dims(o, axes, state_shape) for o in outputs]
     inputs, axis_size, length = [], [None] * len(axes), None
     init = None
     for src in bld.sources:
@@ -497,6 +498,30 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     region = Region(loop.name, axes, tuple(axis_size), length, tuple(inputs), decay, drive,
                     tuple(outputs), init, mix=mix)
     return Plan(region, bld.sources, results, boundary, fuse)
+
+
+def _name_unit_dims(o: OutputSpec, axes: tuple, state_shape) -> OutputSpec:
+    """Size-1 dims are not labelled with a state axis (a (1, d) value reads like a broadcast
+    one), so with batch 1 a per-step output is indexed (1, t, i1) while it varies along the
+    state's i0 of size 1. Name its size-1 dims after the size-1 state axes it varies along but
+    does not index, in order: every pairing reads the same single element. A size-1 axis left
+    over (a sum over d_state 1 is traced as no sum at all) is summed over: a sum of one element.
+    The output then varies only along the axes it indexes, as at larger sizes."""
+    missing = [a for a, s in zip(axes, state_shape)
+               if s == 1 and a not in o.index and a in ir.axes_of(o.expr, axes)]
+    if not missing:
+        return o
+    idx = list(o.index)
+    for k, ix in enumerate(idx):
+        if ix == 1 and missing:
+            idx[k] = missing.pop(0)
+    expr = o.expr
+    if missing:
+        if isinstance(expr, ir.Reduce) and expr.op == "sum":
+            expr = ir.Reduce(expr.arg, tuple(a for a in axes if a in expr.axes or a in missing))
+        else:
+            expr = ir.Reduce(expr, tuple(missing))
+    return dataclasses.replace(o, expr=expr, index=tuple(idx))
 
 
 def _nodes_before(anchor) -> set:

@@ -71,11 +71,10 @@ def with_dtype(r: ir.Region, dtype: str) -> ir.Region:
 
 
 def region_inputs(name: str, r: ir.Region, L: int, dtype=torch.float32, seed=0, n: int = 4,
-                  d: int = 3) -> list[torch.Tensor]:
+                  d: int = 3, b: int = 2) -> list[torch.Tensor]:
     """Random inputs for a captured region, in its input order, at sequence length L (Mamba-1
-    forms and s4d: state size n, d channels)."""
+    forms and s4d: state size n, d channels, batch b)."""
     g = torch.Generator().manual_seed(seed)
-    b = 2
     if name in ("mamba1", "mamba1_bdl", "scan"):
         x, dt, A, B, C, D, z, bias = P.mamba1_inputs(b, L, d, n, seed=seed, layout="bdl" if name == "mamba1_bdl" else "bld")
         named = {"l_x_": x, "l_dt_": dt, "l_a_": A, "l_b_": B, "l_c_": C, "l_d_": D, "l_z_": z, "l_bias_": bias,
@@ -379,7 +378,7 @@ def emulate(kernel: cuda.CudaKernel, inputs, workdir: Path, arch: int = 90):
 
 
 def _emu_case(regions, emu_dir, name, L, dtype, layout, variant="pair", how=None, seed=0, n=4, static_n=True,
-              region=None, d=3):
+              region=None, d=3, b=2):
     r = region or regions[name]
     if dtype != torch.float32:
         r = with_dtype(r, ir.dtype_name(dtype))
@@ -387,7 +386,7 @@ def _emu_case(regions, emu_dir, name, L, dtype, layout, variant="pair", how=None
     kernel.poison = True
     kernel.force_layout = layout
     kernel.static_n = static_n
-    xs = region_inputs(name, r, L, dtype, seed, n=n, d=d)
+    xs = region_inputs(name, r, L, dtype, seed, n=n, d=d, b=b)
     if how:
         xs = [scramble(x, how) for x in xs]
     outs = emulate(kernel, xs, emu_dir)
@@ -408,6 +407,16 @@ def test_emulated_regions(regions, emu_dir, name):
     for L in (5, 137):      # 5: one warp per row, 3 rows a block (spare rows); 137: 2 warps per row
         for layout in ("time_major", "row_major"):
             _emu_case(regions, emu_dir, name, L, torch.float32, layout, seed=1)
+
+
+@pytest.mark.parametrize("b,n", [(1, 4), (2, 1)])
+def test_emulated_size_one_axes(emu_dir, b, n):
+    """Batch 1 and d_state 1, captured at that size (Dynamo specialises sizes of 1): the
+    output index names the size-1 state axis, and the kernel writes every element."""
+    r = _capture(P.mamba1("final"), P.mamba1_inputs(b=b, n=n))
+    assert all(a in o.index or a == "i2" for o in r.outputs for a in r.axes), [str(o) for o in r.outputs]
+    for layout in ("time_major", "row_major"):
+        _emu_case(None, emu_dir, "mamba1", 7, torch.float32, layout, region=r, n=n, b=b)
 
 
 @pytest.mark.parametrize("how", ["strided", "misaligned", "transposed"])

@@ -190,6 +190,13 @@ def test_the_triton_kernel_reads_the_initial_state_in_the_callers_layout(interp)
     assert kern.perm == (0, 1, 3, 2) and "moved last" in kern.plan_text()
 
 
+@pytest.mark.parametrize("b,h,dk", [(1, 2, 4), (2, 1, 4), (1, 1, 3)])
+def test_the_triton_kernel_at_sizes_of_one(b, h, dk, interp):
+    """Batch 1, one head, both: Dynamo specialises sizes of 1 and labels no state axis with
+    them; the outputs still index every axis they vary along, and the kernel runs them."""
+    _on_triton(_gated_delta, _inputs(96, b=b, h=h, dk=dk))
+
+
 @pytest.mark.parametrize("cc", [80, 90])
 def test_the_rank_one_kernel_compiles_for_gpu(cc, tmp_path):
     import triton

@@ -125,6 +125,11 @@ CASES = {
     "mamba2_h0": (P.mamba2("final"), lambda: P.mamba2_inputs(b=2, L=6, H=2, P=3, N=3, seed=25, with_h0=True)),
     "s4d": (P.s4d(), lambda: P.s4d_inputs(b=2, L=7, d=3, n=3, seed=26)),
     "gated": (P.gated(), lambda: P.gated_inputs(b=2, L=7, d=5, seed=27)),
+    # sizes of 1, which Dynamo specialises and labels no state axis with: batch 1 (inference),
+    # d_state 1 (the readout's sum over it traced as none), one head and batch 1 together
+    "mamba1_batch1": (P.mamba1("final"), lambda: P.mamba1_inputs(b=1, L=7, d=5, n=3, seed=30)),
+    "mamba1_dstate1": (P.mamba1("stack"), lambda: P.mamba1_inputs(b=2, L=7, d=5, n=1, seed=31)),
+    "mamba2_batch1_heads1": (P.mamba2("final"), lambda: P.mamba2_inputs(b=1, L=6, H=1, P=3, N=3, seed=32)),
 }
 
 
