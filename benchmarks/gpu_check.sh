@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
-# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune", "scanmixer",
+# SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune", "scanmixer", "batch1",
 # "ncu", "m1counters", "decode", "bspprobe", "ssdcore" and "train" only when named; SSMC_BSP_FLAGS=--backward:
 # bsp also times forward+backward); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
@@ -103,6 +103,15 @@ if [[ $STEPS == *bspprobe* ]]; then  # the CUDA block-sparse kernel: its pick, t
     --import-source no -f -o /tmp/ncu_bsp python -m benchmarks.probe_bsp --out /dev/null ${SSMC_BSP_GROUPS:+--groups $SSMC_BSP_GROUPS} >> "$LOG" 2>&1
   ncu -i /tmp/ncu_bsp.ncu-rep --page details > "$OUT/ncu_bsp.txt" 2>&1
   ncu -i /tmp/ncu_bsp.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_bsp_sass.csv" 2>&1
+fi
+if [[ $STEPS == *batch1* ]]; then     # batch 1 (inference): the Mamba-1/-2 regions and the gated delta rule
+  # SSMC_B1_NAME: the result files' stem; SSMC_B1_DELTA_ROWS: bench_delta_rule's rows (fla_recurrent: the wheel on PYTHONPATH)
+  timeout ${SSMC_B1_TIMEOUT:-200} python -m benchmarks.run --workloads mamba1,mamba2 --batch 1 --lengths 4096 \
+    --targets "${SSMC_TARGETS:-triton,cuda,auto}" --eager-max-len 0 --no-ablations --out /tmp/ssmc_run \
+    --name "${SSMC_B1_NAME:-batch1}" >> "$LOG" 2>&1
+  cp "/tmp/ssmc_run/${SSMC_B1_NAME:-batch1}.json" "$OUT/" 2>/dev/null
+  timeout ${SSMC_B1_DELTA_TIMEOUT:-150} python -m benchmarks.bench_delta_rule --shape 1,4096,16,128,128 \
+    --rows "${SSMC_B1_DELTA_ROWS:-ssmc,ssmc_torch}" --out "$OUT/${SSMC_B1_NAME:-batch1}_delta.json" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *scanmixer* ]]; then  # a mixer around torch's associative_scan: ssmc, ssmc without sink_consumers, Inductor
   timeout ${SSMC_MIXER_TIMEOUT:-300} python -m benchmarks.bench_scan_mixer --out "$OUT/scan_mixer.json" >> "$LOG" 2>&1

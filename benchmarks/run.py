@@ -453,6 +453,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--name", default=None)
     ap.add_argument("--no-ablations", action="store_true", help="no ssmc[-pass] rows (passes on/off)")
+    ap.add_argument("--batch", type=int, default=None, help="the mamba1 and mamba2 shapes' batch (1: inference)")
     args = ap.parse_args(argv)
     global ABLATIONS
     ABLATIONS = not args.no_ablations
@@ -461,6 +462,9 @@ def main(argv=None):
         preset.lengths = [int(x) for x in args.lengths.split(",")]
     if args.targets:
         preset.targets = args.targets.split(",")
+    if args.batch:
+        preset.mamba1 = {**preset.mamba1, "b": args.batch}
+        preset.mamba2 = {**preset.mamba2, "b": args.batch}
     runner = Runner(preset, args)
     for w in args.workloads.split(","):
         runner.log(f"workload {w}")

@@ -468,9 +468,11 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     outputs = [_name_unit_dims(o, axes, state_shape) for o in outputs]
     inputs, axis_size, length = [], [None] * len(axes), None
     init = None
+    unit_dims = []          # (input, dim) of every size-1 input dim: where a size-1 axis reads its size
     for src in bld.sources:
         node = _source_node(loop, src)
         extra = 1 if src[0] == "pre" and node in bld.time_dep else 0
+        unit_dims += [(len(inputs), d + extra) for d, s in enumerate(shape(node)) if _is_one(s)]
         inputs.append(InputSpec(_source_name(loop, src), len(shape(node)) + extra,
                                 ir.dtype_name(dtype(node)) if dtype(node) else "float32"))
     if isinstance(loop.carry_init[0], fx.Node):
@@ -490,14 +492,24 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
                         axis_size[k] = (ld.input, d)
     for k in range(len(axes)):
         if axis_size[k] is None:
-            if init is None:
+            if init is not None:
+                axis_size[k] = (init, k)
+            elif _is_one(state_shape[k]) and unit_dims:
+                # batch 1: no input is read along the axis (a size-1 dim is indexed 0), but
+                # the graph is specialised to size 1 and so is every size-1 input dim
+                axis_size[k] = unit_dims[0]
+            else:
                 raise AssembleError(f"the size of state axis i{k} is not read from any input")
-            axis_size[k] = (init, k)
     if length is None:
         raise AssembleError("no input changes from step to step")
     region = Region(loop.name, axes, tuple(axis_size), length, tuple(inputs), decay, drive,
                     tuple(outputs), init, mix=mix)
     return Plan(region, bld.sources, results, boundary, fuse)
+
+
+def _is_one(s) -> bool:
+    """A size that is 1 at compile time (Dynamo specialises 1; a symbolic size is never 1)."""
+    return isinstance(s, int) and s == 1
 
 
 def _name_unit_dims(o: OutputSpec, axes: tuple, state_shape) -> OutputSpec:
@@ -508,7 +520,7 @@ def _name_unit_dims(o: OutputSpec, axes: tuple, state_shape) -> OutputSpec:
     over (a sum over d_state 1 is traced as no sum at all) is summed over: a sum of one element.
     The output then varies only along the axes it indexes, as at larger sizes."""
     missing = [a for a, s in zip(axes, state_shape)
-               if s == 1 and a not in o.index and a in ir.axes_of(o.expr, axes)]
+               if _is_one(s) and a not in o.index and a in ir.axes_of(o.expr, axes)]
     if not missing:
         return o
     idx = list(o.index)

@@ -985,6 +985,24 @@ def _mixer_scan(mode):
     return fn
 
 
+def test_a_batch_of_one():
+    """Dynamo specialises a batch of 1 and no state axis is labelled with a size-1 dim: the
+    mixer around the generic scan (HF transformers' Mamba off the GPU) reads the batch's size
+    from no input, and per-step outputs do not index it. Both are still one region, values and
+    gradients equal to float64 eager."""
+    g = torch.Generator().manual_seed(33)
+    b, d, n, L = 1, 6, 4, 9
+    ins = (torch.randn(b, d, L, generator=g), torch.rand(b, d, L, generator=g) * 0.2,
+           -torch.rand(d, n, generator=g) - 0.5, torch.randn(b, n, L, generator=g), torch.randn(b, n, L, generator=g))
+    for fn, xs in ((_mixer_scan("generic"), ins), (P.mamba1("stack"), P.mamba1_inputs(b=1, seed=34))):
+        out, rep = ssmc_run(fn, xs)
+        assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
+        assert all("i0" in o.index for o in rep.regions[0].ir.outputs), str(rep.regions[0].ir)
+        for o, r in zip(as_tuple(out), reference(fn, xs)):
+            assert rel_err(o, r) < 1e-6
+        grads_match(fn, xs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["pointwise", "generic"])
 def test_mixer_written_with_associative_scan_on_the_gpu(mode):
