@@ -200,6 +200,17 @@ class Lowered:
         return self.gm(*[args[i] for i in self.order])
 
 
+def measured_choice(report) -> str | None:
+    """target "auto": which target each region's measured choice took, and the timings."""
+    from ssmc.runtime.op import lookup
+    out = []
+    for r in report.regions:
+        k = lookup(r.key).kernel
+        if hasattr(k, "decided"):
+            out.append(f"{r.name}: {k.describe()}")
+    return "; ".join(out) or None
+
+
 def nbytes(xs):
     return sum(x.numel() * x.element_size() for x in xs if isinstance(x, torch.Tensor))
 
@@ -258,6 +269,7 @@ class Runner:
                 else:
                     peak = None
                 self.add(workload=name, variant=label, kind="ssmc", **{"pass": ps}, L=L, ms=ms, rel_err=err,
+                         choice=measured_choice(h["report"]),
                          speedup_vs_eager=(eager_ms / ms) if (eager_ms and ms) else None,
                          GB_per_s=(fb / ms / 1e6) if ms else None,
                          TFLOP_per_s=(flops(ins) / ms / 1e9) if (ms and flops) else None,

@@ -70,3 +70,21 @@ def test_auto_on_cuda_times_every_supporting_target():
     assert choose_target(None, "chunked_scan", ctx) == ("triton", {"cuda": "no cupy"}, [])
     ctx.options.target = "cuda"
     assert choose_target(None, "chunked_scan", ctx)[0] == "torch"
+
+
+def test_a_call_after_the_first_of_a_shape_is_one_lookup(tmp_path, monkeypatch):
+    """The shape bucket is computed once per distinct input shape; later calls of that shape
+    look the decision up (a few microseconds of host time on a 0.1 ms kernel matter)."""
+    import ssmc.runtime.autotune as A
+    seen = []
+    orig = A.shape_bucket
+    monkeypatch.setattr(A, "shape_bucket", lambda xs: seen.append(1) or orig(xs))
+    fast, slow = FakeKernel(0.0, 2.0), FakeKernel(0.002, 3.0)
+    ch = MeasuredChoice(REGION, {"slow": slow, "fast": fast}, {}, str(tmp_path), reps=3)
+    for _ in range(3):
+        assert torch.equal(ch.forward([torch.ones(4, 8)])[0], torch.full((4, 8), 2.0))
+    assert len(seen) == 1
+    timed = slow.calls
+    ch.forward([torch.ones(4, 7)])                   # a new shape, the same bucket: no timing
+    assert len(seen) == 2 and slow.calls == timed
+    assert ch.choose([torch.ones(4, 7)]) == "fast" and len(seen) == 2
