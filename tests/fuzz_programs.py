@@ -69,7 +69,7 @@ class Program:
 @st.composite
 def programs(draw, linear=None, dtypes=None, max_len=6):
     rank = draw(st.integers(2, 4))
-    sizes = [2, 3, 4, 2][:rank]                      # (b, d, n, m)
+    sizes = [draw(st.sampled_from([2, 2, 1])), 3, 4, 2][:rank]    # (b, d, n, m); batch 1 too
     if max_len <= 6:
         L = draw(st.integers(2, max_len))
     else:                                            # half short, half long enough for several chunks
@@ -84,8 +84,6 @@ def programs(draw, linear=None, dtypes=None, max_len=6):
         # which state axes this per-step input varies along (batch always)
         keep = [0] + [k for k in range(1, rank) if draw(st.booleans())]
         shp = [sizes[k] if k in keep else 1 for k in range(rank)]
-        while len(shp) > 1 and shp[0] == 1:          # leading broadcast dims can be dropped
-            shp = shp[1:]
         shapes[f"u{i}"] = (shp[0], L, *shp[1:])      # time at dim 1
         names.append(f"u{i}")
     shapes["A"] = tuple(sizes[1:rank]) if rank > 1 else (1,)
