@@ -108,7 +108,7 @@ class BlockSparse(Pass):
                 continue
             if region.mix_axis != region.axes[-1]:
                 cand.notes.append(f"transition along {region.mix_axis}, not the state's last axis: no block "
-                                  "mask; the torch executor runs it")
+                                  "mask analysed (the strategy and target lines say what runs it)")
                 continue
             n = shape(cand.rec.prev)[-1]
             vals = example_values(ctx, cand)

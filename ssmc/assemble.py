@@ -56,10 +56,11 @@ class Plan:
 class Labels:
     """Union-find over (node, dim)."""
 
-    def __init__(self):
+    def __init__(self, split=frozenset()):
         self.parent: dict = {}
         self.axis: dict = {}         # root -> axis name
         self.conflict: str | None = None
+        self.split = split           # views of loop inputs labelled apart from what they view
 
     def find(self, x):
         p = self.parent.setdefault(x, x)
@@ -82,8 +83,8 @@ class Labels:
         return self.axis.get(self.find((node, d)))
 
 
-def _labels(body: fx.Graph, rec: Recurrence) -> Labels:
-    lab = Labels()
+def _labels(body: fx.Graph, rec: Recurrence, split=frozenset()) -> Labels:
+    lab = Labels(split)
     for d in range(len(shape(rec.prev))):
         lab.union((rec.prev, d), (rec.new, d))
         lab.axis[lab.find((rec.prev, d))] = f"i{d}"
@@ -109,7 +110,7 @@ def _labels(body: fx.Graph, rec: Recurrence) -> Labels:
                 for j, s in enumerate(ia):
                     if s != 1 and s == out[j + off]:
                         lab.union((n, j + off), (a, j))
-        elif c.kind == "view":
+        elif c.kind == "view" and n not in split:
             for i, src in enumerate(c.params["src"]):
                 if src is not None and out[i] != 1:
                     lab.union((n, i), (c.args[0], src))
@@ -137,6 +138,18 @@ def _labels(body: fx.Graph, rec: Recurrence) -> Labels:
     return lab
 
 
+def _input_views(body: fx.Graph, loop) -> frozenset:
+    """View nodes of the body whose tensor is a per-step read or a loop invariant."""
+    leaves = set(loop.read_nodes()) | set(loop.invariant_nodes())
+    out = set()
+    for n in body.nodes:
+        if n.op in ("call_function", "call_method") and is_tensor(n):
+            c = canonical(n)
+            if c is not None and c.kind == "view" and not c.params["consts"] and c.args[0] in leaves:
+                out.add(n)
+    return frozenset(out)
+
+
 def _dims_labeled(lab: Labels, n) -> bool:
     if not isinstance(n, fx.Node):
         return True
@@ -158,7 +171,7 @@ def fusable(n: fx.Node, lab: Labels) -> Canon | None:
         return None
     if c.kind == "view" and c.params["consts"]:
         return None
-    if not _dims_labeled(lab, n) or not all(_dims_labeled(lab, a) for a in c.tensor_args()):
+    if not _dims_labeled(lab, n) or not (n in lab.split or all(_dims_labeled(lab, a) for a in c.tensor_args())):
         return None
     for a in c.tensor_args():
         if not _float(dtype(a)) and dtype(a) != torch.bool:
@@ -248,6 +261,22 @@ class _Builder:
             return child(c.args[0])
         return _ew_expr(c, [child(a) for a in c.args], self.build)
 
+    def _view_load(self, n, c: Canon) -> ir.Expr:
+        """A view of a loop input labelled apart from it (`Labels.split`): a load of that input
+        indexed through the view, so one input read along two state axes (k k^T) is two loads."""
+        a = c.args[0]
+        vidx = self.index(n, None)
+        idx = [0] * len(shape(a))
+        for i, src in enumerate(c.params["src"]):
+            if src is not None:
+                idx[src] = vidx[i]
+        kind, k = self.kind[a]
+        if kind == "read":
+            r = self.loop.reads[k]
+            idx.insert(r.dim, "t")
+            return self.outer(r.source, tuple(idx), r.dim, r.start)
+        return self.outer(self.loop.invariants[k], tuple(idx), None, 0)
+
     def build(self, n) -> ir.Expr:
         if not isinstance(n, fx.Node):
             if isinstance(n, bool):
@@ -271,7 +300,7 @@ class _Builder:
         if c.kind == "identity":
             return b(c.args[0])
         if c.kind == "view":
-            return b(c.args[0])
+            return self._view_load(n, c) if n in self.lab.split else b(c.args[0])
         if c.kind == "reduce":
             x = c.args[0]
             axes = tuple(self.lab.label(x, d) for d in c.params["dims"] if shape(x)[d] != 1)
@@ -376,7 +405,13 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     body = loop.body.graph
     lab = _labels(body, rec)
     if lab.conflict:
-        raise AssembleError(lab.conflict)
+        # one loop input read along two state axes (k[:, :, None] * k[:, None, :]): its views
+        # are labelled apart from it and each becomes a load of it with its own index
+        split = _input_views(body, loop)
+        retry = _labels(body, rec, split) if split else None
+        if retry is None or retry.conflict:
+            raise AssembleError(lab.conflict)
+        lab = retry
     fuse: set = set()
     for n in body.nodes:
         if n is rec.new or n in rec.state_nodes and n not in rec.epilogue:

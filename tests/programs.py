@@ -347,3 +347,13 @@ def nonlinear(kind: str):
 def nonlinear_inputs(b=2, L=8, d=3, dtype=torch.float32, seed=0):
     g = _gen(seed)
     return (torch.randn(b, L, d, generator=g).to(dtype), torch.rand(b, L, d, generator=g).to(dtype))
+
+
+def covariance(k, a, q):
+    """h = a h + k k^T (mesa-net's h_kk): one input read along two state axes, read out by q."""
+    h = torch.zeros(k.shape[0], k.shape[2], k.shape[2], device=k.device)
+    ys = []
+    for t in range(k.shape[1]):
+        h = a[:, t, None, None] * h + k[:, t, :, None] * k[:, t, None, :]
+        ys.append((h * q[:, t, None, :]).sum(-1))
+    return torch.stack(ys, 1), h

@@ -985,6 +985,28 @@ def _mixer_scan(mode):
     return fn
 
 
+def _covariance_weighted(k, a, w):
+    """The same with a loop invariant read along both axes too: (k k^T) * (w w^T)."""
+    h = torch.zeros(k.shape[0], w.shape[0], w.shape[0])
+    ys = []
+    for t in range(k.shape[1]):
+        h = a[:, t, None, None] * h + k[:, t, :, None] * k[:, t, None, :] * (w[:, None] * w[None, :])
+        ys.append(h.sum(-1))
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [P.covariance, _covariance_weighted], ids=lambda f: f.__name__)
+def test_one_input_read_along_two_state_axes(fn):
+    """An outer product of a vector with itself once merged the two state axes it spans ("state
+    axes i1 and i2 are mixed"): now each view of the input is a load with its own index."""
+    g = torch.Generator().manual_seed(35)
+    third = torch.randn(2, 9, 4, generator=g) if fn is P.covariance else torch.randn(4, generator=g)
+    ins = (torch.randn(2, 9, 4, generator=g), torch.rand(2, 9, generator=g), third)
+    rep = check(fn, ins)
+    assert not rep.fallbacks and "in1[i0, t, i1] * in1[i0, t, i2]" in str(rep.regions[0].ir), str(rep)
+    grads_match(fn, ins)
+
+
 def test_a_batch_of_one():
     """Dynamo specialises a batch of 1 and no state axis is labelled with a size-1 dim: the
     mixer around the generic scan (HF transformers' Mamba off the GPU) reads the batch's size

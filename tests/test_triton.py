@@ -385,6 +385,13 @@ def test_edge_shapes(variant, interp, monkeypatch):
     check(P.mamba1("final"), strided, variant)                                     # strides at run time
 
 
+def test_one_input_read_along_two_state_axes(interp):
+    """k k^T: two loads of one input with different indices in the drive."""
+    g = torch.Generator().manual_seed(36)
+    check(P.covariance, (torch.randn(2, 9, 5, generator=g), torch.rand(2, 9, generator=g),
+                         torch.randn(2, 9, 5, generator=g)))
+
+
 def test_mamba1_fp64_computes_in_fp64(interp):
     rep, kern = check(P.mamba1("final"), P.mamba1_inputs(L=5, dtype=torch.float64, seed=33))
     assert "compute dtype tl.float64" in kern.source
