@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from . import ir
 from .ir import Const, InputSpec, Load, Op, OutputSpec, Reduce, Region, State
-from .ops import Canon, canonical, dtype, is_tensor, shape, value
+from .ops import Canon, canonical, dtype, is_tensor, shape
 
 
 class AssembleError(Exception):
@@ -186,7 +186,6 @@ class _Builder:
         self.sources: list = []
         self.src_index: dict = {}
         self.memo: dict = {}
-        ph = loop.placeholders()
         self.kind = {}
         for i, p in enumerate(loop.carry_nodes()):
             self.kind[p] = ("carry", i)
