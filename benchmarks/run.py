@@ -488,6 +488,9 @@ def main(argv=None):
            "commit": os.environ.get("SSMC_COMMIT") or subprocess.run(   # the device's copy has a stale .git
                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
            "columns": COLUMNS}
+    if preset.device == "cuda":                # GPU, capability, triton, cupy and driver versions
+        from benchmarks.bench_gpu import env_info
+        env.update(env_info())
     (out_dir / f"{stem}.json").write_text(json.dumps({"env": env, "rows": runner.rows}, indent=1, default=str) + "\n")
     made = plots(runner.rows, out_dir, stem)
     print(table(runner.rows))

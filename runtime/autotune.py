@@ -87,11 +87,12 @@ class MeasuredChoice:
             return hit
         bucket = shape_bucket(inputs)
         if bucket not in self.decided:
-            self.decided[bucket] = self._decide(bucket, inputs)
+            self._decide(bucket, inputs)
         self.exact[exact] = self.decided[bucket]
         return self.decided[bucket]
 
-    def _decide(self, bucket, inputs) -> str:
+    def _decide(self, bucket, inputs) -> None:
+        """Fills decided[bucket] and timings[bucket], from the disk cache or by timing."""
         dev = inputs[0].device
         arch = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else "cpu"
         key = self._key(bucket, arch)
@@ -99,8 +100,8 @@ class MeasuredChoice:
         if raw is not None:
             rec = json.loads(raw)
             if rec.get("target") in self.kernels:
-                self.timings[bucket] = rec.get("timings", {})
-                return rec["target"]
+                self.decided[bucket], self.timings[bucket] = rec["target"], rec.get("timings", {})
+                return
         ready = {}
         for name, k in self.kernels.items():
             try:
@@ -114,10 +115,9 @@ class MeasuredChoice:
         if not times:
             raise RuntimeError(f"every target failed: {self.errors}")
         best = min(times, key=times.get)
-        self.timings[bucket] = times
+        self.decided[bucket], self.timings[bucket] = best, times
         self.cache.put(key, "choice.json", json.dumps({"target": best, "timings": times}).encode())
-        log.info("ssmc: region %s: %s", self.region.name, self.describe({bucket: best}))
-        return best
+        log.info("ssmc: region %s: %s", self.region.name, self.describe())
 
     def forward(self, inputs):
         return self.kernels[self.choose(inputs)].forward(inputs)
@@ -129,13 +129,10 @@ class MeasuredChoice:
         notes = {n: getattr(k, "backward_note", lambda: None)() for n, k in self.kernels.items()}
         return "; ".join(f"{n}: {v}" for n, v in notes.items() if v) or None
 
-    def describe(self, decided: dict | None = None) -> str:
+    def describe(self) -> str:
         parts = []
-        decided = self.decided if decided is None else decided
         for bucket, times in self.timings.items():
-            if bucket not in decided:
-                continue
-            best = decided[bucket]
+            best = self.decided[bucket]
             others = ", ".join(f"{n} {ms:.3f} ms ({ms / times[best]:.2f}x)" for n, ms in sorted(times.items())
                                if n != best)
             parts.append(f"measured: {best} {times[best]:.3f} ms" + (f" beats {others}" if others else ""))

@@ -218,14 +218,20 @@ class _Builder:
             idx.insert(extra_t_at, "t")
         return tuple(idx)
 
-    def leaf(self, n) -> ir.Expr:
+    def leaf(self, n, own: tuple | None = None) -> ir.Expr:
+        """A load of `n`, indexed by its labels or by `own` (its index through a view of it
+        labelled apart: `_view_load`)."""
+        def at(t_at):
+            if own is None:
+                return self.index(n, t_at)
+            return own if t_at is None else (*own[:t_at], "t", *own[t_at:])
         k = self.kind.get(n)
         if k and k[0] == "read":
             r = self.loop.reads[k[1]]
-            return self.outer(r.source, self.index(n, r.dim), r.dim, r.start)
+            return self.outer(r.source, at(r.dim), r.dim, r.start)
         if k and k[0] == "inv":
             inv = self.loop.invariants[k[1]]
-            return self.outer(inv, self.index(n, None), None, 0)
+            return self.outer(inv, at(None), None, 0)
         if k and k[0] == "carry":
             raise AssembleError("the previous state is read outside the recurrence")
         if n in self.rec.state_nodes:
@@ -247,10 +253,7 @@ class _Builder:
             if not isinstance(a, fx.Node):
                 return self.build(a)
             if c.kind == "view":
-                idx = [0] * len(shape(a))
-                for i, src in enumerate(c.params["src"]):
-                    if src is not None:
-                        idx[src] = index[i]
+                idx = _through_view(c, index, len(shape(a)))
             else:
                 off = len(out) - len(shape(a))
                 idx = [index[j + off] if s != 1 else 0 for j, s in enumerate(shape(a))]
@@ -264,17 +267,7 @@ class _Builder:
         """A view of a loop input labelled apart from it (`Labels.split`): a load of that input
         indexed through the view, so one input read along two state axes (k k^T) is two loads."""
         a = c.args[0]
-        vidx = self.index(n, None)
-        idx = [0] * len(shape(a))
-        for i, src in enumerate(c.params["src"]):
-            if src is not None:
-                idx[src] = vidx[i]
-        kind, k = self.kind[a]
-        if kind == "read":
-            r = self.loop.reads[k]
-            idx.insert(r.dim, "t")
-            return self.outer(r.source, tuple(idx), r.dim, r.start)
-        return self.outer(self.loop.invariants[k], tuple(idx), None, 0)
+        return self.leaf(a, tuple(_through_view(c, self.index(n, None), len(shape(a)))))
 
     def build(self, n) -> ir.Expr:
         if not isinstance(n, fx.Node):
@@ -323,6 +316,16 @@ class _Builder:
                             red.append(lbl)
             return Reduce(prod, tuple(red)) if red else prod
         return _ew_expr(c, [b(a) for a in c.args], b)
+
+
+def _through_view(c: Canon, index, ndim: int) -> list:
+    """The index of a view's tensor (`ndim` dims) that the view's own `index` reads: each view
+    dim's entry at the dim it comes from, 0 at dims the view drops (size 1)."""
+    idx = [0] * ndim
+    for i, src in enumerate(c.params["src"]):
+        if src is not None:
+            idx[src] = index[i]
+    return idx
 
 
 def _ew_expr(c: Canon, args: list, build) -> ir.Expr:
