@@ -146,12 +146,29 @@ def columns(w, dim):
     return torch.movedim(w, dim, -1).unsqueeze(dim)
 
 
+def column_sums(m, dim):
+    """The column sums of a transition m laid out (*state, j) acting along `dim`, laid out as the
+    state (j at `dim`). Outside ssmc's op vocabulary like `compose`: computed before the region."""
+    return torch.movedim(m.sum(dim), -1, dim)
+
+
+def drive_sum(b, sshape, dim, keep, mean=False):
+    """A state-free value broadcast to the state's shape and summed (averaged) over `dim`: the
+    drive of an update that reads an earlier update's result of the same step through a sum
+    (DeltaProduct's k_2^T (beta_1 k_1 v_1^T)). Outside ssmc's op vocabulary like `compose`: a
+    step value computed before the region, so the region's drive holds no reduction."""
+    full = torch.broadcast_to(b, sshape)
+    return full.mean(dim, keepdim=keep) if mean else full.sum(dim, keepdim=keep)
+
+
 class _Mat:
     """A non-diagonal coefficient: diag(d) + m, with m a body node laid out (*state, j) (or
     broadcastable to it); d as an elementwise coefficient (None: zero)."""
 
-    def __init__(self, d, m, dim=None):
+    def __init__(self, d, m, dim=None, terms=None):
         self.d, self.m, self.dim = d, m, dim      # dim: the state dim m acts along (None: last)
+        self.terms = terms      # m as a sum of products u w^T where known: [(u, w)], both laid out
+                                # as the state (w's j along dim), for `_Linear.folded`
 
 
 class _Red:
@@ -256,7 +273,8 @@ class _Linear:
         if not isinstance(a, _Mat):
             return self.mul(a, y)
         yr = y if isinstance(y, (int, float)) else self._call(torch.unsqueeze, y, -1)
-        return _Mat(self.mul(a.d, y), self.mul(a.m, yr), a.dim)
+        terms = None if a.terms is None else [(self.mul(u, y), w) for u, w in a.terms]
+        return _Mat(self.mul(a.d, y), self.mul(a.m, yr), a.dim, terms)
 
     def divide(self, a, y):
         if isinstance(a, _Red):
@@ -264,7 +282,8 @@ class _Linear:
         if not isinstance(a, _Mat):
             return self.div(a, y)
         yr = y if isinstance(y, (int, float)) else self._call(torch.unsqueeze, y, -1)
-        return _Mat(self.div(a.d, y), self.div(a.m, yr), a.dim)
+        terms = None if a.terms is None else [(self.div(u, y), w) for u, w in a.terms]
+        return _Mat(self.div(a.d, y), self.div(a.m, yr), a.dim, terms)
 
     def plus(self, a1, a2):
         if isinstance(a1, _Red) or isinstance(a2, _Red):
@@ -279,12 +298,17 @@ class _Linear:
         dims = {x.dim for x in (a1, a2) if x.m is not None}
         if len(dims) > 1:
             raise Decline(f"{_describe(self.stack[-1])} adds transitions along two different dims of the state")
-        return _Mat(self.add(a1.d, a2.d), self.add(a1.m, a2.m), dims.pop() if dims else None)
+        terms = None if any(x.m is not None and x.terms is None for x in (a1, a2)) else \
+            [*(a1.terms or []), *(a2.terms or [])]
+        return _Mat(self.add(a1.d, a2.d), self.add(a1.m, a2.m), dims.pop() if dims else None, terms)
 
     def negate(self, a):
         if isinstance(a, _Red):
             return _Red(a.dim, self.neg(a.w), a.keep)
-        return _Mat(self.neg(a.d), self.neg(a.m), a.dim) if isinstance(a, _Mat) else self.neg(a)
+        if not isinstance(a, _Mat):
+            return self.neg(a)
+        terms = None if a.terms is None else [(self.neg(u), w) for u, w in a.terms]
+        return _Mat(self.neg(a.d), self.neg(a.m), a.dim, terms)
 
     # sums over a state dim (`_Red`) --------------------------------------------------------
     def unreduce(self, a: _Red, y):
@@ -316,7 +340,7 @@ class _Linear:
         """A kept-dim sum broadcast along its dim: the rank-1 transition 1 w^T."""
         if not a.keep:
             raise Decline(f"{_describe(self.stack[-1])} mixes a sum over a state dim with the state")
-        return _Mat(None, self.row(a), a.dim)
+        return _Mat(None, self.row(a), a.dim, [(1.0, a.w)])
 
     def _summed(self, n, c, x):
         """A contraction that sums the state over one of its dims against a state-free operand
@@ -348,9 +372,35 @@ class _Linear:
             if ch not in sw:
                 wt = self._call(torch.unsqueeze, wt, pos)
         a1, b1 = self.of(x)
-        if isinstance(a1, (_Mat, _Red)):
-            raise Decline(f"{_describe(n)} sums a transition of the state over a dim")
-        return (None if a1 is None else _Red(d, self.mul(a1, wt), keep)), self.sum_over(self.mul(b1, wt), d, keep)
+        if isinstance(a1, _Red):
+            raise Decline(f"{_describe(n)} sums a sum of the state over a dim")
+        if isinstance(a1, _Mat):
+            a1 = self.folded(self.scale(a1, wt), d)
+        else:
+            a1 = self.mul(a1, wt)
+        return (None if a1 is None else _Red(d, a1, keep)), self.sum_over(self.mul(b1, wt), d, keep)
+
+    def folded(self, a: _Mat, d: int):
+        """The weights w with sum_i (a h)[.., i, ..] = sum_j w[.., j, ..] h[.., j, ..], i and j
+        along state dim d, a's matrix acting along d: its diagonal plus the matrix's column sums
+        (w^T = 1^T (diag + M)), laid out as the state. A second update of the step reading the
+        first one's result through a sum (DeltaProduct's k_2^T (S - beta_1 k_1 (k_1^T S)))."""
+        nd = len(self.sshape)
+        md = nd - 1 if a.dim is None else a.dim % nd
+        if a.m is None:
+            return a.d
+        if md != d % nd:
+            raise Decline(f"{_describe(self.stack[-1])} sums over dim {d % nd} a transition that acts "
+                          f"along dim {md}")
+        if a.terms is not None:       # sum_i u_i w_j = (sum_i u_i) w_j: no matrix formed
+            cols = None
+            for u, w in a.terms:
+                su = self.sum_along(u, md)
+                cols = self.add(cols, self.mul(su, w))
+            return self.add(a.d, cols)
+        if len(shape(a.m)) != nd + 1:
+            raise Decline(f"{_describe(self.stack[-1])} sums a transition laid out as {shape(a.m)}")
+        return self.add(a.d, self._call(column_sums, a.m, md))
 
     def _reduce(self, n, c):
         x = c.args[0]
@@ -358,9 +408,11 @@ class _Linear:
         if len(dims) != 1 or c.op not in ("sum", "mean"):
             raise Decline(f"{_describe(n)} sums the state over {len(dims)} dims")
         a1, b1 = self.of(x)
-        if isinstance(a1, (_Mat, _Red)):
-            raise Decline(f"{_describe(n)} sums a transition of the state over a dim")
+        if isinstance(a1, _Red):
+            raise Decline(f"{_describe(n)} sums a sum of the state over a dim")
         d, keep = dims[0], c.params["keepdim"]
+        if isinstance(a1, _Mat):
+            a1 = self.folded(a1, d)
         if a1 is None:
             a = None
         else:
@@ -368,13 +420,23 @@ class _Linear:
             a = _Red(d, w, keep)
         return a, self.sum_over(b1, d, keep, torch.sum if c.op == "sum" else torch.mean)
 
+    def sum_along(self, u, d: int):
+        """sum over state dim d of u broadcast to the state, its dim d kept with size 1; u is
+        broadcast along d only (n * u where u has size 1 there), not over the other dims."""
+        n, nd = self.sshape[d], len(self.sshape)
+        if isinstance(u, (int, float)):
+            return u * n
+        us = shape(u)
+        if len(us) < nd:
+            u = self._call(torch.reshape, u, (1,) * (nd - len(us)) + tuple(us))
+        return self.mul(u, n) if shape(u)[d] == 1 else self._call(torch.sum, u, d, True)
+
     def sum_over(self, b, d: int, keep: bool, fn=torch.sum):
         """A state-free value (None: zero) broadcast to the state's shape, summed (or averaged)
         over state dim d."""
         if b is None:
             return None
-        full = b if shape(b) == self.sshape else self._call(torch.broadcast_to, b, self.sshape)
-        return self._call(fn, full, d, keep)
+        return self._call(drive_sum, b, self.sshape, d, keep, fn is torch.mean)
 
     def _contract(self, n, c, x):
         """y = contraction of x (on the state's path) with one state-free operand along the last
@@ -463,7 +525,7 @@ class _Linear:
                     raise Decline(f"{_describe(n)} broadcasts a sum of the state into another shape")
                 # u * (sum_j w_j h_j) along the kept dim: the rank-1 transition u w^T
                 m = self.mul(self._call(torch.unsqueeze, y, -1), self.row(a1))
-                return _Mat(None, m, a1.dim), self.mul(b1, y)
+                return _Mat(None, m, a1.dim, [(y, a1.w)]), self.mul(b1, y)
             return self.scale(a1, y), self.mul(b1, y)
         if c.op == "div":
             if args[1] in state:

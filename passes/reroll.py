@@ -157,6 +157,30 @@ class _Segment:
                 seen[r[0]][(p - s) // K].add(r[1])
         fixed = {f for f, (a, b) in seen.items() if a and a == b}
         self.reads = {n: r for n, r in reads.items() if r[0] not in fixed} if fixed else reads
+        self.strides = self._strides() if step > 0 and L >= 2 else {}
+        if self.step > 1 and 1 in self.strides.values():
+            self.step = 1                  # the loop's time is the family read once a step
+
+    def _strides(self) -> dict:
+        """{family: d} for the families a step reads d indices further on than the step before
+        (the last two steps): k[:, 2t] and k[:, 2t + 1] in the step that reads q[:, t] (an inner
+        loop of two updates a step). Forward loops only; the rest read at the loop's own step."""
+        idx: list = [defaultdict(set), defaultdict(set)]
+        b = self.s + (self.L - 2) * self.K
+        for p in range(b, min(b + 2 * self.K, len(self.nodes))):
+            r = self.reads.get(self.nodes[p])
+            if r is not None:
+                idx[(p - b) // self.K][r[0]].add(r[1])
+        out = {}
+        for f in idx[0].keys() & idx[1].keys():
+            a, c = sorted(idx[0][f]), sorted(idx[1][f])
+            if len(a) == len(c) and len({y - x for x, y in zip(a, c)}) == 1 and c[0] > a[0]:
+                out[f] = c[0] - a[0]
+        return out
+
+    def stride(self, fam) -> int:
+        """How many indices family `fam` advances a step."""
+        return self.strides.get(fam, self.step)
 
     def inside(self, n) -> bool:
         return self.s <= self.pos[n] < self.e
@@ -168,7 +192,7 @@ class _Segment:
         n, k = self.nodes[p], self.it(p)
         if n in self.reads:
             fam, idx, rest = self.reads[n]
-            return ("read", fam, idx - self.step * k, _freeze(rest, str))
+            return ("read", fam, idx - self.stride(fam) * k, _freeze(rest, str))
 
         def ref(a):
             pa = self.pos.get(a)
@@ -177,7 +201,7 @@ class _Segment:
                 return ("L", j) if ka == k else ("C", j) if ka == k - 1 else ("F", k - ka, j)
             if a in self.reads:
                 fam, idx, rest = self.reads[a]
-                return ("R", fam, idx - self.step * k, _freeze(rest, str))
+                return ("R", fam, idx - self.stride(fam) * k, _freeze(rest, str))
             return ("I", pa)
         if n.op == "call_function" and n.target is operator.setitem:
             buf, idx, val = n.args
@@ -196,7 +220,7 @@ class _Segment:
         return [self.sig(p) for p in range(b, b + self.K)]
 
 
-def _unify(first, later, binding, k: int, tmpl: list, step: int) -> bool:
+def _unify(first, later, binding, k: int, tmpl: list, seg) -> bool:
     """Step k (before the template step `tmpl`) against the template: equal, except where the
     template reads a value computed m steps back (("C", j): one, ("F", m, j): m) that step k reads
     from before the loop (k < m): there it reads the initial value of slot j at time k - m, the
@@ -210,17 +234,17 @@ def _unify(first, later, binding, k: int, tmpl: list, step: int) -> bool:
         j = later[-1]
         slot = tmpl[j]
         if isinstance(first, tuple) and first and first[0] == "R" and slot[0] == "read" \
-                and first[1:] == (slot[1], slot[2] - step * m, slot[3]) and slot[3] is None:
-            first = ("read", slot[1], slot[2] + step * (k - m), None)      # index at step 0
+                and first[1:] == (slot[1], slot[2] - seg.stride(slot[1]) * m, slot[3]) and slot[3] is None:
+            first = ("read", slot[1], slot[2] + seg.stride(slot[1]) * (k - m), None)      # index at step 0
         elif isinstance(first, tuple) and first and first[0] == "R":
-            first = ("R@", first[1], first[2] + step * k, first[3])      # a read made before the
+            first = ("R@", first[1], first[2] + seg.stride(first[1]) * k, first[3])      # a read made before the
             # loop (``h = x[:, 0]``, then the steps from t = 1): that node, by its index
         elif isinstance(first, tuple) and first and first[0] in ("L", "C", "F", "read"):
             return False
         prev = binding.setdefault((j, k - m), first)
         return prev == first
     if isinstance(later, tuple) and isinstance(first, tuple):
-        return len(later) == len(first) and all(_unify(f, l, binding, k, tmpl, step) for f, l in zip(first, later))
+        return len(later) == len(first) and all(_unify(f, l, binding, k, tmpl, seg) for f, l in zip(first, later))
     return first == later and type(first) is type(later)
 
 
@@ -685,7 +709,7 @@ def _try_segment(gm, seg: _Segment) -> Loop | None:
     seg.depth = D
     binding: dict[tuple, object] = {}
     for k in range(D):
-        if not all(_unify(a, b, binding, k, tmpl, seg.step) for a, b in zip(seg.iteration(k), tmpl)):
+        if not all(_unify(a, b, binding, k, tmpl, seg) for a, b in zip(seg.iteration(k), tmpl)):
             return None
     for k in range(D + 1, L - 1):
         if seg.iteration(k) != tmpl:
@@ -729,17 +753,19 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
         else:
             fx.node.map_aggregate((n.args, n.kwargs), collect)
     def read_key(r):
-        (src_pos, dim, width), idx, rest = seg.reads[r]
-        return (src_pos, dim, idx - T * seg.step, width)    # index at step 0 (the template is step T)
+        fam, idx, rest = seg.reads[r]
+        return (*fam[:2], idx - T * seg.stride(fam), fam[2])    # index at step 0 (the template is step T)
 
+    strides: list[int] = []            # per read: the indices it advances a step
     for r in outer_reads:
         key = read_key(r)
         if key not in read_keys:
             read_keys[key] = r
             reads.append(Read(nodes[key[0]], key[1], key[2], key[3]))
+            strides.append(abs(seg.stride(seg.reads[r][0])))
+            if strides[-1] > 1 and key[3] != 1:
+                raise _NotALoop(f"reads of chunks every {strides[-1]} chunks")
     stride = abs(seg.step)
-    if stride > 1 and any(r.width != 1 for r in reads):
-        raise _NotALoop(f"reads of chunks every {stride} chunks")
     read_ph = {}
     mode = _fake_mode(gm.graph)
     for i, (key, r) in enumerate(read_keys.items()):
@@ -872,13 +898,15 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
         r.source = outer.call(nodes[s], torch.tensor, (vals if seg.step > 0 else vals[::-1],), _table_type(tmpl[j], vals))
         made.append(r.source)
     views: dict = {}
-    for r in reads[:len(reads) - len(tables)] if stride > 1 else ():    # every stride-th index: a
-        key = (r.source, r.dim, r.start % stride)       # strided view, read at consecutive ones
+    for r, d in zip(reads, strides):    # every d-th index: a strided view, read at consecutive ones
+        if d == 1:
+            continue
+        key = (r.source, r.dim, r.start % d, d)
         if key not in views:
-            at = tuple([slice(None)] * r.dim + [slice(r.start % stride, None, stride)])
+            at = tuple([slice(None)] * r.dim + [slice(r.start % d, None, d)])
             views[key] = outer.call(nodes[s], operator.getitem, (r.source, at))
             made.append(views[key])
-        r.source, r.start = views[key], r.start // stride
+        r.source, r.start = views[key], r.start // d
     inits = []
     for j, m in carry_slots:
         b = binding[(j, -m)]

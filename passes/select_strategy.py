@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from ssmc.ops import shape
-from ssmc.targets.reference import rank_one
+from ssmc.targets.reference import low_rank
 
 from .base import Pass
 
@@ -26,9 +26,14 @@ def choose_strategy(cand, ctx) -> tuple[str, str]:
     L = cand.loop.length
     if region.mix is not None:
         m = region.mix
-        if rank_one(m.expr, region.mix_axis) is not None:
+        terms = low_rank(m.expr, region.mix_axis)
+        if terms is not None and len(terms) == 1:
             return "rank_one", (f"the transition along {region.mix_axis} is one product u w^T (a delta rule's "
                                 "I - beta k k^T): u (w . h) a row and step, never the matrix")
+        if terms is not None:
+            return "rank_one", (f"the transition along {region.mix_axis} is a sum of {len(terms)} products "
+                                "u w^T (Householder updates in sequence): a dot product a row, term and step, "
+                                "never the matrix")
         if region.mix_axis != region.axes[-1]:
             return "block_sparse", (f"non-diagonal transition along {region.mix_axis}, not the last state axis: "
                                     "the torch executor runs it, step by step")

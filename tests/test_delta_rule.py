@@ -76,6 +76,21 @@ def _delta_matmul(q, k, v, beta):                 # k^T S as a matmul, its summe
     return torch.stack(out, 2), S
 
 
+def _delta_product(q, k, v, beta, g):            # two Householder updates a step (DeltaProduct)
+    """Step t reads k, v, beta at 2t and 2t + 1 (an inner loop of two updates) and q, g at t: of
+    inputs L long, L // 2 steps. The second update reads the first one's result through k^T S."""
+    L = q.shape[2] // 2
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    out = []
+    for i in range(L):
+        S = S * g[:, :, i].exp()[..., None, None]
+        for j in range(2):
+            k_j, v_j, b_j = k[:, :, 2 * i + j], v[:, :, 2 * i + j], beta[:, :, 2 * i + j]
+            S = S + (v_j - (S * k_j[..., None]).sum(-2)).unsqueeze(-2) * k_j[..., None] * b_j[..., None, None]
+        out.append((S * q[:, :, i, :, None]).sum(-2))
+    return torch.stack(out, 2), S
+
+
 def _inputs(seed, b=2, h=2, L=7, dk=4, dv=5):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, L, dk, generator=g)
@@ -197,13 +212,14 @@ def test_the_triton_kernel_at_sizes_of_one(b, h, dk, interp):
     _on_triton(_gated_delta, _inputs(96, b=b, h=h, dk=dk))
 
 
+@pytest.mark.parametrize("fn", [_gated_delta, _delta_product], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("cc", [80, 90])
-def test_the_rank_one_kernel_compiles_for_gpu(cc, tmp_path):
+def test_the_rank_one_kernel_compiles_for_gpu(cc, fn, tmp_path):
     import triton
     from test_triton import ast_source
     from triton.backends.compiler import GPUTarget
     from ssmc.targets import triton as T
-    _, rep = ssmc_run(_gated_delta, _inputs(100)[:5])
+    _, rep = ssmc_run(fn, _inputs(100)[:5])
     region = rep.regions[0].ir
     kern = T.TritonTarget().compile(region, "rank_one", ssmc.make_options(cache_dir=str(tmp_path)))
     for cfg in kern.table()[f"sm_{cc}"]:
@@ -211,6 +227,26 @@ def test_the_rank_one_kernel_compiles_for_gpu(cc, tmp_path):
         ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32),
                             options={"num_warps": cfg["num_warps"]})
         assert f".target sm_{cc}" in ck.asm["ptx"]
+
+
+def test_two_updates_a_step_read_every_second_index(interp):
+    """DeltaProduct's form: the loop is re-rolled with k, v, beta read at 2t and 2t + 1 (strided
+    views) beside q and g at t, the transition proven linear through the second update's k^T S
+    of the first update's result (a sum of two products u w^T, no matrix formed), and the
+    Triton kernel runs both terms, forward and backward."""
+    ins = _inputs(101, L=8, dk=6, dv=5)
+    out, rep = ssmc_run(_delta_product, ins)
+    assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
+    info = rep.regions[0]
+    assert info.strategy == "rank_one" and "sum of 2 products" in info.strategy_reason, str(rep)
+    assert any("one index in every 2" in n for n in info.notes), info.notes
+    from ssmc import ir
+    assert "i3" not in ir.axes_of(info.ir.mix.expr, info.ir.axes)     # composed weights free of dv
+    for o, r in zip(as_tuple(out), reference(_delta_product, ins)):
+        assert rel_err(o, r) < 1e-6
+    grads_match(_delta_product, ins)
+    kern = _on_triton(_delta_product, ins)
+    assert kern.source.count("r1s1 = tl.expand_dims") >= 1 and "a sum of 2 products" in kern.plan_text()
 
 
 def _longhorn(q, k, v, beta):                    # the step size beta / (1 + beta k . k): a sum of inputs in u
@@ -261,7 +297,7 @@ def test_what_is_not_a_rank_one_transition_runs_as_written(fn, why):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fn,n", CASES[:2], ids=lambda v: getattr(v, "__name__", str(v)))
+@pytest.mark.parametrize("fn,n", CASES[:2] + [(_delta_product, 5)], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_delta_rules_on_the_gpu(fn, n):
     """On CUDA inputs the Triton rank-one kernel runs it (the CUDA target has none); values and
     gradients against float64 on the CPU."""

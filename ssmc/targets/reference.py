@@ -359,15 +359,33 @@ def rank_one(mix_expr, row_axis: str):
     return ir.product(us), ir.product(ws)
 
 
-def rank_one_scan(a, u, w, b, h0):
-    """mix_scan with M_t = u_t w_t^T (u (t, *state), w (t, *state, j) with size 1 on the
-    rows): h_t = a_t h_{t-1} + u_t (w_t . h_{t-1}) + b_t."""
-    T = max(a.shape[0], b.shape[0], u.shape[0], w.shape[0])
-    a, b, u = (x.expand(T, *h0.shape) for x in (a, b, u))
-    w = w.squeeze(-2).expand(T, *h0.shape)
+def low_rank(mix_expr, row_axis: str):
+    """[(u, w)] when the transition is a sum of a few products u * w, each as in `rank_one`
+    (DeltaProduct's two Householder updates a step: M = u_1 w_1^T + u_2 w_2^T); None otherwise."""
+    terms = []
+    for sign, term in ir.summands(mix_expr):
+        one = rank_one(term, row_axis)
+        if one is None:
+            return None
+        terms.append((one[0] if sign > 0 else ir.Op("neg", (one[0],)), one[1]))
+    return terms if len(terms) <= MAX_RANK else None
+
+
+MAX_RANK = 8     # product terms a transition may have and still run as dot products (else the matrix)
+
+
+def rank_one_scan(a, terms, b, h0):
+    """mix_scan with M_t = sum_r u_rt w_rt^T (u (t, *state), w (t, *state, j) with size 1 on the
+    rows): h_t = a_t h_{t-1} + sum_r u_rt (w_rt . h_{t-1}) + b_t."""
+    T = max(a.shape[0], b.shape[0], *(x.shape[0] for uw in terms for x in uw))
+    a, b = (x.expand(T, *h0.shape) for x in (a, b))
+    terms = [(u.expand(T, *h0.shape), w.squeeze(-2).expand(T, *h0.shape)) for u, w in terms]
     hs, h = [], h0
     for t in range(T):
-        h = a[t] * h + u[t] * (w[t] * h).sum(-1, keepdim=True) + b[t]
+        new = a[t] * h + b[t]
+        for u, w in terms:
+            new = new + u[t] * (w[t] * h).sum(-1, keepdim=True)
+        h = new
         hs.append(h)
     return torch.stack(hs)
 
@@ -408,7 +426,7 @@ def run(region: Region, inputs, chunk: int = 0):
     h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
     steps = {i: [] for i, o in enumerate(r.outputs) if o.kind == "steps"}
     names = ["t", *r.axes]
-    ones = rank_one(r.mix.expr, r.axes[-1]) if r.mix is not None else None
+    ones = low_rank(r.mix.expr, r.axes[-1]) if r.mix is not None else None
     if r.mix is not None and ones is None:   # a chunk's transition matrices: at most MIX_CHUNK_ELEMENTS
         chunk = max(1, min(chunk, MIX_CHUNK_ELEMENTS // max(1, math.prod(state_shape) * state_shape[-1])))
     for t0 in range(0, L, chunk):
@@ -418,8 +436,8 @@ def run(region: Region, inputs, chunk: int = 0):
             H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
         elif ones is not None:
             mev = Evaluator(r, inputs, t0, t1, cdt, matrix=True)
-            H = rank_one_scan(ev.eval(r.decay).to(cdt), mev.eval(ones[0]).to(cdt)[..., 0],
-                              mev.eval(ones[1]).to(cdt), ev.eval(r.drive).to(cdt), h)
+            H = rank_one_scan(ev.eval(r.decay).to(cdt), [(mev.eval(u).to(cdt)[..., 0], mev.eval(w).to(cdt))
+                                                          for u, w in ones], ev.eval(r.drive).to(cdt), h)
         else:
             M = Evaluator(r, inputs, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
             H = mix_scan(ev.eval(r.decay).to(cdt), M, ev.eval(r.drive).to(cdt), h)

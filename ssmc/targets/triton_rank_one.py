@@ -1,9 +1,9 @@
 """The Triton kernel of strategy "rank_one": a recurrence whose transition is one product
-u w^T along a state axis (templates/triton/rank_one_fwd.py.j2): the delta rule's
-S - beta k (k^T S) and its gated, per-channel-decay and DPLR relatives, as detect_recurrence
-finds them (`Mix` with `reference.rank_one` true).
+u w^T along a state axis, or a sum of a few (templates/triton/rank_one_fwd.py.j2): the delta
+rule's S - beta k (k^T S) and its gated, per-channel-decay and DPLR relatives, DeltaProduct's
+Householder updates, as detect_recurrence finds them (`reference.low_rank`).
 
-M h is u (w . h): one dot product a row and step, O(n) instead of the (n, n) matrix. The
+M h is sum_r u_r (w_r . h): a dot product a row, term and step, O(n) instead of the (n, n) matrix. The
 kernel runs the region with the mixed axis last (`Region.mixed_last`; a delta rule's state
 (b, h, dk, dv) is mixed along dk): that axis is held whole per row and summed by the
 readout, the other state axes are parallel as in the selective-scan kernel (a channel axis
@@ -23,7 +23,7 @@ from ssmc import ir
 from ssmc.ir import Region
 
 from . import triton as T
-from .reference import rank_one
+from .reference import low_rank
 from .triton_block_sparse import mixed_layout
 from .triton_ssd import _table
 
@@ -33,8 +33,8 @@ CONFIGS = "triton/rank_one_fwd.configs.json"
 
 @dataclasses.dataclass(frozen=True)
 class RankOnePlan(T.Plan):
-    u: ir.Expr | None = None        # the row factor (free of the column axis)
-    w: ir.Expr | None = None        # the column factor (free of the row axis)
+    terms: tuple = ()               # (u, w): the row factor (free of the column axis) and the
+                                    # column factor (free of the row axis) of each product
 
 
 def make_rank_one_plan(r: Region) -> RankOnePlan | str:
@@ -44,17 +44,17 @@ def make_rank_one_plan(r: Region) -> RankOnePlan | str:
     last = r.axes[-1]
     if r.mix_axis != last:
         return f"the transition acts along {r.mix_axis}: run Region.mixed_last first"
-    ones = rank_one(r.mix.expr, last)
-    if ones is None:
-        return "the transition is not one product u w^T of a row part and a column part"
+    terms = low_rank(r.mix.expr, last)
+    if terms is None:
+        return "the transition is not a sum of a few products u w^T of a row part and a column part"
     got = mixed_layout(r)
     if isinstance(got, str):
         return got
-    return RankOnePlan(last, *got, *ones)
+    return RankOnePlan(last, *got, tuple(terms))
 
 
 def render(r: Region, plan: RankOnePlan, cdt: str) -> str:
-    v = T._print_variant(r, plan, cdt, False, also=(plan.u, plan.w))
+    v = T._print_variant(r, plan, cdt, False, also=tuple(e for uw in plan.terms for e in uw))
     base = T.Plan(plan.reg, plan.block, plan.scalars, plan.inputs)
     return T._env().get_template(TEMPLATE).render(
         region_name=r.name, region_key=r.key(), region_text=str(r), cdt=cdt, kname=T.kernel_name(r),
@@ -87,7 +87,8 @@ class RankOneKernel(T.TritonKernel):
         p = self.plan
         moved = "" if self.given.mix_axis == p.reg and self.given.axes[-1] == p.reg else \
             f" (moved last from the caller's layout, permutation {list(self.perm)})"
-        return (f"rank-one transition u (w . h) along {p.reg}, held whole per row{moved}; channel axis "
+        what = "u (w . h)" if len(p.terms) == 1 else f"a sum of {len(p.terms)} products u (w . h)"
+        return (f"rank-one transition {what} along {p.reg}, held whole per row{moved}; channel axis "
                 f"{p.block}, one program per index of {list(p.scalars)}")
 
     def candidates(self, inputs, arch) -> list[dict]:
