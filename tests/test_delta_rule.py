@@ -77,9 +77,9 @@ def _delta_matmul(q, k, v, beta):                 # k^T S as a matmul, its summe
 
 
 def _delta_product(q, k, v, beta, g):            # two Householder updates a step (DeltaProduct)
-    """Step t reads k, v, beta at 2t and 2t + 1 (an inner loop of two updates) and q, g at t: of
-    inputs L long, L // 2 steps. The second update reads the first one's result through k^T S."""
-    L = q.shape[2] // 2
+    """Step t reads k, v, beta (2L long) at 2t and 2t + 1 (an inner loop of two updates) and q, g
+    (L long) at t. The second update reads the first one's result through k^T S."""
+    L = q.shape[2]
     S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
     out = []
     for i in range(L):
@@ -194,7 +194,7 @@ def test_the_triton_rank_one_kernel(fn, n, interp):
     """The generated kernel (TRITON_INTERPRET=1) runs every delta-rule form, forward and the
     backward's scans; dk = 6 and dv = 5 are padded to 8 lanes and cut by the masks."""
     kern = _on_triton(fn, _inputs(97, L=6, dk=6, dv=5)[:n])
-    assert "r1s = tl.expand_dims(_sum(tl.where(mn," in kern.source and "rank-one transition" in kern.plan_text()
+    assert "r1s0 = tl.expand_dims(_sum(tl.where(mn," in kern.source and "rank-one transition" in kern.plan_text()
 
 
 def test_the_triton_kernel_reads_the_initial_state_in_the_callers_layout(interp):
@@ -219,7 +219,7 @@ def test_the_rank_one_kernel_compiles_for_gpu(cc, fn, tmp_path):
     from test_triton import ast_source
     from triton.backends.compiler import GPUTarget
     from ssmc.targets import triton as T
-    _, rep = ssmc_run(fn, _inputs(100)[:5])
+    _, rep = ssmc_run(fn, (_product_inputs(100, 4) if fn is _delta_product else _inputs(100))[:5])
     region = rep.regions[0].ir
     kern = T.TritonTarget().compile(region, "rank_one", ssmc.make_options(cache_dir=str(tmp_path)))
     for cfg in kern.table()[f"sm_{cc}"]:
@@ -229,12 +229,18 @@ def test_the_rank_one_kernel_compiles_for_gpu(cc, fn, tmp_path):
         assert f".target sm_{cc}" in ck.asm["ptx"]
 
 
+def _product_inputs(seed, L, **kw):
+    """q and g L steps long, k, v and beta 2L (two updates a step)."""
+    q, k, v, beta, g = _inputs(seed, L=2 * L, **kw)
+    return q[:, :, :L].contiguous(), k, v, beta, g[:, :, :L].contiguous()
+
+
 def test_two_updates_a_step_read_every_second_index(interp):
     """DeltaProduct's form: the loop is re-rolled with k, v, beta read at 2t and 2t + 1 (strided
     views) beside q and g at t, the transition proven linear through the second update's k^T S
     of the first update's result (a sum of two products u w^T, no matrix formed), and the
     Triton kernel runs both terms, forward and backward."""
-    ins = _inputs(101, L=8, dk=6, dv=5)
+    ins = _product_inputs(101, L=4, dk=6, dv=5)
     out, rep = ssmc_run(_delta_product, ins)
     assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
     info = rep.regions[0]
@@ -301,7 +307,7 @@ def test_what_is_not_a_rank_one_transition_runs_as_written(fn, why):
 def test_delta_rules_on_the_gpu(fn, n):
     """On CUDA inputs the Triton rank-one kernel runs it (the CUDA target has none); values and
     gradients against float64 on the CPU."""
-    ins = _inputs(96, L=37, dk=16, dv=24)[:n]
+    ins = (_product_inputs(96, 19, dk=16, dv=24) if fn is _delta_product else _inputs(96, L=37, dk=16, dv=24))[:n]
     xs = [x.cuda().requires_grad_() for x in ins]
     out, rep = ssmc_run(fn, xs)
     assert len(rep.regions) == 1 and rep.regions[0].target == "triton", str(rep)
