@@ -649,7 +649,7 @@ class CudaBlockSparseKernel:
     def choices(self) -> list[tuple[int, bool | str]]:
         """(warps, variant) keys, computed once: split only where a block moves and its partial
         sums fit the shared memory; the tensor-core ones where they cover the plan and the device."""
-        from .cuda_bsp_mma import DEPTHS, LATE, PIPES, SPLITS, WARPS, _variant, pipe_fits, split_fits
+        from .cuda_bsp_mma import DEPTHS, PIPES, SPLITS, WARPS, _variant, pipe_fits, split_fits
         if self._choices is None:
             p, nb = self.plan, self.plan.n // self.plan.bs
             out = [(g, False) for g in sorted({min(g, nb) for g in GROUPS})]
@@ -661,7 +661,7 @@ class CudaBlockSparseKernel:
                 if tab["moved"][0] and smem <= SMEM_STATIC:
                     out.append((g, True))
             if self.mma_why is None:
-                out += [(w, f"m{d}") for w in WARPS for d in DEPTHS] + list(LATE)
+                out += [(w, f"m{d}") for w in WARPS for d in DEPTHS]
                 out += [c for c in SPLITS if split_fits(self.region, p, _variant(c[1])[1])]
                 out += [c for c in PIPES if pipe_fits(self.region, p, c[1])]
             self._choices = out
@@ -686,10 +686,9 @@ class CudaBlockSparseKernel:
         if key not in self._rendered:
             g, variant, vec, shared = key
             if _is_mma(key):
-                from .cuda_bsp_mma import _variant, late, render_mma
+                from .cuda_bsp_mma import _variant, render_mma
                 depth, split, page = _variant(variant)
-                self._rendered[key] = render_mma(self.region, self.plan, g, depth, vec, shared, split, page,
-                                                 late(variant))
+                self._rendered[key] = render_mma(self.region, self.plan, g, depth, vec, shared, split, page)
             else:
                 self._rendered[key] = render(self.region, self.plan, g, variant, vec)
         return self._rendered[key]

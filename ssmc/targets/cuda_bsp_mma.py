@@ -40,7 +40,6 @@ WARPS = (1, 4)            # warps a block (16 rows each): the choices timed on f
 DEPTHS = (2, 3, 4)         # steps ahead the loads are issued (3: -3% sparse and dense on the H100 at 2d4d96a)
 SPLITS = ((2, "m2x2"), (2, "m4x2"))     # and those with 2 warps a tile (one tile a block; "m2x4": 4 warps,
                                         # spills at the 128 registers of 4 blocks an SM: not timed)
-LATE = ((1, "m2l"), (1, "m3l"), (1, "m4l"))   # one warp a tile, each step's readout in the next step (`late`)
 PIPES = ((2, "m2p1"), (2, "m4p2"))   # and the pipelines (one tile a block); deeper rings (m3p1, m4p1)
                           # and three or four stages (m3p1x3, m4p2x3, m2p1x4) measured no faster on the H100
                           # at b4, b8 and b32 (benchmarks/NOTES.md): not timed
@@ -195,21 +194,12 @@ def partition(p: CudaBSPlan, split: int) -> list[list[int]]:
 
 def _variant(variant: str) -> tuple[int, int, int]:
     """(load depth D, warps a 16-row tile S, steps a page G: 0 unless a pipeline) of "m<D>",
-    "m<D>x<S>", "m<D>p<G>" (a pipeline of two warps) or "m<D>p<G>x<S>" (of S); a trailing "l"
-    (`late`) is the readout moved into the next step."""
-    m = re.fullmatch(r"m(\d+)(?:p(\d+))?(?:x(\d+))?l?", variant)
+    "m<D>x<S>", "m<D>p<G>" (a pipeline of two warps) or "m<D>p<G>x<S>" (of S)."""
+    m = re.fullmatch(r"m(\d+)(?:p(\d+))?(?:x(\d+))?", variant)
     if m is None:
         raise ValueError(f"tensor-core variant {variant!r} is not m<D>, m<D>x<S>, m<D>p<G> or m<D>p<G>x<S>")
     d, g, s = m.groups()
     return int(d), int(s or (2 if g else 1)), int(g or 0)
-
-
-def late(variant: str) -> bool:
-    """Whether a one-warp variant ("m<D>l") moves a step's readout, its stores and its loads for
-    later steps into the next step of the unrolled block, after the first third of its mma:
-    work of the step that the next step's mma do not wait for, placed where they leave the issue
-    slots free (a warp issues in order; the scheduler otherwise put it between the two)."""
-    return variant.endswith("l")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,15 +323,14 @@ def pipe_smem(p: CudaBSPlan, pipe: Pipe) -> tuple[int, int]:
 
 
 def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = False,
-               shared: bool = False, split: int = 1, page: int = 0, late: bool = False) -> Rendered:
+               shared: bool = False, split: int = 1, page: int = 0) -> Rendered:
     """The instance: `vec` the pairs along the mixed axis read as one load each (the caller checks
     contiguity and alignment), `shared` the two rows of a lane differ only in the last parallel axis
     (its size a multiple of 16: loads free of that axis are shared between them), `split` warps a
     16-row tile (each owns nb / split of the state's tiles; the tiles another warp's products read
     are exchanged through shared memory, one barrier of the tile's warps a step); `page` > 0: the
     `split` warps of a tile as a pipeline (`pipeline`'s stages, rings of `depth` steps in pages of
-    `page`; one tile a block), the exchange a step where the inputs' pattern is not covered.
-    `late` (one warp a tile): each step's readout goes into the next step (`_role`)."""
+    `page`; one tile a block), the exchange a step where the inputs' pattern is not covered."""
     from .cuda import jinja_env
     nb = p.n // 8
     pipe = None
@@ -358,10 +347,8 @@ def render_mma(r: ir.Region, p: CudaBSPlan, warps: int, depth: int, vec: bool = 
         owners = partition(p, split) if split > 1 else [list(range(nb))]
     kname = ("ssmc_bspm_" + "".join(ch if ch.isalnum() else "_" for ch in r.name)
              + f"_w{warps}d{depth}{f'p{page}' if page else ''}{f'x{split}' if split > 1 else ''}"
-             + f"{'v' if vec else ''}{'s' if shared else ''}{'l' if late else ''}")
-    if late and (split > 1 or page):
-        raise ValueError("the late readout is a one-warp-a-tile variant")
-    roles = [_role(r, p, depth, vec, shared, owners, w, late=late) for w in range(split)]
+             + f"{'v' if vec else ''}{'s' if shared else ''}")
+    roles = [_role(r, p, depth, vec, shared, owners, w) for w in range(split)]
     pipes = [_role(r, p, depth, vec, shared, owners, w, pipe) for w in range(split)] if pipe else []
     fill = _Printer(r, "w")
     wv = [fill.expr(mat, {p.reg: "fi", ir.MIX_COL: "fc"}) for _, mat in p.terms]
@@ -404,7 +391,7 @@ def _decomp(p: CudaBSPlan, shared: bool) -> list[str]:
 
 
 def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owners, role: int,
-          pipe: Pipe | None = None, late: bool = False) -> dict:
+          pipe: Pipe | None = None) -> dict:
     """The code of one warp of a tile (the only one when `owners` has one part): its tiles' element
     updates, products, outputs and loads; with several parts, the exchange after each step (into
     Xs / Ps of the tile's half @B@ of the double buffer, then the barrier of the tile's warps).
@@ -412,9 +399,7 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
     their rings' page @PG@, slot @SL@, writes its own that later stages read into its ring after
     its products, and its partial sums after its readout (the last stage adds them and stores the
     per-row outputs); a page begins with the waits (its ring emptied, the rings it reads filled)
-    and ends with the arrivals. `late`: in the main loop a step's readout, stores, refills and
-    pointer walks run inside the next step of the block, after the first third of its mma (the
-    block's last step keeps its own)."""
+    and ends with the arrivals."""
     nb, reg, split = p.n // 8, p.reg, len(owners)
     page = pipe.page if pipe else 0
     lastst = split - 1
@@ -522,8 +507,8 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
                         for i, a in enumerate(("ah", "al"))]
         return out
     # after the products: h = acc, the step's outputs (the same scope as the step's other lines)
-    update = [f"h[{j}][{c}] = acc[{j}][{c}];" for j in own for c in range(4)]
     tail: list[str] = []
+    tail += [f"h[{j}][{c}] = acc[{j}][{c}];" for j in own for c in range(4)]
     pr.lines, pr.outer = [], tail
     sums, row_outs = [], []
     for k, o in enumerate(r.outputs):
@@ -623,24 +608,14 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         the rest, checked step by step. The exchange's double buffer half is t % 2 (the split instances: D even)."""
         mine_t = [t for t in tiles if t[0] in own]
         send, recv = exchange(tiles)
-        prods = products(mine_t, len(mine_t) <= HOIST_TILES)
         if page:
-            step = body + acc + prods + update + tail + recv + after
+            step = body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + recv + after
         else:
-            step = body + acc + prods + update + tail + send + recv + after
+            step = body + acc + products(mine_t, len(mine_t) <= HOIST_TILES) + tail + send + recv + after
 
-        def copy(u, lines=None):
+        def copy(u):
             return ["    " + x.replace(U, str(u)).replace("@B@", str(u % 2)).replace("@PG@", str(u // max(page, 1)))
-                    .replace("@SL@", str(u % max(page, 1))) for x in (step if lines is None else lines)]
-
-        def later(u) -> list[str]:
-            """Step u's readout, stores, refill and walks, in a scope of its own (its own t)."""
-            return ([f"    {{ const int t = s0 + {u};"] + copy(u, tail + after)
-                    + ["      " + x.replace(U, str(u)) for x in refill]
-                    + ([f"      if (t + {PREFETCH} < L) {{ " + " ".join(hint) + " }"] if hint else [])
-                    + ["      " + x for x in walk + owalk] + ["    }"])
-        mmas = [i for i, x in enumerate(prods) if "ssmc_mma_tf32" in x]
-        cut = mmas[len(mmas) // 3] + 1 if late and mmas else 0      # after the first third of the mma
+                    .replace("@SL@", str(u % max(page, 1))) for x in step]
 
         def gate(u, start: bool) -> list[str]:
             """A pipeline's barriers at the start of a page (the waits) or its end (the arrivals)."""
@@ -657,13 +632,6 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
         for u in range(depth):
             out.append(f"  {{ const int t = s0 + {u};")
             out += gate(u, True)
-            if cut:
-                out += copy(u, body + acc + prods[:cut]) + (later(u - 1) if u else [])
-                out += copy(u, prods[cut:] + update)
-                if u == depth - 1:
-                    out += later(u)
-                out.append("  }")
-                continue
             out += copy(u)
             out += ["    " + x.replace(U, str(u)) for x in refill]
             if hint:
@@ -687,11 +655,6 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
             out.append("  }")
         out.append("}")
         return out
-    if late:
-        declared = set(re.findall(r"\b(?:ssmc_t|unsigned|float4|float|int|uint4)\s+(\w+)", "\n".join(body + acc)))
-        used = set(re.findall(r"\b\w+\b", "\n".join(tail + after)))
-        if declared & used:
-            raise ValueError(f"the late readout reads values the step computes first: {sorted(declared & used)[:4]}")
     compiled = tiles_of(p, p.blocks)
     every = [(a, c) for a in range(nb) for c in range(nb)]
     loop0, loop1 = loop(compiled), loop(every)
