@@ -46,7 +46,6 @@ def source(blocks, n: int, bs: int, g: int, chains: int = 2) -> str:
     k_of = {ij: k for k, ij in enumerate(blocks)}
     cols = {i: [j for (r, j) in blocks if r == i] for i in range(nb)}
     rl = roles(blocks, nb, g)
-    owner = {i: w for w, rows in enumerate(rl) for i in rows}
     L = []
     w_ = L.append
     w_("typedef unsigned short bf16_t;")

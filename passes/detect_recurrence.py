@@ -152,15 +152,6 @@ def column_sums(m, dim):
     return torch.movedim(m.sum(dim), -1, dim)
 
 
-def drive_sum(b, sshape, dim, keep, mean=False):
-    """A state-free value broadcast to the state's shape and summed (averaged) over `dim`: the
-    drive of an update that reads an earlier update's result of the same step through a sum
-    (DeltaProduct's k_2^T (beta_1 k_1 v_1^T)). Outside ssmc's op vocabulary like `compose`: a
-    step value computed before the region, so the region's drive holds no reduction."""
-    full = torch.broadcast_to(b, sshape)
-    return full.mean(dim, keepdim=keep) if mean else full.sum(dim, keepdim=keep)
-
-
 class _Mat:
     """A non-diagonal coefficient: diag(d) + m, with m a body node laid out (*state, j) (or
     broadcastable to it); d as an elementwise coefficient (None: zero)."""
@@ -436,7 +427,8 @@ class _Linear:
         over state dim d."""
         if b is None:
             return None
-        return self._call(drive_sum, b, self.sshape, d, keep, fn is torch.mean)
+        full = b if shape(b) == self.sshape else self._call(torch.broadcast_to, b, self.sshape)
+        return self._call(fn, full, d, keep)
 
     def _contract(self, n, c, x):
         """y = contraction of x (on the state's path) with one state-free operand along the last

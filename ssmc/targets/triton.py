@@ -119,10 +119,17 @@ def make_plan(r: Region) -> Plan | str:
                     return f"load {ld} with a negative index"
             elif ix not in names:
                 return f"load {ld} indexes by unknown axis {ix!r}"
-    for e in (r.decay, r.drive):
-        if any(isinstance(x, (Reduce, State)) for x in ir.walk(e)):
-            return "a reduction or the state inside the decay/drive"
     reduced = set()
+    for e in (r.decay, r.drive):
+        for x in ir.walk(e):
+            if isinstance(x, State):
+                return "the state inside the decay/drive"
+            if isinstance(x, Reduce):     # a sum of inputs along one state axis (DeltaProduct's
+                # k_2 . (beta_1 k_1 v_1^T)): over the axis held in registers, as the outputs' sums
+                if len(x.axes) != 1 or x.axes[0] not in r.axes or x.op != "sum" \
+                        or any(isinstance(y, (Reduce, State)) for y in ir.walk(x.arg)):
+                    return f"a reduction over {list(x.axes)} inside the decay/drive"
+                reduced |= set(x.axes)
     for o in r.outputs:
         for x in ir.walk(o.expr):
             if isinstance(x, Reduce):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ssmc import ir
 from ssmc.ir import Region
 
 from . import triton as T
