@@ -93,8 +93,10 @@ def _all_exprs(r: Region):
         yield o.expr
 
 
-def make_plan(r: Region) -> Plan | str:
-    """The kernel's plan for `r`, or why the kernel cannot compute it."""
+def make_plan(r: Region, drive_sums: bool = False) -> Plan | str:
+    """The kernel's plan for `r`, or why the kernel cannot compute it. `drive_sums`: the decay
+    and drive may sum inputs along the state axis held in registers (the rank-one kernel, whose
+    register axis is the whole mixed axis; not the tiled kernels)."""
     if r.reverse:
         return "reverse-time recurrences are not generated yet"
     if r.mix is not None:
@@ -126,7 +128,7 @@ def make_plan(r: Region) -> Plan | str:
                 return "the state inside the decay/drive"
             if isinstance(x, Reduce):     # a sum of inputs along one state axis (DeltaProduct's
                 # k_2 . (beta_1 k_1 v_1^T)): over the axis held in registers, as the outputs' sums
-                if len(x.axes) != 1 or x.axes[0] not in r.axes or x.op != "sum" \
+                if not drive_sums or len(x.axes) != 1 or x.axes[0] not in r.axes or x.op != "sum" \
                         or any(isinstance(y, (Reduce, State)) for y in ir.walk(x.arg)):
                     return f"a reduction over {list(x.axes)} inside the decay/drive"
                 reduced |= set(x.axes)

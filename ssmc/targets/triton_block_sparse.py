@@ -51,11 +51,11 @@ class BSPlan:
     matrix: ir.Expr | None          # shared factor of m (fma2/dot)
 
 
-def mixed_layout(r: Region):
+def mixed_layout(r: Region, drive_sums: bool = False):
     """(channel axis, the other parallel axes, inputs read) of a kernel holding the region's last
     state axis (the mixed one) whole per row and the rest parallel as the selective-scan kernel
-    does; or why the transition or the outputs do not fit that."""
-    base = T.make_plan(dataclasses.replace(r, mix=None))
+    does; or why the transition or the outputs do not fit that. `drive_sums`: as `make_plan`'s."""
+    base = T.make_plan(dataclasses.replace(r, mix=None), drive_sums)
     if isinstance(base, str):
         return base
     last = r.axes[-1]

@@ -46,7 +46,7 @@ def make_rank_one_plan(r: Region) -> RankOnePlan | str:
     terms = low_rank(r.mix.expr, last)
     if terms is None:
         return "the transition is not a sum of a few products u w^T of a row part and a column part"
-    got = mixed_layout(r)
+    got = mixed_layout(r, drive_sums=True)
     if isinstance(got, str):
         return got
     return RankOnePlan(last, *got, tuple(terms))
