@@ -30,14 +30,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def roles(blocks, nb: int, g: int) -> list[list[int]]:
-    cost = {i: 1 + sum(1 for (r, _) in blocks if r == i) for i in range(nb)}
-    bins: list[list[int]] = [[] for _ in range(min(g, nb))]
-    load = [0] * len(bins)
-    for i in sorted(range(nb), key=lambda i: (-cost[i], i)):
-        w = min(range(len(bins)), key=lambda w: (load[w], w))
-        bins[w].append(i)
-        load[w] += cost[i]
-    return [sorted(b) for b in bins]
+    """Block rows per warp, balanced as ssmc's lane instances balance them."""
+    from types import SimpleNamespace
+    from ssmc.targets.cuda_block_sparse import groups
+    return groups(SimpleNamespace(n=nb * 8, bs=8), blocks, g)
 
 
 def source(blocks, n: int, bs: int, g: int, chains: int = 2) -> str:
@@ -100,6 +96,9 @@ def source(blocks, n: int, bs: int, g: int, chains: int = 2) -> str:
         for i in rows:
             for a in range(bs):
                 terms = [(k_of[(i, j)] * bs * bs + a * bs + e, hname[(j, e)]) for j in cols[i] for e in range(bs)]
+                if not terms:
+                    w_(f"      const float v{i}_{a} = 0.f;")
+                    continue
                 w_(f"      float v{i}_{a} = Wc[{terms[0][0]}] * {terms[0][1]};")
                 for idx, hv in terms[1:]:
                     w_(f"      v{i}_{a} = fmaf(Wc[{idx}], {hv}, v{i}_{a});")
