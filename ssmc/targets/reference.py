@@ -324,6 +324,9 @@ def chunk_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tens
 
 
 MIX_CHUNK_ELEMENTS = 1 << 24
+RANK_CHUNK_ELEMENTS = 1 << 20    # a rank-one region's chunk (the executor steps it in Python anyway; 32
+                                 # steps instead of 128 for fla's DeltaProduct at B2 T128 H4 K=V=64 on a
+                                 # 2-core CPU: forward 41-46 ms against 79-81, benchmarks/NOTES.md)
 
 
 def mix_scan(a, M, b, h0):
@@ -422,13 +425,15 @@ def run(region: Region, inputs, chunk: int = 0):
     sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
     L = inputs[r.length[0]].shape[r.length[1]]
     state_shape = tuple(sizes[a] for a in r.axes)
-    chunk = time_chunk(chunk, math.prod(state_shape), L)
+    given, chunk = chunk, time_chunk(chunk, math.prod(state_shape), L)
     h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
     steps = {i: [] for i, o in enumerate(r.outputs) if o.kind == "steps"}
     names = ["t", *r.axes]
     ones = low_rank(r.mix.expr, r.axes[-1]) if r.mix is not None else None
     if r.mix is not None and ones is None:   # a chunk's transition matrices: at most MIX_CHUNK_ELEMENTS
         chunk = max(1, min(chunk, MIX_CHUNK_ELEMENTS // max(1, math.prod(state_shape) * state_shape[-1])))
+    if ones is not None and given == 0:      # stepped one step at a time anyway: chunks that stay in cache
+        chunk = max(16, min(chunk, RANK_CHUNK_ELEMENTS // max(1, math.prod(state_shape))))
     for t0 in range(0, L, chunk):
         t1 = min(L, t0 + chunk)
         ev = Evaluator(r, inputs, t0, t1, cdt)
