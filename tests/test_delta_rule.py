@@ -255,6 +255,28 @@ def test_two_updates_a_step_read_every_second_index(interp):
     assert kern.source.count("r1s1 = tl.expand_dims") >= 1 and "a sum of 2 products" in kern.plan_text()
 
 
+def _matrix_then_sum(x, W, k):                   # a matrix update, then a rank-1 update reading its result
+    h = x.new_zeros(x.shape[0], W.shape[0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = h @ W + x[:, t]
+        h = h - 0.1 * (h * k[:, t]).sum(-1, keepdim=True) * k[:, t]
+        ys.append(h.sum(-1))
+    return torch.stack(ys, 1)
+
+
+def test_a_sum_over_a_matrix_updates_result():
+    """The sum reads a matrix product's result (no product terms known): it folds into the
+    matrix's column sums, and the step is one region, right in values and gradients."""
+    g = torch.Generator().manual_seed(102)
+    ins = (torch.randn(2, 6, 4, generator=g), 0.3 * torch.randn(4, 4, generator=g), torch.randn(2, 6, 4, generator=g))
+    out, rep = ssmc_run(_matrix_then_sum, ins)
+    assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
+    for o, r in zip(as_tuple(out), as_tuple(reference(_matrix_then_sum, ins))):
+        assert rel_err(o, r) < 1e-6
+    grads_match(_matrix_then_sum, ins)
+
+
 def _longhorn(q, k, v, beta):                    # the step size beta / (1 + beta k . k): a sum of inputs in u
     S = q.new_zeros(q.shape[0], q.shape[1], q.shape[3], v.shape[3])
     out = []
