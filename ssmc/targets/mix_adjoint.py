@@ -220,46 +220,62 @@ def _mix_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, fac, dense):
             ld, fr, _ = b
             ev.accumulate(g.acc[ld.input], ld, [rs.reshape(*rows, 1, 1), fr])
     rest = []
-    for ld, e in dense:         # a factor free of the rows or of the columns: no outer product
+    for ld, e in dense:         # factors each free of the rows or of the columns: no outer product
         vals = _rank_one_grads(r, ev, lam, H_prev, ld, e)
         if vals is None:
             rest.append((ld, e))
         for v in vals or ():
             ev.accumulate(g.acc[ld.input], ld, v)
-    dense = rest
-    if dense:                   # the outer product itself, dm = lam_i h_j, a few steps at a time
-        lam_i, h_j = lam.unsqueeze(-1), H_prev.unsqueeze(-2)
-        k = max(1, MIX_CHUNK_ELEMENTS // max(1, lam[0].numel() * n))
-        for s0 in range(t0, t1, k):
-            s1 = min(t1, s0 + k)
-            evd = Evaluator(r, g.allin, s0, s1, g.cdt, matrix=True)
-            evd.memo[GRAD_M] = lam_i[s0 - t0:s1 - t0] * h_j[s0 - t0:s1 - t0]
-            g.put(evd, dense)
+    if rest:
+        _outer_product_grads(r, g, t0, t1, lam, H_prev, rest)
+
+
+def _outer_product_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, dense):
+    """What no factored form covers: the outer product itself, dm = lam_i h_j (steps x state x
+    n elements), a few steps at a time."""
+    n = lam.shape[-1]
+    lam_i, h_j = lam.unsqueeze(-1), H_prev.unsqueeze(-2)
+    k = max(1, MIX_CHUNK_ELEMENTS // max(1, lam[0].numel() * n))
+    for s0 in range(t0, t1, k):
+        s1 = min(t1, s0 + k)
+        evd = Evaluator(r, g.allin, s0, s1, g.cdt, matrix=True)
+        evd.memo[GRAD_M] = lam_i[s0 - t0:s1 - t0] * h_j[s0 - t0:s1 - t0]
+        g.put(evd, dense)
 
 
 def _rank_one_grads(r: Region, ev, lam, H_prev, ld, e) -> list | None:
     """The adjoint e = sum of sign * GRAD_M * f of a load `ld` that does not vary along the
-    columns j (or the rows i: the state's last axis), with dm = lam_i h_j and f free of the
-    other one, as values laid out like ev's names (time, the state, j) that hold its sum over j
-    (over i): lam_i (sum_j h_j f_j), or (sum_i lam_i f_i) h_j (the delta rule's u w^T: its k on
-    both sides). None where a term is of neither form."""
+    columns j (or the rows i: the state's last axis), with dm = lam_i h_j and f a product of
+    factors each free of i or of j, as values laid out like ev's names (time, the state, j)
+    that hold its sum over j (over i): lam_i f_i (sum_j h_j f_j), or (sum_i lam_i f_i) h_j f_j
+    (the delta rule's u w^T: its k on both sides; KDA's w_j = -beta k_j exp(g_j), whose g
+    needs both). None where a factor varies along both or the load does."""
     nd = len(ev.names)
+    i_ax = r.axes[-1]
     la = ir.axes_of(ld, r.axes)
+    if ir.MIX_COL in la and i_ax in la:
+        return None
+    L, Hj = lam.unsqueeze(-1), H_prev.unsqueeze(-2)          # (t, ..., i, 1), (t, ..., 1, j)
+
+    def value(fs):
+        v = torch.as_tensor(ev.eval(product(fs)), dtype=lam.dtype, device=lam.device)
+        return v.reshape((1,) * (nd - v.dim()) + tuple(v.shape))
     out = []
     for sign, term in summands(e):
         fs = factors(term)
         if fs.count(GRAD_M) != 1 or any(GRAD_M in ir.walk(f) for f in fs if f != GRAD_M):
             return None
-        f = product([x for x in fs if x != GRAD_M])
-        ax = ir.axes_of(f, r.axes)
-        fv = torch.as_tensor(ev.eval(f), dtype=lam.dtype, device=lam.device)
-        fv = fv.reshape((1,) * (nd - fv.dim()) + tuple(fv.shape))
-        if ir.MIX_COL not in la and r.axes[-1] not in ax:
-            v = (lam * (H_prev * fv[..., 0, :]).sum(-1, keepdim=True)).unsqueeze(-1)
-        elif r.axes[-1] not in la and ir.MIX_COL not in ax:
-            v = (lam * fv[..., 0]).sum(-1, keepdim=True).unsqueeze(-1) * H_prev.unsqueeze(-2)
+        side = {"i": [], "j": [], "0": []}
+        for f in (x for x in fs if x != GRAD_M):
+            ax = ir.axes_of(f, r.axes)
+            if i_ax in ax and ir.MIX_COL in ax:
+                return None
+            side["i" if i_ax in ax else "j" if ir.MIX_COL in ax else "0"].append(f)
+        fi, fj, f0 = value(side["i"]), value(side["j"]), value(side["0"])
+        if ir.MIX_COL not in la:
+            v = L * fi * f0 * (Hj * fj).sum(-1, keepdim=True)
         else:
-            return None
+            v = (L * fi).sum(-2, keepdim=True) * Hj * fj * f0
         out.append(v if sign > 0 else -v)
     return out
 

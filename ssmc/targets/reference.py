@@ -377,20 +377,33 @@ def low_rank(mix_expr, row_axis: str):
 MAX_RANK = 8     # product terms a transition may have and still run as dot products (else the matrix)
 
 
-def rank_one_scan(a, terms, b, h0):
+def rank_one_scan(a, terms, b, h0, out=None):
     """mix_scan with M_t = sum_r u_rt w_rt^T (u (t, *state), w (t, *state, j) with size 1 on the
-    rows): h_t = a_t h_{t-1} + sum_r u_rt (w_rt . h_{t-1}) + b_t."""
+    rows): h_t = a_t h_{t-1} + sum_r u_rt (w_rt . h_{t-1}) + b_t. ``out`` (T, *state), when
+    given, already holds every b_t (b is then ignored) and receives the states.
+
+    Two or three torch calls a step, in place in the result: a_t h added to b_t, w . h as a
+    batched mat-vec where w is one vector for all the state's other axes, u (w . h) added (the
+    loop as users write it takes about ten calls a step; the executor's former stack of new
+    tensors a step was slower than that loop on a CPU)."""
     T = max(a.shape[0], b.shape[0], *(x.shape[0] for uw in terms for x in uw))
-    a, b = (x.expand(T, *h0.shape) for x in (a, b))
-    terms = [(u.expand(T, *h0.shape), w.squeeze(-2).expand(T, *h0.shape)) for u, w in terms]
-    hs, h = [], h0
-    for t in range(T):
-        new = a[t] * h + b[t]
-        for u, w in terms:
-            new = new + u[t] * (w[t] * h).sum(-1, keepdim=True)
-        h = new
-        hs.append(h)
-    return torch.stack(hs)
+    if out is None:
+        out = torch.empty((T, *torch.broadcast_shapes(a.shape[1:], b.shape[1:], h0.shape)),
+                          dtype=torch.result_type(h0, b), device=h0.device)
+        out.copy_(b.expand(T, *b.shape[1:]))
+    steps = lambda x: x.expand(T, *x.shape[1:]).unbind(0)      # noqa: E731 - each step's view
+    ws = []
+    for u, w in terms:
+        w = w.squeeze(-2)
+        mat = w.dim() >= 3 and h0.dim() >= 2 and w.shape[-2] == 1
+        ws.append((steps(u), steps(w.transpose(-1, -2) if mat else w), mat))
+    h = h0
+    for t, (o, a_t) in enumerate(zip(out.unbind(0), steps(a))):
+        o.addcmul_(a_t, h)
+        for u, w, mat in ws:
+            o.addcmul_(u[t], torch.matmul(h, w[t]) if mat else (w[t] * h).sum(-1, keepdim=True))
+        h = o
+    return out
 
 
 def _to_output(v: torch.Tensor, names, index, sizes):
@@ -441,8 +454,9 @@ def run(region: Region, inputs, chunk: int = 0):
             H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
         elif ones is not None:
             mev = Evaluator(r, inputs, t0, t1, cdt, matrix=True)
+            H = ev.eval_into(r.drive, torch.empty((t1 - t0, *state_shape), dtype=cdt, device=dev))
             H = rank_one_scan(ev.eval(r.decay).to(cdt), [(mev.eval(u).to(cdt)[..., 0], mev.eval(w).to(cdt))
-                                                          for u, w in ones], ev.eval(r.drive).to(cdt), h)
+                                                          for u, w in ones], H, h, out=H)
         else:
             M = Evaluator(r, inputs, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
             H = mix_scan(ev.eval(r.decay).to(cdt), M, ev.eval(r.drive).to(cdt), h)
