@@ -44,6 +44,11 @@ class TorchTarget:
         return True
 
     def compile(self, region: Region, strategy: str, options):
+        if strategy in ("chunked_ssd", "chunked_scan"):     # the SSD's matmul form where it has a plan
+            from .ssd_autograd import TorchSSDKernel
+            kernel = TorchSSDKernel.make(region, options.chunk)
+            if kernel is not None:
+                return kernel
         return ReferenceKernel(region, options.chunk)
 
     def source(self, kernel) -> str | None:

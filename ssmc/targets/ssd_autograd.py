@@ -37,6 +37,7 @@ from . import triton as T
 from .reference import Evaluator, _to_output, autograd_inside_op, compute_dtype, grads_by_autograd
 
 CHUNK = 64
+DECAY_N_CHUNK = 16      # a decay along n: the scores' (Q, Q, n) product costs Q n a step, the state's p n
 
 
 def _small(v: torch.Tensor, names: list, progs: tuple, last) -> torch.Tensor:
@@ -74,7 +75,8 @@ def _unlay(v: torch.Tensor, names: list, progs: tuple, last, sizes: dict) -> tor
 
 def _torch_core(u, w, x, g, c, h0, Q: int, mm):
     """(y (P, L, p) or None without c, the final state (P, p, n)) in torch matmuls; (P, L, .)
-    inputs, time padded to whole chunks inside."""
+    inputs, time padded to whole chunks inside. u is (P, L, 1), or (P, L, n) for a decay along
+    n (GLA's per-key decay: the intra-chunk scores then sum a (Q, Q, n) product over n)."""
     P, L = u.shape[0], u.shape[1]
     nc = -(-L // Q)
     pad = nc * Q - L
@@ -83,26 +85,31 @@ def _torch_core(u, w, x, g, c, h0, Q: int, mm):
         if pad:
             v = torch.cat([v, v.new_zeros(v.shape[0], pad, v.shape[2])], 1)
         return v.reshape(P, nc, Q, v.shape[-1])
-    u, w, x, g = chunks(u)[..., 0], chunks(w)[..., 0], chunks(x), chunks(g)
-    a = u.cumsum(-1)                                                  # (P, nc, Q)
-    to_end = torch.exp(a[..., -1:] - a) * w
-    S = mm((x * to_end[..., None]).transpose(-1, -2), g)              # (P, nc, p, n)
-    total = torch.exp(a[..., -1])                                     # (P, nc)
+    u, w, x, g = chunks(u), chunks(w)[..., 0], chunks(x), chunks(g)
+    a = u.cumsum(-2)                                                  # (P, nc, Q, 1 or n)
+    to_end = torch.exp(a[..., -1:, :] - a) * w[..., None]
+    S = mm(x.transpose(-1, -2), g * to_end)                           # (P, nc, p, n)
+    total = torch.exp(a[..., -1, :])                                  # (P, nc, 1 or n)
     starts, h = [], h0
     # unbind once: indexing S[:, k] in the loop would make each step's backward zero-fill and
     # add a gradient of S's full size (nc times S's bytes; 25 ms of 41 at b8 L4096 h24 on the H200)
     for tot_k, S_k in zip(total.unbind(1), S.unbind(1)):
         starts.append(h)
-        h = tot_k[:, None, None] * h + S_k
+        h = tot_k[:, None, :] * h + S_k
     if c is None:
         return None, h
     c = chunks(c)
-    seg = a[..., :, None] - a[..., None, :]                           # (P, nc, Q, Q): a_t - a_s
     causal = torch.ones(Q, Q, dtype=torch.bool, device=u.device).tril()
-    decay = torch.exp(seg.masked_fill(~causal, float("-inf")))
-    y = mm(mm(c, g.transpose(-1, -2)) * decay * w[..., None, :], x)              # intra-chunk
+    if u.shape[-1] == 1:
+        seg = a[..., 0, None] - a[..., None, :, 0]                     # (P, nc, Q, Q): a_t - a_s
+        scores = mm(c, g.transpose(-1, -2)) * torch.exp(seg.masked_fill(~causal, float("-inf")))
+    else:
+        seg = a[..., :, None, :] - a[..., None, :, :]                  # (P, nc, Q, Q, n)
+        decay = torch.exp(seg.masked_fill(~causal[..., None], float("-inf")))
+        scores = torch.einsum("pctn,pcsn,pctsn->pcts", c, g, decay)
+    y = mm(scores * w[..., None, :], x)                                          # intra-chunk
     H = torch.stack(starts, 1)                                                   # (P, nc, p, n)
-    y = y + torch.exp(a)[..., None] * mm(c, H.transpose(-1, -2))                # carried state
+    y = y + mm(c * torch.exp(a), H.transpose(-1, -2))                            # carried state
     return y.reshape(P, nc * Q, -1)[:, :L], h
 
 
@@ -157,7 +164,7 @@ class _Factors:
             if kernels and isinstance(e, ir.Load) and inputs[e.input].is_floating_point():
                 return _small(ev.view_of(inputs[e.input], e), names, progs, last)
             return small(e, last)
-        self.u, self.w = small(plan.log_decay, None), factor(plan.w, None)
+        self.u, self.w = small(plan.log_decay, n if plan.decay_n else None), factor(plan.w, None)
         self.x, self.g = factor(plan.x, p), factor(plan.g, n)
         self.c = factor(plan.c, n) if plan.readout is not None else None
         self.kinds = operand_dtypes(plan, inputs)
@@ -191,7 +198,7 @@ def _core(region: ir.Region, plan, inputs, chunk: int | None, kernels: bool, det
         fl = lambda v, k: _flat(v, S, L, k)                          # noqa: E731
         hz = (f.h0.reshape(P, p, n) if f.h0 is not None
               else torch.zeros(P, p, n, dtype=cdt, device=inputs[0].device))
-        y, h = _torch_core(fl(f.u, 1), fl(f.w, 1), fl(f.x, p), fl(f.g, n),
+        y, h = _torch_core(fl(f.u, n if plan.decay_n else 1), fl(f.w, 1), fl(f.x, p), fl(f.g, n),
                            None if f.c is None else fl(f.c, n), hz, max(1, min(chunk or CHUNK, L)), mm)
     if y is not None:
         y = y.to(cdt).reshape(*S, L, p)                              # (P, L, p) -> (*S, L, p): a view
@@ -321,3 +328,41 @@ def _kernel_backward(region, plan, inputs, grads, needs, chunk, deterministic, c
     return [None if not xx.requires_grad else
             (total[i].to(x.dtype) if i in total else torch.zeros_like(x))
             for i, (x, xx) in enumerate(zip(inputs, xs))]
+
+
+class TorchSSDKernel:
+    """The torch target's kernel for a chunked_ssd region: `ssd_outputs` with the core in torch
+    matmuls (chunks of `chunk` steps, default CHUNK), backward by autograd through it. Per chunk
+    a few matmuls instead of a (steps, *state) tensor a chunk: on a CPU, fla's simple GLA and
+    linear attention loops run faster than as written (benchmarks/NOTES.md), where the state
+    scan ran slower. Only fp32 and fp64 inputs: the matmul form would take 16-bit inputs into
+    16-bit matmuls (`_core`), which the reference computes in fp32."""
+
+    def __init__(self, region: ir.Region, plan, chunk: int):
+        self.region, self.plan, self.chunk = region, plan, chunk
+
+    @classmethod
+    def make(cls, region: ir.Region, chunk: int = 0):
+        """The kernel, or None where the region has no SSD plan (a decay along the readout's
+        axis allowed) or takes 16-bit inputs."""
+        if any(s.dtype in ("bfloat16", "float16") for s in region.inputs):
+            return None
+        try:
+            from .triton_ssd import make_ssd_plan
+        except ImportError:     # the planner lives beside the Triton kernels; the reference runs
+            return None
+        plan = make_ssd_plan(region, float64=True, decay_along_n=True)
+        if isinstance(plan, str):
+            return None
+        return cls(region, plan, int(chunk) if chunk > 0 else DECAY_N_CHUNK if plan.decay_n else CHUNK)
+
+    def forward(self, inputs):
+        with torch.no_grad():
+            return ssd_outputs(self.region, self.plan, inputs, self.chunk, core="torch")
+
+    def backward(self, inputs, grads, needs):
+        return ssd_backward(self.region, self.plan, inputs, grads, needs, self.chunk, core="torch")
+
+    def describe(self) -> str:
+        return (f"torch target: the chunked SSD's matmul form, chunks of {self.chunk} steps "
+                f"(ssmc/targets/ssd_autograd.py)")

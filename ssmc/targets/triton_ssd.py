@@ -138,6 +138,8 @@ class SSDPlan:
     y_scale: ir.Expr | None         # readout factors free of n
     inputs: tuple[int, ...]         # region inputs the kernel reads
     generic: T.Plan                 # the selective-scan plan (run-time fallback)
+    decay_n: bool = False           # the decay varies along n too (GLA's per-key decay): the
+                                    # torch matmul form only (make_ssd_plan's decay_along_n)
 
     def describe(self) -> str:
         return (f"rows {self.p}, columns {self.n} (summed by the readout), one program per index "
@@ -146,10 +148,11 @@ class SSDPlan:
                 + (f"; readout sum_{self.n} h * ({self.c})" if self.readout is not None else ""))
 
 
-def make_ssd_plan(r: Region, float64: bool = False) -> SSDPlan | str:
+def make_ssd_plan(r: Region, float64: bool = False, decay_along_n: bool = False) -> SSDPlan | str:
     """The chunked SSD kernel's plan for `r`, or why it cannot compute it. ``float64``: plan a
     region of fp64 inputs too (the matmul-form backward of ssd_autograd.py runs them; the
-    kernel does not)."""
+    kernel does not). ``decay_along_n``: a decay that varies along the readout's axis n too
+    (``decay_n``; the torch matmul form of ssd_autograd.py computes it, the kernels do not)."""
     generic = T.make_plan(r)
     if isinstance(generic, str):
         return generic
@@ -166,7 +169,7 @@ def make_ssd_plan(r: Region, float64: bool = False) -> SSDPlan | str:
         if len(readout.axes) != 1:
             return f"the readout sums over {list(readout.axes)}, not one axis"
         n = readout.axes[0]
-        if n in dec:
+        if n in dec and not decay_along_n:
             return f"the decay varies along the readout axis {n}"
         rows = [a for a in free if a != n]
     else:
@@ -213,7 +216,7 @@ def make_ssd_plan(r: Region, float64: bool = False) -> SSDPlan | str:
                 if isinstance(x, Reduce) and x.axes != (n,):
                     return f"a final output sums over {list(x.axes)} (the kernel sums over {n} only)"
     return SSDPlan(p, n, programs, u, product(ws), product(xs), product(gs), readout, c, y_scale,
-                   generic.inputs, generic)
+                   generic.inputs, generic, decay_n=n in dec)
 
 
 # -- printing -------------------------------------------------------------------------------------
