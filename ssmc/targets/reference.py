@@ -392,6 +392,8 @@ def rank_one_scan(a, terms, b, h0, out=None):
     loop as users write it takes about ten calls a step; the executor's former stack of new
     tensors a step was slower than that loop on a CPU)."""
     T = max(a.shape[0], b.shape[0], *(x.shape[0] for uw in terms for x in uw))
+    if _differentiated(a, b, h0, *(x for uw in terms for x in uw)):
+        return _rank_one_graph(a, terms, b, h0, T)
     if out is None:
         out = torch.empty((T, *torch.broadcast_shapes(a.shape[1:], b.shape[1:], h0.shape)),
                           dtype=torch.result_type(h0, b), device=h0.device)
@@ -409,6 +411,26 @@ def rank_one_scan(a, terms, b, h0, out=None):
             o.addcmul_(u[t], torch.matmul(h, w[t]) if mat else (w[t] * h).sum(-1, keepdim=True))
         h = o
     return out
+
+
+def _differentiated(*xs) -> bool:
+    """Whether autograd records ops on xs now (in-place writes into a buffer would break it)."""
+    return torch.is_grad_enabled() and any(torch.is_tensor(x) and x.requires_grad for x in xs)
+
+
+def _rank_one_graph(a, terms, b, h0, T):
+    """rank_one_scan out of place, each step a new tensor: what autograd can differentiate
+    (`grads_by_autograd` through `run`)."""
+    a, b = (x.expand(T, *x.shape[1:]) for x in (a, b))
+    terms = [(u.expand(T, *u.shape[1:]), w.squeeze(-2).expand(T, *w.shape[1:-2], w.shape[-1])) for u, w in terms]
+    hs, h = [], h0
+    for t in range(T):
+        new = a[t] * h + b[t]
+        for u, w in terms:
+            new = new + u[t] * (w[t] * h).sum(-1, keepdim=True)
+        h = new
+        hs.append(h)
+    return torch.stack(hs)
 
 
 def _to_output(v: torch.Tensor, names, index, sizes):
@@ -459,9 +481,12 @@ def run(region: Region, inputs, chunk: int = 0):
             H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
         elif ones is not None:
             mev = Evaluator(r, inputs, t0, t1, cdt, matrix=True)
-            H = ev.eval_into(r.drive, torch.empty((t1 - t0, *state_shape), dtype=cdt, device=dev))
-            H = rank_one_scan(ev.eval(r.decay).to(cdt), [(mev.eval(u).to(cdt)[..., 0], mev.eval(w).to(cdt))
-                                                          for u, w in ones], H, h, out=H)
+            us = [(mev.eval(u).to(cdt)[..., 0], mev.eval(w).to(cdt)) for u, w in ones]
+            if _differentiated(*inputs):     # under autograd: no writes into a buffer
+                H = rank_one_scan(ev.eval(r.decay).to(cdt), us, ev.eval(r.drive).to(cdt), h)
+            else:                            # the drive straight into the states' buffer
+                H = ev.eval_into(r.drive, torch.empty((t1 - t0, *state_shape), dtype=cdt, device=dev))
+                H = rank_one_scan(ev.eval(r.decay).to(cdt), us, H, h, out=H)
         else:
             M = Evaluator(r, inputs, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
             H = mix_scan(ev.eval(r.decay).to(cdt), M, ev.eval(r.drive).to(cdt), h)
