@@ -21,6 +21,7 @@ larger chunks, each a fixed number of kernel calls and torch ops), never (L, *st
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -257,9 +258,15 @@ def _rank_one_grads(r: Region, ev, lam, H_prev, ld, e) -> list | None:
         return None
     L, Hj = lam.unsqueeze(-1), H_prev.unsqueeze(-2)          # (t, ..., i, 1), (t, ..., 1, j)
 
-    def value(fs):
+    def value(fs):              # None for no factor: nothing to multiply a state-sized value by
+        if not fs:
+            return None
         v = torch.as_tensor(ev.eval(product(fs)), dtype=lam.dtype, device=lam.device)
         return v.reshape((1,) * (nd - v.dim()) + tuple(v.shape))
+
+    def times(x, *fs):          # x times the factors there are, the small ones multiplied first
+        fs = [f for f in fs if f is not None]
+        return x * functools.reduce(torch.mul, fs) if fs else x
     out = []
     for sign, term in summands(e):
         fs = factors(term)
@@ -273,9 +280,9 @@ def _rank_one_grads(r: Region, ev, lam, H_prev, ld, e) -> list | None:
             side["i" if i_ax in ax else "j" if ir.MIX_COL in ax else "0"].append(f)
         fi, fj, f0 = value(side["i"]), value(side["j"]), value(side["0"])
         if ir.MIX_COL not in la:
-            v = L * fi * f0 * (Hj * fj).sum(-1, keepdim=True)
+            v = times(L, fi, f0) * times(Hj, fj).sum(-1, keepdim=True)
         else:
-            v = (L * fi).sum(-2, keepdim=True) * Hj * fj * f0
+            v = times(times(L, fi).sum(-2, keepdim=True) * Hj, fj, f0)
         out.append(v if sign > 0 else -v)
     return out
 

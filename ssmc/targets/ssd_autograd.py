@@ -331,12 +331,14 @@ def _kernel_backward(region, plan, inputs, grads, needs, chunk, deterministic, c
 
 
 class TorchSSDKernel:
-    """The torch target's kernel for a chunked_ssd region: `ssd_outputs` with the core in torch
-    matmuls (chunks of `chunk` steps, default CHUNK), backward by autograd through it. Per chunk
-    a few matmuls instead of a (steps, *state) tensor a chunk: on a CPU, fla's simple GLA and
-    linear attention loops run faster than as written (benchmarks/NOTES.md), where the state
-    scan ran slower. Only fp32 and fp64 inputs: the matmul form would take 16-bit inputs into
-    16-bit matmuls (`_core`), which the reference computes in fp32."""
+    """The torch target's kernel for a region with an SSD plan (chunked_ssd, and chunked_scan
+    with a decay along n too): `ssd_outputs` with the core in torch matmuls (chunks of `chunk`
+    steps, default CHUNK, DECAY_N_CHUNK for a decay along n), backward by autograd through it.
+    Per chunk a few matmuls instead of a (steps, *state) tensor a chunk: on a CPU, fla's simple
+    GLA, linear attention and GLA loops run faster than as written (benchmarks/NOTES.md), where
+    the state scan ran slower. Only fp32 and fp64 inputs: the matmul form would take 16-bit
+    inputs into 16-bit matmuls (`_core`), which the reference computes in fp32. A call of no
+    steps runs the reference."""
 
     def __init__(self, region: ir.Region, plan, chunk: int):
         self.region, self.plan, self.chunk = region, plan, chunk
@@ -356,11 +358,21 @@ class TorchSSDKernel:
             return None
         return cls(region, plan, int(chunk) if chunk > 0 else DECAY_N_CHUNK if plan.decay_n else CHUNK)
 
+    def _steps(self, inputs) -> int:
+        i, d = self.region.length
+        return inputs[i].shape[d]
+
     def forward(self, inputs):
+        from .reference import run
         with torch.no_grad():
+            if not self._steps(inputs):
+                return run(self.region, inputs)
             return ssd_outputs(self.region, self.plan, inputs, self.chunk, core="torch")
 
     def backward(self, inputs, grads, needs):
+        if not self._steps(inputs):
+            from .reference import adjoint_run
+            return adjoint_run(self.region, inputs, grads, needs)
         return ssd_backward(self.region, self.plan, inputs, grads, needs, self.chunk, core="torch")
 
     def describe(self) -> str:
