@@ -105,3 +105,17 @@ def test_16_bit_inputs_stay_on_the_reference_scan():
     assert len(rep.regions) == 1 and not any(MATMUL_FORM in n for n in rep.regions[0].notes), str(rep)
     for o, r in zip(as_tuple(out), reference(_simple_gla, ins)):
         assert rel_err(o, r) < 2e-2
+
+
+def test_a_call_too_large_for_the_matmul_form_runs_the_reference_scan(monkeypatch):
+    """The matmul form holds every chunk's state and scores at once; past TORCH_SSD_ELEMENTS a
+    call runs the reference scan (bounded chunks), with the reason in the kernel's note."""
+    from ssmc.targets import ssd_autograd
+    monkeypatch.setattr(ssd_autograd, "TORCH_SSD_ELEMENTS", 100)
+    ins = _inputs(10, True)
+    out, rep = ssmc_run(_gla, ins, target="torch")
+    refresh(rep)
+    assert "ran the reference scan: the matmul form's tensors" in " ".join(rep.regions[0].notes), str(rep)
+    for o, r in zip(as_tuple(out), reference(_gla, ins)):
+        assert rel_err(o, r) < 1e-5
+    grads_match(_gla, ins)

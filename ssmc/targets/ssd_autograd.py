@@ -38,6 +38,7 @@ from .reference import Evaluator, _to_output, autograd_inside_op, compute_dtype,
 
 CHUNK = 64
 DECAY_N_CHUNK = 16      # a decay along n: the scores' (Q, Q, n) product costs Q n a step, the state's p n
+TORCH_SSD_ELEMENTS = 1 << 26    # the torch target's matmul form: its largest tensors together, at most
 
 
 def _small(v: torch.Tensor, names: list, progs: tuple, last) -> torch.Tensor:
@@ -338,7 +339,7 @@ class TorchSSDKernel:
     GLA, linear attention and GLA loops run faster than as written (benchmarks/NOTES.md), where
     the state scan ran slower. Only fp32 and fp64 inputs: the matmul form would take 16-bit
     inputs into 16-bit matmuls (`_core`), which the reference computes in fp32. A call of no
-    steps runs the reference."""
+    steps, or one whose tensors would be too large (`_declines`), runs the reference."""
 
     def __init__(self, region: ir.Region, plan, chunk: int):
         self.region, self.plan, self.chunk = region, plan, chunk
@@ -358,23 +359,39 @@ class TorchSSDKernel:
             return None
         return cls(region, plan, int(chunk) if chunk > 0 else DECAY_N_CHUNK if plan.decay_n else CHUNK)
 
-    def _steps(self, inputs) -> int:
-        i, d = self.region.length
-        return inputs[i].shape[d]
+    last: str | None = None          # why the last call ran the reference scan (None: the matmul form)
+
+    def _declines(self, inputs) -> str | None:
+        """Why this call runs the reference scan instead: no steps, or the matmul form's largest
+        tensors (the chunks' states, the intra-chunk scores) over TORCH_SSD_ELEMENTS together
+        (the reference keeps a chunk of states near 4M elements)."""
+        r, plan, Q = self.region, self.plan, self.chunk
+        sizes = {a: inputs[i].shape[d] for a, (i, d) in zip(r.axes, r.axis_size)}
+        L = inputs[r.length[0]].shape[r.length[1]]
+        if not L:
+            return "no steps"
+        P = math.prod(sizes[a] for a in plan.programs)
+        nc = -(-L // min(Q, L))
+        big = P * nc * (sizes[plan.p] * sizes[plan.n] + Q * Q * (sizes[plan.n] if plan.decay_n else 1))
+        if big > TORCH_SSD_ELEMENTS:
+            return f"the matmul form's tensors would hold {big} elements (more than {TORCH_SSD_ELEMENTS})"
+        return None
 
     def forward(self, inputs):
         from .reference import run
+        self.last = self._declines(inputs)
         with torch.no_grad():
-            if not self._steps(inputs):
+            if self.last:
                 return run(self.region, inputs)
             return ssd_outputs(self.region, self.plan, inputs, self.chunk, core="torch")
 
     def backward(self, inputs, grads, needs):
-        if not self._steps(inputs):
+        if self._declines(inputs):
             from .reference import adjoint_run
             return adjoint_run(self.region, inputs, grads, needs)
         return ssd_backward(self.region, self.plan, inputs, grads, needs, self.chunk, core="torch")
 
     def describe(self) -> str:
-        return (f"torch target: the chunked SSD's matmul form, chunks of {self.chunk} steps "
-                f"(ssmc/targets/ssd_autograd.py)")
+        msg = (f"torch target: the chunked SSD's matmul form, chunks of {self.chunk} steps "
+               f"(ssmc/targets/ssd_autograd.py)")
+        return msg + (f"; the last call ran the reference scan: {self.last}" if self.last else "")
