@@ -382,22 +382,16 @@ def low_rank(mix_expr, row_axis: str):
 MAX_RANK = 8     # product terms a transition may have and still run as dot products (else the matrix)
 
 
-def rank_one_scan(a, terms, b, h0, out=None):
+def rank_one_scan(a, terms, out, h0):
     """mix_scan with M_t = sum_r u_rt w_rt^T (u (t, *state), w (t, *state, j) with size 1 on the
-    rows): h_t = a_t h_{t-1} + sum_r u_rt (w_rt . h_{t-1}) + b_t. ``out`` (T, *state), when
-    given, already holds every b_t (b is then ignored) and receives the states.
+    rows): h_t = a_t h_{t-1} + sum_r u_rt (w_rt . h_{t-1}) + b_t, where ``out`` (T, *state)
+    holds every b_t on entry and the states on return.
 
     Two or three torch calls a step, in place in the result: a_t h added to b_t, w . h as a
     batched mat-vec where w is one vector for all the state's other axes, u (w . h) added (the
     loop as users write it takes about ten calls a step; the executor's former stack of new
-    tensors a step was slower than that loop on a CPU)."""
-    T = max(a.shape[0], b.shape[0], *(x.shape[0] for uw in terms for x in uw))
-    if _differentiated(a, b, h0, *(x for uw in terms for x in uw)):
-        return _rank_one_graph(a, terms, b, h0, T)
-    if out is None:
-        out = torch.empty((T, *torch.broadcast_shapes(a.shape[1:], b.shape[1:], h0.shape)),
-                          dtype=torch.result_type(h0, b), device=h0.device)
-        out.copy_(b.expand(T, *b.shape[1:]))
+    tensors a step was slower than that loop on a CPU). Not differentiable: `rank_one_graph`."""
+    T = out.shape[0]
     steps = lambda x: x.expand(T, *x.shape[1:]).unbind(0)      # noqa: E731 - each step's view
     ws = []
     for u, w in terms:
@@ -418,9 +412,10 @@ def _differentiated(*xs) -> bool:
     return torch.is_grad_enabled() and any(torch.is_tensor(x) and x.requires_grad for x in xs)
 
 
-def _rank_one_graph(a, terms, b, h0, T):
+def rank_one_graph(a, terms, b, h0):
     """rank_one_scan out of place, each step a new tensor: what autograd can differentiate
     (`grads_by_autograd` through `run`)."""
+    T = max(a.shape[0], b.shape[0], *(x.shape[0] for uw in terms for x in uw))
     a, b = (x.expand(T, *x.shape[1:]) for x in (a, b))
     terms = [(u.expand(T, *u.shape[1:]), w.squeeze(-2).expand(T, *w.shape[1:-2], w.shape[-1])) for u, w in terms]
     hs, h = [], h0
@@ -483,10 +478,10 @@ def run(region: Region, inputs, chunk: int = 0):
             mev = Evaluator(r, inputs, t0, t1, cdt, matrix=True)
             us = [(mev.eval(u).to(cdt)[..., 0], mev.eval(w).to(cdt)) for u, w in ones]
             if _differentiated(*inputs):     # under autograd: no writes into a buffer
-                H = rank_one_scan(ev.eval(r.decay).to(cdt), us, ev.eval(r.drive).to(cdt), h)
+                H = rank_one_graph(ev.eval(r.decay).to(cdt), us, ev.eval(r.drive).to(cdt), h)
             else:                            # the drive straight into the states' buffer
                 H = ev.eval_into(r.drive, torch.empty((t1 - t0, *state_shape), dtype=cdt, device=dev))
-                H = rank_one_scan(ev.eval(r.decay).to(cdt), us, H, h, out=H)
+                H = rank_one_scan(ev.eval(r.decay).to(cdt), us, H, h)
         else:
             M = Evaluator(r, inputs, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
             H = mix_scan(ev.eval(r.decay).to(cdt), M, ev.eval(r.drive).to(cdt), h)
