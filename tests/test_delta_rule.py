@@ -1,6 +1,8 @@
 """Delta-rule recurrences: the state S (b, h, dk, dv) is read through k^T S and updated by a
 rank-1 product, S' = S + k (beta (v - k^T S))^T = (I - beta k k^T) S + beta k v^T: linear in S,
 the transition a matrix along dk (not the state's last dim)."""
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,10 +182,14 @@ def _on_triton(fn, ins):
     ref = as_tuple(fn(*x64))
     for o, r in zip(as_tuple(out), ref):
         assert rel_err(o, r) < 1e-6
-    got = torch.autograd.grad(sum(o.sum() for o in as_tuple(out)), xs)
+    import ssmc.targets.mix_adjoint as MA
+    flips, real = [], MA._flipped
+    with mock.patch.object(MA, "_flipped", lambda *a: flips.append(a[1].name) or real(*a)):
+        got = torch.autograd.grad(sum(o.sum() for o in as_tuple(out)), xs)
     want = torch.autograd.grad(sum(r.sum() for r in ref), x64)
     for i, (a, b) in enumerate(zip(got, want)):
         assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+    assert not flips, f"the backward flipped copies for {flips}: the kernel walks time backwards itself"
     assert not kern.scans.declined and kern.scans.kernels, kern.backward_note()
     assert all(isinstance(k, RankOneKernel) and k.fallback is None for k in kern.scans.kernels.values())
     return kern

@@ -247,6 +247,46 @@ def test_contract_against_the_product_summed(shapes, keep, monkeypatch):
     assert all(sizes.count(big) < 2 for sizes in seen), seen
 
 
+@pytest.mark.parametrize("shapes, keep", [
+    ([(4, 3, 5, 6), (4, 3, 5, 1), (4, 3, 1, 6)], (4, 3, 1, 1)),        # sum_ij lam_ij v_i k_j (beta's)
+    ([(4, 3, 5, 6), (4, 3, 5, 6), (4, 3, 1, 1)], (4, 3, 1, 1)),        # sum_ij lam_ij h_ij a (a decay's)
+    ([(4, 3, 5, 6), (1, 1, 1, 6), (4, 3, 5, 1)], (4, 1, 1, 6)),        # a dim only the largest varies along
+])
+def test_contract_pairs_the_largest_value_on_the_kernel(shapes, keep, interp, monkeypatch):
+    """Where `mul_sum` runs (as on a GPU; here the kernel under TRITON_INTERPRET), `contract`
+    sums the largest value times one other over the dims no third value varies along, merged
+    into one (`mul_sum_dims`): equal to the product summed in float64, and no torch op writes a
+    value of the largest one's size (no outer product of the small values, no full product)."""
+    from torch.overrides import TorchFunctionMode
+
+    from ssmc.targets import mul_sum as MS
+    from ssmc.targets import reference as R
+    monkeypatch.setattr(MS, "FORCE", True)
+    g = torch.Generator().manual_seed(4)
+    vals = [torch.randn(*s, generator=g) for s in shapes]
+    want = vals[0].double()
+    for v in vals[1:]:
+        want = want * v.double()
+    want = want.sum(dim=[d for d in range(4) if keep[d] == 1], keepdim=True)
+    big = max(v.numel() for v in vals)
+    written = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            views = ("expand", "as_strided", "reshape", "view", "__get__", "to", "squeeze", "unsqueeze", "narrow")
+            if isinstance(out, torch.Tensor) and out.numel() >= big and getattr(func, "__name__", "") not in views:
+                written.append(getattr(func, "__name__", str(func)))
+            return out
+    ran = []
+    real = MS.mul_sum
+    monkeypatch.setattr(MS, "mul_sum", lambda a, b, d: ran.append(d) or real(a, b, d))
+    with Watch():
+        got = R.contract(vals, keep)
+    assert got.shape == want.shape and rel_err(got, want) < 1e-6, rel_err(got, want)
+    assert ran and not written, (ran, written)
+
+
 @pytest.mark.parametrize("sa, sb, dim", [
     ((5, 3, 40, 1), (5, 3, 40, 24), 2),        # dC: summed along a strided dim, the output's contiguous
     ((5, 3, 40, 24), (5, 3, 1, 24), 3),        # dx: summed along the contiguous dim

@@ -21,7 +21,6 @@ larger chunks, each a fixed number of kernel calls and torch ops), never (L, *st
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
@@ -32,7 +31,7 @@ from ssmc import ir
 from ssmc.autodiff import GRAD_A, GRAD_B, GRAD_M, chunk_scans, mix_loads, region_adjoint
 from ssmc.ir import Region, factors, product, summands
 
-from .reference import MIX_CHUNK_ELEMENTS, Evaluator, Grads, ReferenceKernel, grads_by_autograd, run
+from .reference import MIX_CHUNK_ELEMENTS, Evaluator, Grads, Product, ReferenceKernel, contract, grads_by_autograd, run
 from .transition_grads import gram_and_rows
 
 log = logging.getLogger("ssmc")
@@ -120,7 +119,7 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
                 if adj.loads_decay:
                     evp = Evaluator(r, g.allin, s0, s1, cdt)
                     evp.state = H[s0 - t0:s1 - t0]
-                    evp.memo[GRAD_A] = part * prev
+                    evp.memo[GRAD_A] = Product((part, prev))
                     g.put(evp, adj.loads_decay)
                 _mix_grads(r, g, s0, s1, part, prev, fac, dense)
     return g.result(r, inputs, lam_next)
@@ -247,10 +246,12 @@ def _outer_product_grads(r: Region, g: Grads, t0: int, t1: int, lam, H_prev, den
 def _rank_one_grads(r: Region, ev, lam, H_prev, ld, e) -> list | None:
     """The adjoint e = sum of sign * GRAD_M * f of a load `ld` that does not vary along the
     columns j (or the rows i: the state's last axis), with dm = lam_i h_j and f a product of
-    factors each free of i or of j, as values laid out like ev's names (time, the state, j)
-    that hold its sum over j (over i): lam_i f_i (sum_j h_j f_j), or (sum_i lam_i f_i) h_j f_j
-    (the delta rule's u w^T: its k on both sides; KDA's w_j = -beta k_j exp(g_j), whose g
-    needs both). None where a factor varies along both or the load does."""
+    factors each free of i or of j, as lists of factors laid out like ev's names (time, the
+    state, j), one a summand, whose product holds its sum over j (over i): lam_i f_i (sum_j h_j
+    f_j), or (sum_i lam_i f_i) h_j f_j (the delta rule's u w^T: its k on both sides; KDA's w_j =
+    -beta k_j exp(g_j), whose g needs both). `Evaluator.accumulate` sums each list's product
+    by `contract` (on a GPU, passes of `mul_sum` that write nothing of the state's size). None
+    where a factor varies along both or the load does."""
     nd = len(ev.names)
     i_ax = r.axes[-1]
     la = ir.axes_of(ld, r.axes)
@@ -264,9 +265,11 @@ def _rank_one_grads(r: Region, ev, lam, H_prev, ld, e) -> list | None:
         v = torch.as_tensor(ev.eval(product(fs)), dtype=lam.dtype, device=lam.device)
         return v.reshape((1,) * (nd - v.dim()) + tuple(v.shape))
 
-    def times(x, *fs):          # x times the factors there are, the small ones multiplied first
-        fs = [f for f in fs if f is not None]
-        return x * functools.reduce(torch.mul, fs) if fs else x
+    def summed(dim, x, *fs):    # sum over dim of x times the factors there are (one pass on a GPU)
+        vals = [x] + [f for f in fs if f is not None]
+        shape = list(torch.broadcast_shapes(*(v.shape for v in vals)))
+        shape[dim] = 1
+        return contract(vals, shape)
     out = []
     for sign, term in summands(e):
         fs = factors(term)
@@ -279,11 +282,13 @@ def _rank_one_grads(r: Region, ev, lam, H_prev, ld, e) -> list | None:
                 return None
             side["i" if i_ax in ax else "j" if ir.MIX_COL in ax else "0"].append(f)
         fi, fj, f0 = value(side["i"]), value(side["j"]), value(side["0"])
-        if ir.MIX_COL not in la:
-            v = times(L, fi, f0) * times(Hj, fj).sum(-1, keepdim=True)
-        else:
-            v = times(times(L, fi).sum(-2, keepdim=True) * Hj, fj, f0)
-        out.append(v if sign > 0 else -v)
+        if ir.MIX_COL not in la:        # lam_i f_i f_0 (sum_j h_j f_j)
+            s = summed(-1, Hj, fj)
+            vals = [L, fi, f0]
+        else:                           # (sum_i lam_i f_i) h_j f_j f_0
+            s = summed(-2, L, fi)
+            vals = [Hj, fj, f0]
+        out.append([v for v in vals if v is not None] + [s if sign > 0 else -s])
     return out
 
 

@@ -10,7 +10,7 @@ they write and read back a product of the operands' full size. Here a program re
 each operand through its strides (0 where it is broadcast), multiplies, and sums in fp32.
 
 ``mul_sum(a, b, dim)``: a, b of one rank, broadcastable; the result has the broadcast shape
-with size 1 at `dim`. `usable(a, b)` says whether the kernel runs them (CUDA tensors of a
+with size 1 at `dim` (`mul_sum_dims`: over several consecutive dims the strides let it merge). `usable(a, b)` says whether the kernel runs them (CUDA tensors of a
 float dtype Triton sums in fp32, large enough to pay for a launch; or any device while
 ``FORCE`` is set, as the CPU tests do under TRITON_INTERPRET). If the kernel fails to compile
 or launch, the sums run as torch ops from then on: `FAILED` keeps why (logged once, and named
@@ -63,6 +63,26 @@ def usable(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _strides(t: torch.Tensor, shape) -> list:
     return list(t.expand(shape).stride())
+
+
+def mul_sum_dims(a: torch.Tensor, b: torch.Tensor, dims) -> torch.Tensor | None:
+    """sum over the consecutive `dims` (keepdim) of a * b by one `mul_sum`: the dims merged into
+    one, which both operands' strides (as broadcast) must allow; None where they do not or the
+    kernel cannot run them."""
+    dims = sorted(d % a.dim() for d in dims) if a.dim() else []
+    if not dims or dims != list(range(dims[0], dims[0] + len(dims))) or not usable(a, b):
+        return None
+    shape = list(torch.broadcast_shapes(a.shape, b.shape))
+    d0, d1 = dims[0], dims[-1]
+    views = []
+    for x in (a, b):
+        st = _strides(x, shape)
+        if any(st[d] != st[d + 1] * shape[d + 1] for d in range(d0, d1)):
+            return None
+        views.append(x.expand(shape).as_strided(shape[:d0] + [math.prod(shape[d0:d1 + 1])] + shape[d1 + 1:],
+                                                st[:d0] + [st[d1]] + st[d1 + 1:]))
+    got = mul_sum(views[0], views[1], d0)
+    return got.reshape(shape[:d0] + [1] * len(dims) + shape[d1 + 1:])
 
 
 def mul_sum(a: torch.Tensor, b: torch.Tensor, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -122,6 +122,12 @@ def compute_dtype(region: Region, inputs) -> torch.dtype:
     return torch.float64 if any(x.dtype == torch.float64 for x in inputs) else torch.float32
 
 
+class Product(tuple):
+    """A value in `Evaluator.memo` kept as its factors (tensors): `Evaluator.factor_values`
+    hands them to `contract` as they are (a gradient sum over them writes nothing of their
+    full size); `Evaluator.eval` multiplies them where an expression needs the value itself."""
+
+
 class Evaluator:
     """Evaluates expressions over [t0, t1) as tensors laid out (time, *state axes)."""
 
@@ -183,8 +189,13 @@ class Evaluator:
         view.add_(value.expand(view.shape).to(view.dtype))
 
     def factor_values(self, e) -> list:
-        """The values of the factors of a product (`ir.factors`), or [value of e]."""
-        return [self.eval(f) for f in ir.factors(e)]
+        """The values of the factors of a product (`ir.factors`), or [value of e]; a `Product`
+        in the memo as its own factors."""
+        out = []
+        for f in ir.factors(e):
+            v = self.memo.get(f)
+            out.extend(v) if isinstance(v, Product) else out.append(self.eval(f))
+        return out
 
     def eval_into(self, e, out: torch.Tensor) -> torch.Tensor:
         """e's value (broadcast to `out`'s shape) written into `out`: by its last op itself where
@@ -199,7 +210,10 @@ class Evaluator:
 
     def eval(self, e) -> torch.Tensor:
         if e in self.memo:
-            return self.memo[e]
+            v = self.memo[e]
+            if isinstance(v, Product):
+                v = self.memo[e] = functools.reduce(torch.mul, v)
+            return v
         if isinstance(e, Load):
             v = self.load(e)
         elif isinstance(e, Const):
@@ -238,6 +252,10 @@ def contract(values: list, shape) -> torch.Tensor:
     dtype = functools.reduce(torch.promote_types, [v.dtype for v in values])
     values = [v.to(dtype) for v in values]
     keep = {d for d in range(nd) if shape[d] != 1 and full[d] != 1}
+    values = _paired_sums(values, keep)
+    if len(values) == 1:
+        dims = [d for d in range(nd) if d not in keep and values[0].shape[d] != 1]
+        return values[0].sum(dim=dims, keepdim=True) if dims else values[0]
     if len(values) > 2:
         big = max(range(len(values)), key=lambda i: values[i].numel())
         rest = sorted(values[:big] + values[big + 1:], key=lambda v: v.numel())   # small ones first
@@ -254,6 +272,47 @@ def contract(values: list, shape) -> torch.Tensor:
             dims = [d for d in range(nd) if d not in keep and prod.shape[d] != 1]
             return prod.sum(dim=dims, keepdim=True) if dims else prod
     return _einsum(values, keep)
+
+
+def _paired_sums(values: list, keep) -> list:
+    """Where `mul_sum` runs them (CUDA tensors): the largest value times one other, summed over
+    the dims that no third value varies along, by one pass over each (`mul_sum.mul_sum_dims`),
+    again until no pair is left. What this takes first is the largest sum, so a product such as
+    sum_ij lam_ij v_i k_j becomes sum_i v_i (sum_j lam_ij k_j): no (i, j) outer product of the
+    small values is formed, and nothing of the large one's size is written."""
+    values = list(values)
+    nd = values[0].dim()
+    while len(values) > 1:
+        big = max(range(len(values)), key=lambda i: values[i].numel())
+        tries = []
+        for i in range(len(values)):
+            if i == big:
+                continue
+            rest = [v for j, v in enumerate(values) if j not in (i, big)]
+            dims = [d for d in range(nd) if d not in keep and values[big].shape[d] != 1
+                    and all(v.shape[d] == 1 for v in rest)]
+            for run in _runs(dims):
+                tries.append((math.prod(values[big].shape[d] for d in run), i, run))
+        got = None
+        for _, i, run in sorted(tries, key=lambda x: -x[0]):
+            got = mul_sum.mul_sum_dims(values[big], values[i], run)
+            if got is not None:
+                values = [got] + [v for j, v in enumerate(values) if j not in (i, big)]
+                break
+        if got is None:
+            break
+    return values
+
+
+def _runs(dims: list) -> list:
+    """The runs of consecutive dims in the sorted list `dims`."""
+    runs = []
+    for d in dims:
+        if runs and runs[-1][-1] == d - 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    return runs
 
 
 def _einsum(values: list, keep) -> torch.Tensor:

@@ -117,8 +117,49 @@ class RankOneKernel(T.TritonKernel):
             ins[self.given.init] = ins[self.given.init].permute(self.perm)
         return ins
 
-    def forward(self, inputs):
-        return super().forward(self.moved(inputs))
+    walks_back = True     # forward(..., backwards=, out=) runs time backwards without copies
+    _walk = None          # during such a launch: {input: time dim} read from the last step back
+
+    def forward(self, inputs, backwards: dict | None = None, out: list | None = None):
+        """The outputs; with ``backwards`` ({input: time dim}, as `mix_adjoint.walk` passes it)
+        the steps run from the last to the first: those inputs and the per-step outputs are
+        passed at their last step with the time stride negated (nothing flipped or copied), the
+        outputs written into ``out`` where given, in the inputs' time order. Calls the kernel
+        does not run go to the reference on flipped copies (`mix_adjoint._flipped`)."""
+        ins = self.moved(inputs)
+        if backwards is None and out is None:
+            return super().forward(ins)
+        from .mix_adjoint import _flipped
+        sizes, L = self.sizes(ins)
+        dev = ins[0].device
+        config = None
+        if self._why_not(ins, sizes, L) is None:
+            config = self._config(ins, T._arch(dev) if dev.type == "cuda" else None)
+        want = [(tuple(o.shape), o.dtype) for o in self.outputs(ins)]
+        if config is None or (out is not None and [(tuple(o.shape), o.dtype) for o in out] != want):
+            return _flipped(lambda xs: T.TritonKernel.forward(self, xs), self.region, ins, backwards, out)
+        self.config = config
+        self._walk = dict(backwards or {})
+        try:
+            return self.launch(ins, config, outs=out)
+        finally:
+            self._walk = None
+
+    def launch_args(self, inputs, outs) -> list:
+        args = super().launch_args(inputs, outs)
+        if self._walk is None:
+            return args
+        p = self.plan
+        tensors = [(inputs[i], self._walk.get(i)) for i in p.inputs]
+        tensors += [(o, spec.index.index("t") if "t" in spec.index else None)
+                    for o, spec in zip(outs, self.region.outputs)]
+        pos = len(tensors)                       # the strides follow the pointers (`tensor_args`)
+        for k, (x, d) in enumerate(tensors):
+            if d is not None and x.shape[d] > 1:
+                args[k] = x.narrow(d, x.shape[d] - 1, 1)
+                args[pos + d] = -x.stride(d)
+            pos += x.dim()
+        return args
 
     def forward_train(self, inputs):
         return self.forward(inputs), []          # no checkpoints: the backward runs its own scans
