@@ -61,6 +61,25 @@ def main():
         res["fwd_bwd_ms"] = bench(lambda: grads(f, xs))
         print("fwd", res["fwd_ms"], "fwd+bwd", res["fwd_bwd_ms"], flush=True)
         write()
+    if dev == "cuda":                   # host time of one call, and whether the allocator synced
+        import cProfile
+        import io
+        import pstats
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        prof = cProfile.Profile()
+        prof.enable()
+        grads(f, xs)
+        prof.disable()
+        torch.cuda.synchronize()
+        res["alloc_retries_one_call"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - before
+        res["peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        res["host_profile"] = buf.getvalue()
+        print("alloc retries", res["alloc_retries_one_call"], "peak GB", res["peak_gb"], flush=True)
+        print(buf.getvalue()[:6000], flush=True)
+        write()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:
         grads(f, xs)

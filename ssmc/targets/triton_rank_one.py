@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ssmc import ir
 from ssmc.ir import Region
 
 from . import triton as T
@@ -135,7 +136,8 @@ class RankOneKernel(T.TritonKernel):
         config = None
         if self._why_not(ins, sizes, L) is None:
             config = self._config(ins, T._arch(dev) if dev.type == "cuda" else None)
-        want = [(tuple(o.shape), o.dtype) for o in self.outputs(ins)]
+        want = [(tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index), ir.to_dtype(o.dtype))
+                for o in self.region.outputs]
         if config is None or (out is not None and [(tuple(o.shape), o.dtype) for o in out] != want):
             return _flipped(lambda xs: T.TritonKernel.forward(self, xs), self.region, ins, backwards, out)
         self.config = config
