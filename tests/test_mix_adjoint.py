@@ -322,8 +322,8 @@ def test_mul_sum_kernel(sa, sb, dim, dtype, interp, monkeypatch):
 def test_backward_sums_by_the_kernel(interp, monkeypatch):
     """The fp32 backward with its two-factor sums on the `mul_sum` kernel and the transition's
     gradients on the `transition_grads` kernel (as on a GPU) against float64 autograd; `mul_sum`
-    ran in every chunk, summing over channels and over the state; `transition_grads` for the
-    first step and the rest of each chunk, G and rs in one pass."""
+    ran in every chunk, summing over channels and over the state; `transition_grads` once a
+    chunk (the state before each step is a view of one buffer), G and rs in one pass."""
     from ssmc.targets import mul_sum as MS
     from ssmc.targets import transition_grads as TG
     monkeypatch.setattr(MS, "FORCE", True)
@@ -350,7 +350,7 @@ def test_backward_sums_by_the_kernel(interp, monkeypatch):
         if b is not None:
             assert rel_err(a, b) < 1e-5, (i, rel_err(a, b))
     assert len(ran) >= 3 * 3 and set(ran) == {2, 3}, ran    # over channels (dC, dB) and the state (dx, dt)
-    assert wants == [(True, True)] * 5 and len(tg) == 5     # chunks of 3, 3, 1 steps: 2 + 2 + 1 parts
+    assert wants == [(True, True)] * 3 and len(tg) == 3     # chunks of 3, 3, 1 steps: one pass each
 
 
 @pytest.mark.parametrize("cc", [80, 90])

@@ -88,7 +88,12 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
         lam_next = g.seed_final(r, adj, h)          # dL/dh_(t1-1) from the steps after the chunk
         for (t0, t1), h0 in reversed(list(zip(bounds, starts))):
             T = t1 - t0
-            H = scan(states.region, states.inputs(inputs, t0, t1, [h0]))[0].to(cdt)
+            # the chunk's states one step into a buffer of T+1 steps, h0 first: the state after
+            # each step (H) and before it (H_prev) are views, nothing concatenated
+            seq = torch.empty((T + 1, *state_shape), dtype=cdt, device=h0.device)
+            seq[0].copy_(h0)
+            run_into(scan, states.region, states.inputs(inputs, t0, t1, [h0]), [seq[1:]])
+            H, H_prev = seq[1:], seq[:-1]
             ev = Evaluator(r, g.allin, t0, t1, cdt)
             ev.state = H
             # the adjoint's drive at chunk index u is g_(t0+u-1) (0 at u = 0): g, the direct
@@ -110,19 +115,22 @@ def backward(region: Region, inputs, grads, needs, scan=None, steps: int | None 
             lam_next = states_of_lam[0]             # a_t0 lam_t0 + m_t0^T lam_t0
             ev.memo[GRAD_B] = lam
             g.put(ev, adj.loads_drive)
-            # what reads the state before each step, in two parts: the first step (h0) and the
-            # rest (the chunk's states but the last), views of what is there, never concatenated
-            for s0, s1, prev in ((t0, t0 + 1, h0.unsqueeze(0)), (t0 + 1, t1, H[:-1])):
-                if s1 <= s0:
-                    continue
-                part = lam[s0 - t0:s1 - t0]
-                if adj.loads_decay:
-                    evp = Evaluator(r, g.allin, s0, s1, cdt)
-                    evp.state = H[s0 - t0:s1 - t0]
-                    evp.memo[GRAD_A] = Product((part, prev))
-                    g.put(evp, adj.loads_decay)
-                _mix_grads(r, g, s0, s1, part, prev, fac, dense)
+            # what reads the state before each step
+            if adj.loads_decay:
+                ev.memo[GRAD_A] = Product((lam, H_prev))
+                g.put(ev, adj.loads_decay)
+            _mix_grads(r, g, t0, t1, lam, H_prev, fac, dense)
     return g.result(r, inputs, lam_next)
+
+
+def run_into(scan, region: Region, xs, out) -> None:
+    """Run a derived region with its outputs written into `out`: by the kernel itself where
+    `scan` is `Scans` (its kernels take ``out``, else they copy), else copied."""
+    if isinstance(scan, Scans):
+        scan(region, xs, None, out)
+    else:
+        for o, v in zip(out, scan(region, xs)):
+            o.copy_(v)
 
 
 def walk(scan, cs, xs, out) -> None:

@@ -141,7 +141,7 @@ class RankOneKernel(T.TritonKernel):
         if config is None or (out is not None and [(tuple(o.shape), o.dtype) for o in out] != want):
             return _flipped(lambda xs: T.TritonKernel.forward(self, xs), self.region, ins, backwards, out)
         self.config = config
-        self._walk = dict(backwards or {})
+        self._walk = dict(backwards) if backwards is not None else None
         try:
             return self.launch(ins, config, outs=out)
         finally:
