@@ -5,10 +5,12 @@ The sequential work is three forward regions derived from the region
 (`ssmc.autodiff.chunk_scans`), run by ``scan(region, inputs) -> outputs``: the forward kernels
 of the target that runs the region (a block-sparse kernel multiplying only the nonzero blocks,
 of the transposed mask for the adjoint; `Scans`), or the torch reference. A first pass keeps the
-state at each chunk start; then, chunk by chunk in reverse: the chunk's states from its start,
+state at each chunk start; then, chunk by chunk in reverse: the chunk's states from its start
+(written after it into one buffer, so the states after and before each step are both views),
 dL/dh_t from the outputs, lam over the chunk backwards in time (`walk`: through negated
 strides where the kernel can, else on flipped copies), and the gradients of the inputs by torch
-ops on the whole chunk (`Evaluator`; a sum of two factors by the `mul_sum` kernel on a GPU): the
+ops on the whole chunk (`Evaluator`; on a GPU a sum of products as passes of the `mul_sum`
+kernel, each the largest value times one other, `reference.contract`): the
 decay's and the drive's as in the diagonal case, and the transition's from dm_t[.., i, j] =
 lam_t[.., i] h_(t-1)[.., j]. That outer product is never formed where the matrix's adjoint is
 a product of a part along time and the rows and a part along (i, j) (m = s_t W: dW = sum over

@@ -11,8 +11,9 @@ blocked by BLOCK_D rows, one program per index of the rest). The caller's initia
 passed as a permuted view, so nothing is copied.
 
 Backward: `ssmc.targets.mix_adjoint`, its three scans (a chunk's last state, its states, lam
-with the transposed product w u^T) on kernels of this class, the gradients by torch ops
-(the rank-one sums of `_rank_one_grads`, no outer product).
+with the transposed product w u^T, which this kernel runs from the last step back through
+negated time strides: `walks_back`) on kernels of this class, the gradients by torch ops and
+`mul_sum` passes (the rank-one sums of `_rank_one_grads`, no outer product).
 """
 from __future__ import annotations
 
