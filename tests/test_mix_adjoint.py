@@ -217,6 +217,14 @@ def test_scan_that_fails_falls_back_with_the_reason(monkeypatch):
     assert f"{r.name}_adjoint (compile: RuntimeError: no kernel for {r.name}_adjoint)" in note
 
 
+def _product_summed(vals, keep):
+    """The product of `vals` in float64, summed over the dims where `keep` is 1."""
+    want = vals[0].double()
+    for v in vals[1:]:
+        want = want * v.double()
+    return want.sum(dim=[d for d in range(len(keep)) if keep[d] == 1], keepdim=True)
+
+
 @pytest.mark.parametrize("shapes, keep", [
     ([(5, 3, 6, 1), (1, 1, 6, 6), (5, 3, 1, 6), ()], (5, 3, 1, 1)),   # lam_i W_ij h_j: ds
     ([(5, 3, 4, 1), (5, 3, 4, 6)], (5, 3, 1, 6)),                      # sum_d dy h: dC
@@ -232,10 +240,7 @@ def test_contract_against_the_product_summed(shapes, keep, monkeypatch):
     g = torch.Generator().manual_seed(3)
     vals = [torch.randn(*s, generator=g) if s else torch.tensor(0.7) for s in shapes]
     vals = [v.reshape(v.shape if v.dim() else (1, 1, 1, 1)) for v in vals]
-    want = vals[0].double()
-    for v in vals[1:]:
-        want = want * v.double()
-    want = want.sum(dim=[d for d in range(4) if keep[d] == 1], keepdim=True)
+    want = _product_summed(vals, keep)
     big = max(v.numel() for v in vals)
     seen = []
     real = torch.einsum
@@ -264,10 +269,7 @@ def test_contract_pairs_the_largest_value_on_the_kernel(shapes, keep, interp, mo
     monkeypatch.setattr(MS, "FORCE", True)
     g = torch.Generator().manual_seed(4)
     vals = [torch.randn(*s, generator=g) for s in shapes]
-    want = vals[0].double()
-    for v in vals[1:]:
-        want = want * v.double()
-    want = want.sum(dim=[d for d in range(4) if keep[d] == 1], keepdim=True)
+    want = _product_summed(vals, keep)
     big = max(v.numel() for v in vals)
     written = []
 
