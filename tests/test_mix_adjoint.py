@@ -289,6 +289,25 @@ def test_contract_pairs_the_largest_value_on_the_kernel(shapes, keep, interp, mo
     assert ran and not written, (ran, written)
 
 
+def test_mul_sum_over_merged_dims(interp, monkeypatch):
+    """`mul_sum_dims` sums over consecutive dims as one where both operands' strides allow it
+    (an operand broadcast along all of them too), equal to the product summed in float64; it
+    declines (None) dims that are not consecutive and operands whose strides do not merge."""
+    from ssmc.targets import mul_sum as MS
+    monkeypatch.setattr(MS, "FORCE", True)
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(3, 4, 5, 6, generator=g)
+    b = torch.randn(3, 1, 5, 6, generator=g)
+    c = torch.randn(3, 4, 1, 1, generator=g)
+    for x, y, dims in ((a, b, [2, 3]), (a, c, [2, 3]), (a, a, [1, 2, 3]), (a, a, [0, 1])):
+        want = (x.double() * y.double()).sum(dim=dims, keepdim=True)
+        got = MS.mul_sum_dims(x, y, dims)
+        assert got is not None and got.shape == want.shape and rel_err(got, want) < 1e-6, dims
+    assert MS.mul_sum_dims(a, b, [1, 3]) is None                        # not consecutive
+    assert MS.mul_sum_dims(a, b, [1, 2, 3]) is None                     # b broadcast along 1 only
+    assert MS.mul_sum_dims(a.transpose(2, 3).contiguous().transpose(2, 3), b, [2, 3]) is None
+
+
 @pytest.mark.parametrize("sa, sb, dim", [
     ((5, 3, 40, 1), (5, 3, 40, 24), 2),        # dC: summed along a strided dim, the output's contiguous
     ((5, 3, 40, 24), (5, 3, 1, 24), 3),        # dx: summed along the contiguous dim
