@@ -120,7 +120,6 @@ class RankOneKernel(T.TritonKernel):
         return ins
 
     walks_back = True     # forward(..., backwards=, out=) runs time backwards without copies
-    _walk = None          # during such a launch: {input: time dim} read from the last step back
 
     def forward(self, inputs, backwards: dict | None = None, out: list | None = None):
         """The outputs; with ``backwards`` ({input: time dim}, as `mix_adjoint.walk` passes it)
@@ -142,18 +141,19 @@ class RankOneKernel(T.TritonKernel):
         if config is None or (out is not None and [(tuple(o.shape), o.dtype) for o in out] != want):
             return _flipped(lambda xs: T.TritonKernel.forward(self, xs), self.region, ins, backwards, out)
         self.config = config
-        self._walk = dict(backwards) if backwards is not None else None
-        try:
-            return self.launch(ins, config, outs=out)
-        finally:
-            self._walk = None
+        outs = self.outputs(ins) if out is None else list(out)
+        args, cx = self.call_args(ins, outs, config)
+        if backwards is not None:
+            args = self._walked(args, ins, outs, backwards)
+        fn = self._fn(self._module(self._cdt(ins)), config["variant"])
+        fn[self.grid(ins, config)](*args, **cx, **T.launch_options(config, dev))
+        return outs
 
-    def launch_args(self, inputs, outs) -> list:
-        args = super().launch_args(inputs, outs)
-        if self._walk is None:
-            return args
-        p = self.plan
-        tensors = [(inputs[i], self._walk.get(i)) for i in p.inputs]
+    def _walked(self, args: list, inputs, outs, backwards: dict) -> list:
+        """`launch_args` with the inputs in `backwards` and the per-step outputs passed at their
+        last step, their time strides negated."""
+        args = list(args)
+        tensors = [(inputs[i], backwards.get(i)) for i in self.plan.inputs]
         tensors += [(o, spec.index.index("t") if "t" in spec.index else None)
                     for o, spec in zip(outs, self.region.outputs)]
         pos = len(tensors)                       # the strides follow the pointers (`tensor_args`)
