@@ -61,7 +61,7 @@ def main():
         res["fwd_bwd_ms"] = bench(lambda: grads(f, xs))
         print("fwd", res["fwd_ms"], "fwd+bwd", res["fwd_bwd_ms"], flush=True)
         write()
-    if dev == "cuda":                   # host time of one call, and whether the allocator synced
+        # host time of one call, and whether the allocator synced
         import cProfile
         import io
         import pstats

@@ -11,8 +11,9 @@ each operand through its strides (0 where it is broadcast), multiplies, and sums
 
 ``mul_sum(a, b, dim)``: a, b of one rank, broadcastable; the result has the broadcast shape
 with size 1 at `dim` (`mul_sum_dims`: over several consecutive dims the strides let it merge).
-`usable(a, b)` says whether the kernel runs them (CUDA tensors of a float dtype Triton sums in fp32, large enough to pay for a launch; or any device while
-``FORCE`` is set, as the CPU tests do under TRITON_INTERPRET). If the kernel fails to compile
+`usable(a, b)` says whether the kernel runs them (CUDA tensors of a float dtype Triton sums in
+fp32, large enough to pay for a launch; or any device while ``FORCE`` is set, as the CPU tests
+do under TRITON_INTERPRET). If the kernel fails to compile
 or launch, the sums run as torch ops from then on: `FAILED` keeps why (logged once, and named
 in the backward's note), since the torch reference's own backward sums through here too.
 """

@@ -808,10 +808,14 @@ class TritonKernel:
         return self._rows_buffers
 
     # -- launching -----------------------------------------------------------------------------------
-    def outputs(self, inputs) -> list[torch.Tensor]:
+    def output_specs(self, inputs) -> list[tuple]:
+        """(shape, dtype) of each output of a call on `inputs`."""
         sizes, L = self.sizes(inputs)
-        return self.allocate([(tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index),
-                               ir.to_dtype(o.dtype)) for o in self.region.outputs], inputs[0].device)
+        return [(tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index), ir.to_dtype(o.dtype))
+                for o in self.region.outputs]
+
+    def outputs(self, inputs) -> list[torch.Tensor]:
+        return self.allocate(self.output_specs(inputs), inputs[0].device)
 
     @staticmethod
     def allocate(specs, dev) -> list[torch.Tensor]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ssmc import ir
 from ssmc.ir import Region
 
 from . import triton as T
@@ -136,9 +135,8 @@ class RankOneKernel(T.TritonKernel):
         config = None
         if self._why_not(ins, sizes, L) is None:
             config = self._config(ins, T._arch(dev) if dev.type == "cuda" else None)
-        want = [(tuple(L if ix == "t" else 1 if ix == 1 else sizes[ix] for ix in o.index), ir.to_dtype(o.dtype))
-                for o in self.region.outputs]
-        if config is None or (out is not None and [(tuple(o.shape), o.dtype) for o in out] != want):
+        fits = out is None or [(tuple(o.shape), o.dtype) for o in out] == self.output_specs(ins)
+        if config is None or not fits:
             return _flipped(lambda xs: T.TritonKernel.forward(self, xs), self.region, ins, backwards, out)
         self.config = config
         outs = self.outputs(ins) if out is None else list(out)
