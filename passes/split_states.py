@@ -7,7 +7,9 @@ comes after the loops whose states it reads; other candidates are left alone.
 States that update each other (``p, q = a*p - b*q + x, b*p + a*q``: a rotation written as two
 real states; a damped oscillator's position and velocity) are first stacked into one state with
 a new last axis, their transition a small matrix per element (`stack_states`), which
-detect_recurrence proves and block_sparse runs like any non-diagonal transition.
+detect_recurrence proves and block_sparse runs like any non-diagonal transition. So is a state
+whose update reads another one from before that one's update (``h1, h2 = a*h1 + x, b*h2 + h1``,
+or h2's line written above h1's): it needs h1 one step back, a row of the stacked transition.
 
 Two accumulators updated side by side (RWKV's numerator and denominator), an mLSTM's matrix
 memory and its normaliser, a cascade (h2 = a * h2 + h1): each state's update may read its own
@@ -100,12 +102,19 @@ def split(gm: fx.GraphModule, lp: Loop):
         elif n.op != "output":
             S[n] = frozenset().union(*(S[a] for a in n.all_input_nodes))
     deps = {i: S[outs[i]] - {i} for i in range(k)}
-    coupled = _coupled(k, deps, {i for i in range(k) if i not in S[outs[i]]})
+    # an update that reads another state's value from before that state's update (``h1, h2 =
+    # a*h1 + x, b*h2 + h1``; h2's update written first) needs h1 one step back: the two go
+    # together as one stacked state, like states that update each other
+    back = {(j, i) for i in range(k) for j in deps[i]
+            if reaches(outs[i], {carries[j]}, through_not=set(outs) - {outs[i]}) and _same_kind(carries[i], carries[j])}
+    coupled = _coupled(k, deps, {i for i in range(k) if i not in S[outs[i]]}, back)
     if coupled:                               # one group at a time: the carries renumber
         g = coupled[0]
         stack_states(gm, lp, g)
-        why = (f"the states {' and '.join(names[i] for i in g)} update each other: stacked into one "
-               f"state with a last axis of {len(g)} ({len(g)}x{len(g)} transition blocks)")
+        late = [(j, i) for j, i in sorted(back) if i in g and j in g and g not in _coupled(k, deps)]
+        how = (f"{names[late[0][1]]}'s update reads {names[late[0][0]]} from before its update" if late else
+               f"the states {' and '.join(names[i] for i in g)} update each other")
+        why = f"{how}: stacked into one state with a last axis of {len(g)} ({len(g)}x{len(g)} transition blocks)"
         if lp.n_carry == 1:
             return [lp], set(), {lp.name: why}
         loops, stand_ins, text = split(gm, lp)
@@ -193,15 +202,22 @@ def _reads_old(n: fx.Node, carry: fx.Node, new: fx.Node) -> bool:
     return n is not new and reaches(n, {carry}, through_not={new})
 
 
-def _coupled(k: int, deps: dict, delays: set = frozenset()) -> list:
+def _same_kind(a: fx.Node, b: fx.Node) -> bool:
+    return shape(a) == shape(b) and dtype(a) == dtype(b)
+
+
+def _coupled(k: int, deps: dict, delays: set = frozenset(), back: set = frozenset()) -> list:
     """Groups of two or more states whose updates read each other (strongly connected). A
     `delay` (a carried value computed from other states and not from its own previous value:
     ``hp = h`` before h's update, so that an output can read h_(t-1) and h_t) goes with the
-    states it reads: it is their value one step back, a row of their transition."""
+    states it reads: it is their value one step back, a row of their transition. A pair (j, i)
+    of `back` (i's update reads j before j's update) is grouped the same way."""
     reach = {i: set(deps[i]) for i in range(k)}
     for i in delays:
         for j in deps[i]:
             reach[j].add(i)
+    for j, i in back:
+        reach[j].add(i)
     changed = True
     while changed:
         changed = False

@@ -294,6 +294,62 @@ def test_layers_unrolled_inside_each_step():
     assert rel_err(out, reference(fn, ins)[0]) < 1e-5
 
 
+def cascade_tuple(x, a, h0):
+    """A cascade written as one tuple assignment: h2's update reads h1 from before its update."""
+    h1, h2 = h0, torch.zeros_like(h0)
+    ys = []
+    for t in range(x.shape[1]):
+        h1, h2 = a[:, t] * h1 + x[:, t], 0.5 * h2 + h1
+        ys.append(h2 - h1)
+    return torch.stack(ys, 1), h2
+
+
+def cascade_reordered(x, a, h0):
+    """The same cascade with h2's line written above h1's (and h1 read after its update too)."""
+    h1, h2 = h0, torch.zeros_like(h0)
+    ys = []
+    for t in range(x.shape[1]):
+        h2 = 0.5 * h2 + h1
+        h1 = a[:, t] * h1 + x[:, t]
+        ys.append(h2 * h1)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [cascade_tuple, cascade_reordered])
+def test_state_read_before_its_update_by_a_later_state(fn):
+    """h2 needs h1 one step back: the two are stacked (a 2x2 transition, a row of it h1's old
+    value), not declined; values and gradients against float64."""
+    g = torch.Generator().manual_seed(21)
+    ins = (torch.randn(2, 7, 3, generator=g), torch.rand(2, 7, 3, generator=g), torch.randn(2, 3, generator=g))
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
+    assert rep.regions[0].strategy == "block_sparse", str(rep)
+    assert "from before its update: stacked" in " ".join(rep.regions[0].notes), rep.regions[0].notes
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o, r) < 1e-5, str(rep)
+    xs = [x.clone().requires_grad_() for x in ins]
+    x64 = [x.double().requires_grad_() for x in ins]
+    got = torch.autograd.grad(sum(o.sum() for o in as_tuple(ssmc_run(fn, xs)[0])), xs)
+    want = torch.autograd.grad(sum(o.sum() for o in as_tuple(fn(*x64))), x64)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}"
+
+
+def test_state_read_before_its_update_in_another_shape_is_declined():
+    """Stacking needs one shape: a (b, d, n) state reading a (b, d) one from before its update
+    runs as written, with the reason."""
+    def fn(x, a):
+        h1 = torch.zeros_like(x[:, 0])
+        h2 = torch.zeros(*x[:, 0].shape, 4)
+        ys = []
+        for t in range(x.shape[1]):
+            h2 = 0.5 * h2 + h1[..., None]
+            h1 = a * h1 + x[:, t]
+            ys.append(h2.sum(-1))
+        return torch.stack(ys, 1)
+    declined(fn, (torch.randn(2, 6, 3), torch.rand(3)), "before its update together with other states")
+
+
 def test_result_read_from_the_state_before_its_update_is_declined():
     def fn(x, a):
         h = torch.zeros_like(x[:, 0])
