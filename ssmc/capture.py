@@ -227,6 +227,7 @@ def _fresh(r: fx.Node) -> bool:
 
 
 _COMPOSITE = {"lerp", "addmm", "baddbmm", "addbmm", "addmv", "addr", "einsum"}
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _SHAPED_AS = {"expand_as": torch.broadcast_to, "view_as": torch.reshape, "reshape_as": torch.reshape}
 
 
@@ -234,7 +235,8 @@ def decompose_composites(graph: fx.Graph) -> int:
     """Composite ops of a step body written as the plain ops they are, so that the passes after
     re-rolling see the linear ops they know: ``lerp(h, x, w)`` is ``h + w * (x - h)``;
     ``addmm(b, h, W)`` is ``beta * b + alpha * (h @ W)``, and ``baddbmm``, ``addbmm`` (summed
-    over the batch), ``addmv`` and ``addr`` (an outer product) alike; an einsum that sums over
+    over the batch), ``addmv`` and ``addr`` (an outer product) alike; ``F.linear(h, W, b)`` (an
+    ``nn.Linear`` applied to the state) is ``h @ W.T + b``; an einsum that sums over
     nothing (``"bdn,bdn->bdn"``, ``"bd,bn->bdn"``) is the product of its operands' views; and
     ``x.expand_as(h)`` (``view_as``, ``reshape_as``) takes h's static shape, not h, so that the
     state's shape read there is no use of the state. Only the loop's own body
@@ -247,6 +249,13 @@ def decompose_composites(graph: fx.Graph) -> int:
             size = shape(n.args[1]) if isinstance(n.args[1], fx.Node) else None
             if size is not None and all(isinstance(k, int) for k in size):
                 n.replace_all_uses_with(b.call(n, _SHAPED_AS[n.target], (n.args[0], tuple(size))))
+                graph.erase_node(n)
+                count += 1
+            continue
+        if n.op == "call_function" and n.target in _LINEAR:
+            r = _linear_as_matmul(b, n)
+            if r is not None:
+                n.replace_all_uses_with(r)
                 graph.erase_node(n)
                 count += 1
             continue
@@ -288,6 +297,17 @@ def decompose_composites(graph: fx.Graph) -> int:
         graph.erase_node(n)
         count += 1
     return count
+
+
+def _linear_as_matmul(b: _Builder, n: fx.Node) -> fx.Node | None:
+    """``linear(x, W, bias)`` as ``x @ W.T + bias`` (None for a weight that is not a matrix)."""
+    names = ("input", "weight", "bias")
+    args = dict(zip(names, n.args), **{k: v for k, v in n.kwargs.items() if k in names})
+    x, w, bias = args.get("input"), args.get("weight"), args.get("bias")
+    if not isinstance(w, fx.Node) or len(shape(w) or ()) != 2 or len(n.args) + len(n.kwargs) > 3:
+        return None
+    r = b.call(n, torch.matmul, (x, b.call(n, torch.transpose, (w, 0, 1))))
+    return r if bias is None else b.call(n, torch.add, (r, bias))
 
 
 def _einsum_as_product(b: _Builder, n: fx.Node) -> fx.Node | None:

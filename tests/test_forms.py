@@ -1,8 +1,10 @@
 """Every capture form, every recurrence family: one region, equal to float64 eager."""
+import copy
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import programs as P
 from conftest import TOL, as_tuple, declined, grads_match, reference, rel_err, ssmc_run, writes_states
@@ -668,9 +670,19 @@ def _einsum_products(x, z, W, v):
     return torch.stack(ys, 1)
 
 
-@pytest.mark.parametrize("fn", [_lerp, _addmm, _baddbmm_addr, _einsum_products])
+def _linear(x, z, W, v):
+    """F.linear on the state (with a bias, and without), and on the input."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = F.linear(h, 0.3 * W, v) + F.linear(x[:, t], W.T)
+        ys.append(F.linear(h, W[:1]).squeeze(-1))
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_lerp, _addmm, _baddbmm_addr, _einsum_products, _linear])
 def test_composite_ops_in_the_step(fn):
-    """lerp, addmm, addmv, baddbmm, addr and einsums that sum over nothing in a step are written as the plain ops they are
+    """lerp, addmm, addmv, baddbmm, addr, linear and einsums that sum over nothing in a step are written as the plain ops they are
     (in the loop's body only): one region, values and gradients equal to float64 eager."""
     g = torch.Generator().manual_seed(23)
     ins = (torch.randn(2, 7, 3, generator=g), torch.rand(2, 7, 3, generator=g), torch.randn(3, 3, generator=g),
@@ -1048,3 +1060,33 @@ def test_mixer_written_with_associative_scan_on_the_gpu(mode):
     want = torch.autograd.grad(sum(r.sum() for r in ref), x64)
     for i, (p, q) in enumerate(zip(got, want)):
         assert rel_err(p.cpu(), q) < 1e-4, f"input {i}"
+
+
+def test_linear_module_on_the_state():
+    """A linear RNN written with nn.Linear modules (``h = A(h) + B(x_t)``, readout ``C(h)``):
+    one non-diagonal region; values and the modules' gradients against float64."""
+    class RNN(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.A, self.B, self.C = torch.nn.Linear(d, d), torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, 2)
+            with torch.no_grad():
+                self.A.weight.mul_(0.3)
+
+        def forward(self, x):
+            h = x.new_zeros(x.shape[0], x.shape[2])
+            ys = []
+            for x_t in x.unbind(1):
+                h = self.A(h) + self.B(x_t)
+                ys.append(self.C(h))
+            return torch.stack(ys, 1)
+    torch.manual_seed(25)
+    m, x = RNN(4), torch.randn(2, 7, 4)
+    out, rep = ssmc_run(m, (x,))
+    assert len(rep.regions) == 1 and rep.regions[0].strategy == "block_sparse" and not rep.fallbacks, str(rep)
+    m64 = copy.deepcopy(m).double()
+    assert rel_err(out, m64(x.double())) < 1e-5
+    out = ssmc_run(m, (x.clone().requires_grad_(),))[0]
+    got = torch.autograd.grad(out.sum(), list(m.parameters()))
+    want = torch.autograd.grad(m64(x.double()).sum(), list(m64.parameters()))
+    for (name, _), a, b in zip(m.named_parameters(), got, want):
+        assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.3g}"
