@@ -1062,23 +1062,27 @@ def test_mixer_written_with_associative_scan_on_the_gpu(mode):
         assert rel_err(p.cpu(), q) < 1e-4, f"input {i}"
 
 
-def test_linear_module_on_the_state():
-    """A linear RNN written with nn.Linear modules (``h = A(h) + B(x_t)``, readout ``C(h)``):
-    one non-diagonal region; values and the modules' gradients against float64."""
-    class RNN(torch.nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.A, self.B, self.C = torch.nn.Linear(d, d), torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, 2)
-            with torch.no_grad():
-                self.A.weight.mul_(0.3)
+class _LinearRNN(torch.nn.Module):
+    """A linear RNN written with nn.Linear modules: ``h = A(h) + B(x_t)``, readout ``C(h)``."""
+    def __init__(self, d):
+        super().__init__()
+        self.A, self.B, self.C = torch.nn.Linear(d, d), torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, 2)
+        with torch.no_grad():
+            self.A.weight.mul_(0.3)
 
-        def forward(self, x):
-            h = x.new_zeros(x.shape[0], x.shape[2])
-            ys = []
-            for x_t in x.unbind(1):
-                h = self.A(h) + self.B(x_t)
-                ys.append(self.C(h))
-            return torch.stack(ys, 1)
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], x.shape[2])
+        ys = []
+        for x_t in x.unbind(1):
+            h = self.A(h) + self.B(x_t)
+            ys.append(self.C(h))
+        return torch.stack(ys, 1)
+
+
+def test_linear_module_on_the_state():
+    """nn.Linear on the state: one non-diagonal region; values and the modules' gradients
+    against float64."""
+    RNN = _LinearRNN
     torch.manual_seed(25)
     m, x = RNN(4), torch.randn(2, 7, 4)
     out, rep = ssmc_run(m, (x,))
@@ -1090,3 +1094,15 @@ def test_linear_module_on_the_state():
     want = torch.autograd.grad(m64(x.double()).sum(), list(m64.parameters()))
     for (name, _), a, b in zip(m.named_parameters(), got, want):
         assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.3g}"
+
+
+@pytest.mark.gpu
+def test_linear_module_on_the_state_on_the_gpu():
+    """The same module on CUDA (target auto), 16 channels, L 300, against float64 on the CPU."""
+    torch.manual_seed(26)
+    m, x = _LinearRNN(16), torch.randn(2, 300, 16)
+    with torch.no_grad():
+        m.A.weight.mul_(0.5)
+    out, rep = ssmc_run(copy.deepcopy(m).cuda(), (x.cuda(),))
+    assert len(rep.regions) == 1 and rep.regions[0].strategy == "block_sparse" and not rep.fallbacks, str(rep)
+    assert rel_err(out.cpu(), copy.deepcopy(m).double()(x.double())) < 1e-4, str(rep)

@@ -378,6 +378,18 @@ def test_new_forms_on_the_gpu(name):
         assert rel_err(o.cpu(), r) < 1e-4, str(rep)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", [cascade_tuple, cascade_reordered])
+def test_state_read_before_its_update_on_the_gpu(fn):
+    """The stacked cascade on CUDA (target auto), L 280, against float64 eager on the CPU."""
+    g = torch.Generator().manual_seed(22)
+    ins = (torch.randn(2, 280, 3, generator=g), torch.rand(2, 280, 3, generator=g), torch.randn(2, 3, generator=g))
+    out, rep = ssmc_run(fn, tuple(x.cuda() for x in ins))
+    assert len(rep.regions) == 1 and rep.regions[0].strategy == "block_sparse" and not rep.fallbacks, str(rep)
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o.cpu(), r) < 1e-4, str(rep)
+
+
 def test_stabilised_accumulators_name_the_max():
     """RWKV-4's log-space form: numerator and denominator rescaled by a running maximum
     (m = max(m + w, k)). The maximum is no linear update; the reason names it."""
