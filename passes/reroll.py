@@ -150,11 +150,13 @@ class _Segment:
         self.e = s + K * L
         # families read at the same indices in every step (a[l] of an inner loop over layers,
         # unrolled inside each step) are loop invariants here, not reads along this loop's time
+        # (so are reads made before the loop that every step uses alike: ``a, b = cc[0], cc[1]``)
         seen: dict = defaultdict(lambda: (set(), set()))
         for p in range(s, min(s + 2 * K, len(nodes))):
-            r = reads.get(nodes[p])
-            if r is not None:
-                seen[r[0]][(p - s) // K].add(r[1])
+            for a in (nodes[p], *nodes[p].all_input_nodes):
+                r = reads.get(a)
+                if r is not None:
+                    seen[r[0]][(p - s) // K].add(r[1])
         fixed = {f for f, (a, b) in seen.items() if a and a == b}
         self.reads = {n: r for n, r in reads.items() if r[0] not in fixed} if fixed else reads
         self.strides = self._strides() if step > 0 and L >= 2 else {}

@@ -1106,3 +1106,34 @@ def test_linear_module_on_the_state_on_the_gpu():
     out, rep = ssmc_run(copy.deepcopy(m).cuda(), (x.cuda(),))
     assert len(rep.regions) == 1 and rep.regions[0].strategy == "block_sparse" and not rep.fallbacks, str(rep)
     assert rel_err(out.cpu(), copy.deepcopy(m).double()(x.double())) < 1e-4, str(rep)
+
+
+def _invariants_from_one_tensor(x, p):
+    a, b = p[0], p[1]                   # two rows of one parameter, read before the loop
+    c = p[2, 0]
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = a * h + b * x[:, t]
+        ys.append(c * h)
+    return torch.stack(ys, 1)
+
+
+def _invariants_unpacked(x, p):
+    a, b, c = p.unbind(0)               # the same, unpacked
+    h1, h2 = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0])
+    ys = []
+    for x_t in x.unbind(1):
+        h1, h2 = a * h1 + 0.2 * h2 + x_t, b * h2 + c * h1
+        ys.append(h2)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_invariants_from_one_tensor, _invariants_unpacked])
+def test_invariants_read_from_one_tensor_before_the_loop(fn):
+    """Reads of one tensor at a few indices before the loop, used alike by every step, are
+    loop invariants, not a second loop's time reads that keep the real loop from re-rolling."""
+    g = torch.Generator().manual_seed(27)
+    ins = (torch.randn(2, 7, 3, generator=g), 0.3 + 0.5 * torch.rand(3, 3, generator=g))
+    check(fn, ins)
+    grads_match(fn, ins)
