@@ -409,3 +409,62 @@ def test_stabilised_accumulators_name_the_max():
     g = torch.Generator().manual_seed(13)
     declined(fn, (torch.randn(2, 6, 3, generator=g), torch.randn(2, 6, 3, generator=g), torch.randn(3, generator=g),
                   torch.randn(3, generator=g)), "goes through `maximum`")
+
+
+def _random_multi_state(rng) -> str:
+    """The source of a loop of 2 or 3 states of one shape, each updated linearly from its own
+    value, some of the others (old or new, as the statement order or a tuple assignment makes
+    it) and the input, with coefficients constant, per-step or read from a parameter matrix."""
+    k, rank3 = rng.choice([2, 2, 3]), rng.random() < 0.4
+    e = ", :, None" if rank3 else ""
+
+    def coef(i, j):
+        r = rng.random()
+        return (f"{rng.uniform(-0.5, 0.5):.3f}" if r < 0.4 else
+                f"0.3 * torch.tanh(w[:, t, {j}, None{', None' if rank3 else ''}])" if r < 0.7 else f"c{i}{j}")
+    exprs = {}
+    for i in range(k):
+        decay = rng.choice([f"torch.sigmoid(z[:, t{e}])", f"{rng.uniform(0.3, 0.95):.3f}",
+                            f"torch.exp(-F.softplus(z[:, t{e}] + {i}))"])
+        terms = [f"{decay} * h{i}"] + [f"{coef(i, j)} * h{j}" for j in range(k) if j != i and rng.random() < 0.6]
+        terms.append("x[:, t, :, None] * u[:, t, None, :]" if rank3 else f"{rng.uniform(0.5, 1.5):.2f} * x[:, t]")
+        exprs[i] = " + ".join(terms)
+    order = rng.sample(range(k), k)
+    body = ([f"{', '.join(f'h{i}' for i in order)} = {', '.join(exprs[i] for i in order)}"]
+            if rng.random() < 0.35 else [f"h{i} = {exprs[i]}" for i in order])
+    out = " + ".join(f"{rng.uniform(-1, 1):.2f} * h{i}" for i in range(k))
+    shape = "x.shape[0], x.shape[2], 4" if rank3 else "x.shape[0], x.shape[2]"
+    lines = ["def program(x, z, w, u, cc):"]
+    lines += [f"    c{i}{j} = cc[{i}, {j}]" for i in range(k) for j in range(k) if i != j]
+    lines += [f"    h{i} = torch.zeros({shape})" for i in range(k)]
+    lines += ["    ys = []", "    for t in range(x.shape[1]):"] + ["        " + b for b in body]
+    lines += [f"        ys.append({out})", "    return torch.stack(ys, 1), h0"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_multi_state_loops(seed):
+    """Random loops of several linear states (coupled, cascaded, read before or after their
+    update, tuple or sequential assignment): each compiles to regions (stacked or split) with no
+    fallback, and values and gradients equal float64 eager."""
+    import random
+    src = _random_multi_state(random.Random(seed))
+    ns = {"torch": torch, "F": torch.nn.functional}
+    exec(src, ns)
+    fn = ns["program"]
+    g = torch.Generator().manual_seed(seed)
+    L = (3, 5, 9)[seed % 3]
+    ins = (torch.randn(2, L, 3, generator=g), torch.randn(2, L, 3, generator=g), torch.randn(2, L, 3, generator=g),
+           torch.randn(2, L, 4, generator=g), 0.4 * torch.randn(3, 3, generator=g))
+    out, rep = ssmc_run(fn, ins)
+    assert rep.regions and not rep.fallbacks, f"{rep}\n{src}"
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o, r) < 1e-5, f"{rep}\n{src}"
+    xs = [x.clone().requires_grad_() for x in ins]
+    x64 = [x.double().requires_grad_() for x in ins]
+    got = torch.autograd.grad(sum(o.sum() for o in as_tuple(ssmc_run(fn, xs)[0])), xs, allow_unused=True)
+    want = torch.autograd.grad(sum(o.sum() for o in as_tuple(fn(*x64))), x64, allow_unused=True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), f"input {i}\n{src}"
+        if a is not None:
+            assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}\n{src}"
