@@ -436,7 +436,7 @@ def _random_multi_state(rng) -> str:
     shape = "x.shape[0], x.shape[2], 4" if rank3 else "x.shape[0], x.shape[2]"
     lines = ["def program(x, z, w, u, cc):"]
     lines += [f"    c{i}{j} = cc[{i}, {j}]" for i in range(k) for j in range(k) if i != j]
-    lines += [f"    h{i} = torch.zeros({shape})" for i in range(k)]
+    lines += [f"    h{i} = x.new_zeros({shape})" for i in range(k)]
     lines += ["    ys = []", "    for t in range(x.shape[1]):"] + ["        " + b for b in body]
     lines += [f"        ys.append({out})", "    return torch.stack(ys, 1), h0"]
     return "\n".join(lines) + "\n"
@@ -468,3 +468,22 @@ def test_random_multi_state_loops(seed):
         assert (a is None) == (b is None), f"input {i}\n{src}"
         if a is not None:
             assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}\n{src}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(12))
+def test_random_multi_state_loops_on_the_gpu(seed):
+    """The random multi-state loops on CUDA (target auto: stacked states of 2 or 3 on the
+    block-sparse kernels, split ones on the scans), L 40, against float64 eager on the CPU."""
+    import random
+    src = _random_multi_state(random.Random(seed))
+    ns = {"torch": torch, "F": torch.nn.functional}
+    exec(src, ns)
+    fn = ns["program"]
+    g = torch.Generator().manual_seed(seed)
+    ins = (torch.randn(2, 40, 3, generator=g), torch.randn(2, 40, 3, generator=g), torch.randn(2, 40, 3, generator=g),
+           torch.randn(2, 40, 4, generator=g), 0.4 * torch.randn(3, 3, generator=g))
+    out, rep = ssmc_run(fn, tuple(x.cuda() for x in ins))
+    assert rep.regions and not rep.fallbacks, f"{rep}\n{src}"
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o.cpu(), r) < 1e-4, f"{rep}\n{src}"
