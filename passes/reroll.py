@@ -275,11 +275,49 @@ MAX_DEPTH = 4      # a step may read values computed up to this many steps back 
 # -- finding unrolled loops -----------------------------------------------------------------
 
 def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
+    loops, spans, failed = [], [], []      # spans: (first, last) node of each loop's steps
+    for _ in range(MAX_ROUNDS):     # again on the reads no loop took: a second loop over the
+        # same tensor (a bidirectional layer's backward scan), or over the stacked values of
+        # the first one (``ys[t]``, see `gather_steps`); the graph is read anew each round
+        before = len(loops)
+        _find_round(gm, loops, spans, failed)
+        if len(loops) == before:
+            break
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    covered = [(pos[a], pos[b] + 1) for a, b in spans]
+    taken = {n for lp in loops for n in lp.erase}
+    said = set()
+    for a0, src, msg, members in failed:    # reads inside a loop found later (an inner loop
+        # unrolled within each step), or taken into one, or of a loop's own stacked steps, are not news
+        if not any(lo <= pos.get(a0, -1) < hi for lo, hi in covered) and not any(n in taken for n in members) \
+                and src not in taken and msg not in said:
+            said.add(msg)
+            ctx.fallbacks.append((src.name, msg))
+            log.info("ssmc: %s", msg)
+    return loops
+
+
+MAX_ROUNDS = 4
+
+
+def _find_round(gm, loops, spans, failed) -> None:
+    """One search over the read families, leaving out reads first used inside a loop already
+    found; appends to loops, spans (their steps' first and last nodes) and failed."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     found = find_reads(gm.graph)
+    covered = [(pos[a], pos[b] + 1) for a, b in spans]
+
+    def cover(seg):
+        spans.append((nodes[seg.s], nodes[seg.e - 1]))
+        covered.append((seg.s, seg.e))
+
+    def first_use(n):
+        return min((pos[u] for u in n.users if u in pos), default=pos[n])
     fams: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for n, rs in found.items():
+        if covered and any(lo <= first_use(n) < hi for lo, hi in covered):
+            continue
         for r in rs:
             fams[(pos[r.source], r.dim, r.width)][r.index].append(n)
     fams = {k: v for k, v in fams.items() if len(v) >= 2}
@@ -295,45 +333,39 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
         alts = _runs(by_idx, pos)
         if alts:
             runs.append((*alts[0], key, alts[1:]))
-    loops, covered, failed = [], [], []
     for a0, K, L, step, key, alts in sorted(runs, key=lambda r: r[:4]):
         if any(lo <= a0 < hi for lo, hi in covered):
             continue
-        found, seg, why = _first_loop(gm, nodes, pos, reads, a0, K, L, step)
+        found_lp, seg, why = _first_loop(gm, nodes, pos, reads, a0, K, L, step)
         for b0, K2, L2, step2 in alts:     # a shorter chain of another stride (steps that
-            if found is not None:          # alternate: `if t % 2`, a loop over pairs of steps)
+            if found_lp is not None:       # alternate: `if t % 2`, a loop over pairs of steps)
                 break
             if not any(lo <= b0 < hi for lo, hi in covered):
-                found, seg, _ = _first_loop(gm, nodes, pos, reads, b0, K2, L2, step2)
-        if found is None:
+                found_lp, seg, _ = _first_loop(gm, nodes, pos, reads, b0, K2, L2, step2)
+        if found_lp is None:
             src = nodes[key[0]]
             msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
             if key[2] == 1:
-                failed.append((a0, src.name, msg, [n for ns in fams[key].values() for n in ns]))
+                failed.append((nodes[a0], src, msg, [n for ns in fams[key].values() for n in ns]))
             else:        # equal slices (q, k, v cut from one tensor) are often no loop at all
                 log.debug("ssmc: slices of width %d: %s", key[2], msg)
-        else:
-            if seg.step > 0:                # a reverse loop's reads run forward first (below)
-                _shift_passed_values(gm, found)
-            covered.append((seg.s, seg.e))
-            if _reads_previous_state(found):
-                found, seg = _rotated(gm, seg, found)
-                covered.append((seg.s, seg.e))
-            if _reads_previous_state(found):
-                _delay_previous_states(gm, found)
-            _cat_accumulators(found)
-            _chunk_views(gm, found)
-            if seg.step < 0:
-                _run_forward(gm, found)
-                _shift_passed_values(gm, found)
-            loops.append(found)
-    taken = {n for lp in loops for n in lp.erase}
-    for a0, name, msg, members in failed:   # reads inside a loop found later (an inner loop
-        # unrolled within each step), or taken into one, are not news
-        if not any(lo <= a0 < hi for lo, hi in covered) and not any(n in taken for n in members):
-            ctx.fallbacks.append((name, msg))
-            log.info("ssmc: %s", msg)
-    return loops
+            continue
+        if seg.step > 0:                # a reverse loop's reads run forward first (below)
+            _shift_passed_values(gm, found_lp)
+        cover(seg)
+        if _reads_previous_state(found_lp):
+            found_lp, seg = _rotated(gm, seg, found_lp)
+            cover(seg)
+        if _reads_previous_state(found_lp):
+            _delay_previous_states(gm, found_lp)
+        _cat_accumulators(found_lp)
+        _chunk_views(gm, found_lp)
+        if seg.step < 0:
+            _run_forward(gm, found_lp)
+            _shift_passed_values(gm, found_lp)
+        loops.append(found_lp)
+        if gather_steps(gm, found_lp):      # the graph changed: the next round reads it anew
+            return
 
 
 def _first_loop(gm, nodes, pos, reads, a0, K, L, step):
@@ -866,6 +898,8 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
     # values leaving the loop: stacked sinks, last-step values, nothing else
     sinks: dict[fx.Node, tuple] = {}
     last_uses: dict[tuple, list] = defaultdict(list)
+    gathered: dict[int, list] = defaultdict(list)
+    outside = []
     for p in range(seg.s, seg.e):
         n = nodes[p]
         for u in n.users:
@@ -877,15 +911,29 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
             sink = _stack_sink(u, seg)
             if sink is not None:
                 sinks[u] = sink
-            elif k == L - 1:
-                last_uses[(j, 0)].append(n)
-            elif (j, L - 1 - k) in carry_ph:   # an earlier step's value, still carried at the end
-                last_uses[(j, L - 1 - k)].append(n)
             else:
-                raise _NotALoop(f"{u.name} uses {n.name}, a value of step {k}, after the loop")
+                outside.append((u, n, k, j))
+    # ys[t] of a list read by later code: a slot any step of which is read there other than at
+    # the end (its last value, or one still carried) is stacked, and all its reads go there
+    stacked = {j for u, n, k, j in outside if k != L - 1 and (j, L - 1 - k) not in carry_ph}
+    for u, n, k, j in outside:
+        if j in stacked:
+            gathered[j].append((u, n, k))
+        elif k == L - 1:
+            last_uses[(j, 0)].append(n)
+        else:                              # an earlier step's value, still carried at the end
+            last_uses[(j, L - 1 - k)].append(n)
     for u, (j, kind, dim, pre, post, rev) in sinks.items():
         results.append(Result("steps", kind, dim, [u], prefix=pre, suffix=post, reverse=rev))
         result_vals.append(env[tmpl[j]])
+    gathers = []
+    for j, uses in gathered.items():      # its stack node made once the loop is taken, in time
+        rev = seg.step < 0                # order (a reverse loop's last step first)
+        results.append(Result("steps", "stack", 0, [], reverse=rev))
+        result_vals.append(env[tmpl[j]])
+        steps = [nodes[s + k * K + j] for k in range(L)]
+        gathers.append((results[-1], steps[::-1] if rev else steps, [(u, n, L - 1 - k if rev else k)
+                                                                     for u, n, k in uses]))
     for (j, m), outer in last_uses.items():
         results.append(Result("last", replace=list(dict.fromkeys(outer))))
         result_vals.append(env[tmpl[j]] if m == 0 else carry_ph[(j, m)])
@@ -922,7 +970,26 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
             inits.append(next(n for n, r in seg.reads.items() if pos[n] < s and (r[0], r[1], _freeze(r[2], str)) == b[1:]))
         else:
             inits.append(nodes[b[1]] if isinstance(b, tuple) and b and b[0] == "I" else b)
-    return Loop("", gm_body, L, inits, reads, invariants, results, erase, anchor=nodes[seg.s], made=made)
+    return Loop("", gm_body, L, inits, reads, invariants, results, erase, anchor=nodes[seg.s], made=made,
+                gathers=gathers)
+
+
+def gather_steps(gm, lp: Loop) -> bool:
+    """For a loop taken: the values of single steps that code after the loop reads (``ys[t]``
+    of a list another loop walks) become reads of one stacked result, ``stack(ys)[t]``, made
+    right after the last of them. Done only once the loop is taken, so that the graph the
+    search walks does not change under it; True when it changed the graph."""
+    mode = _fake_mode(gm.graph)
+    for res, steps, uses in lp.gathers:
+        b = _Builder(gm.graph, mode)
+        last = max(steps, key={n: i for i, n in enumerate(gm.graph.nodes)}.get)
+        st = b.call(last.next, torch.stack, (list(steps), 0))      # right after the last one
+        for u, n, i in uses:
+            u.replace_input_with(n, b.call(u, operator.getitem, (st, i)))
+        res.replace.append(st)
+        lp.erase.append(st)
+    done, lp.gathers = bool(lp.gathers), []
+    return done
 
 
 def _tables(seg: _Segment, T: int) -> dict:

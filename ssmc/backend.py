@@ -19,6 +19,7 @@ from .assemble import AssembleError
 from .capture import erase_unused
 from .explain import Dumper, GraphReport, RegionInfo, Report
 from .lower import Lowering, finish_lowering
+from .ops import impure
 from .options import Options, make_options
 
 log = logging.getLogger("ssmc")
@@ -218,10 +219,14 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
                           cand.loop.python(), entry.source, entry.key, list(cand.notes),
                           getattr(entry.kernel, "cache_status", ""), entry.region)
 
+    pending = list(live)           # what loops not lowered yet made stays until they are
     for cand in reversed(live):
+        pending.remove(cand)
+        keep = {n for c in pending for n in c.loop.made}
         if cand.split is not None:
             if cand is cand.split.members[-1]:       # the whole split loop, once
-                lowered.extend(reversed([info(m, e) for m, e in _lower_split(gm, cand.split, ctx, opts, greport)]))
+                lowered.extend(reversed([info(m, e) for m, e in _lower_split(gm, cand.split, ctx, opts, greport,
+                                                                             keep)]))
             continue
         try:
             entry = _compile_region(cand, ctx, opts)
@@ -230,11 +235,13 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
             continue
         register(entry)
         try:
-            Lowering(gm, cand, entry.key).run()
+            Lowering(gm, cand, entry.key, keep).run()
         except Exception as e:
             log.debug("ssmc: lowering failed", exc_info=True)
             raise RuntimeError(f"lowering {cand.name} failed: {e}") from e
         lowered.append(info(cand, entry))
+    gm.graph.eliminate_dead_code(is_impure_node=impure)    # what a loop that failed to compile made
+    gm.recompile()
     greport.regions.extend(reversed(lowered))
     for group in getattr(ctx, "groups", []):
         greport.groups.append(_lower_group(gm, group, opts, device, arch))
@@ -246,7 +253,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     return len(lowered)
 
 
-def _lower_split(gm, split, ctx, opts, greport) -> list:
+def _lower_split(gm, split, ctx, opts, greport, keep=frozenset()) -> list:
     """The pieces of a split loop (split_states), lowered in order before the loop: each piece's
     stacked per-step values replace the stand-ins later pieces read; the loop's nodes go at the
     end. When a piece fails to compile, the loop runs as written. Returns [(candidate, entry)]."""
@@ -278,7 +285,7 @@ def _lower_split(gm, split, ctx, opts, greport) -> list:
                 if n in split.bridges:
                     v.meta.setdefault("example_value", n.meta.get("example_value"))
                     given[n] = v
-    finish_lowering(gm, split.erase)
+    finish_lowering(gm, split.erase, keep)
     return list(zip(split.members, entries))
 
 

@@ -55,9 +55,10 @@ class _Vmapped:
 
 
 class Lowering:
-    def __init__(self, gm: fx.GraphModule, cand, key: str):
+    def __init__(self, gm: fx.GraphModule, cand, key: str, keep=frozenset()):
         self.gm, self.g, self.cand, self.key = gm, gm.graph, cand, key
         self.loop, self.plan = cand.loop, cand.plan
+        self.keep = keep          # nodes made for loops lowered later: no dead code yet
 
     def _narrow(self, node, dim, start):
         L = self.loop.length
@@ -122,7 +123,7 @@ class Lowering:
             g.erase_node(n)
         self.values = vals
         if finish:
-            finish_lowering(self.gm, lp.erase)
+            finish_lowering(self.gm, lp.erase, self.keep)
 
 
     def _pre(self) -> dict:
@@ -200,8 +201,10 @@ class Lowering:
             n.replace_all_uses_with(v)
 
 
-def finish_lowering(gm: fx.GraphModule, erase: list) -> None:
-    """Erase a loop's outer nodes (its writes into buffers too) and what became dead."""
+def finish_lowering(gm: fx.GraphModule, erase: list, keep=frozenset()) -> None:
+    """Erase a loop's outer nodes (its writes into buffers too) and what became dead, but for
+    `keep` (nodes made for loops lowered later, which nothing uses until then: a reverse
+    loop's flipped inputs)."""
     g = gm.graph
     for n in reversed(erase):
         if n.graph is g and not getattr(n, "_erased", False):
@@ -209,7 +212,8 @@ def finish_lowering(gm: fx.GraphModule, erase: list) -> None:
                 if u.op == "call_function" and u.target is operator.setitem:
                     g.erase_node(u)
             g.erase_node(n)
-    g.eliminate_dead_code(is_impure_node=impure)   # in-place writes stay (out.index_add_(...))
+    # in-place writes stay (out.index_add_(...))
+    g.eliminate_dead_code(is_impure_node=lambda n: impure(n) or n in keep)
     gm.recompile()
 
 

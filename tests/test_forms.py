@@ -1137,3 +1137,77 @@ def test_invariants_read_from_one_tensor_before_the_loop(fn):
     ins = (torch.randn(2, 7, 3, generator=g), 0.3 + 0.5 * torch.rand(3, 3, generator=g))
     check(fn, ins)
     grads_match(fn, ins)
+
+
+def _bidirectional(x, a):
+    """A bidirectional layer: a forward scan and a backward scan over the same inputs."""
+    hf, hb = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0])
+    yf, yb = [], []
+    for t in range(x.shape[1]):
+        hf = torch.sigmoid(a[:, t]) * hf + x[:, t]
+        yf.append(hf)
+    for t in range(x.shape[1] - 1, -1, -1):
+        hb = torch.sigmoid(-a[:, t]) * hb + x[:, t]
+        yb.append(hb)
+    return torch.stack(yf, 1) * torch.stack(yb[::-1], 1)
+
+
+def _two_forward_loops(x, a):
+    """Two forward loops reading the same inputs, one after the other (the second also reads
+    the first's outputs)."""
+    h, g = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0])
+    ys, zs = [], []
+    for t in range(x.shape[1]):
+        h = torch.sigmoid(a[:, t]) * h + x[:, t]
+        ys.append(h)
+    for t in range(x.shape[1]):
+        g = 0.5 * g + x[:, t] * ys[t]
+        zs.append(g)
+    return torch.stack(zs, 1)
+
+
+def _two_reverse_loops(x, a):
+    """Two loops over decreasing t, on different inputs (each flips its inputs before the
+    region; lowering the second used to drop the first one's flips as dead code: a crash)."""
+    h, g = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0])
+    hs, gs = [], []
+    for t in reversed(range(x.shape[1])):
+        h = torch.sigmoid(a[:, t]) * h + x[:, t]
+        hs.append(h)
+    for t in reversed(range(a.shape[1])):
+        g = 0.5 * g + a[:, t]
+        gs.append(g)
+    return torch.stack(hs, 1) + torch.stack(gs, 1)
+
+
+def _layers_as_lists(x, a):
+    """Stacked layers passing lists: the next layer walks the list the last one appended to
+    (``for y in ys``, ``inp[t]``); a reverse layer writes ``ys[t] = h``."""
+    inp = list(x.unbind(1))
+    for layer in range(2):
+        h, out = torch.zeros_like(inp[0]), []
+        for t in range(len(inp)):
+            h = torch.sigmoid(a[:, t] + layer) * h + inp[t]
+            out.append(torch.tanh(h))
+        inp = out
+    h, back = torch.zeros_like(inp[0]), [None] * len(inp)
+    for t in reversed(range(len(inp))):
+        h = 0.7 * h + inp[t]
+        back[t] = h
+    g, zs = torch.zeros_like(h), []
+    for y in back:
+        g = 0.5 * g + y
+        zs.append(g)
+    return torch.stack(zs, 1) + (back[2] * back[-1])[:, None]
+
+
+@pytest.mark.parametrize("fn,n", [(_bidirectional, 2), (_two_forward_loops, 2), (_two_reverse_loops, 2),
+                                  (_layers_as_lists, 4)])
+def test_two_loops_over_the_same_inputs(fn, n):
+    """Each loop over the same tensor is found (the reads are searched again once a loop has
+    taken its own); a loop's step values that later code reads one by one (``ys[t]``) become
+    one stacked result read at t: a region each, values and gradients against float64."""
+    g = torch.Generator().manual_seed(28)
+    ins = (torch.randn(2, 7, 3, generator=g), torch.randn(2, 7, 3, generator=g))
+    check(fn, ins, n_regions=n)
+    grads_match(fn, ins)
