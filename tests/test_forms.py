@@ -1211,3 +1211,15 @@ def test_two_loops_over_the_same_inputs(fn, n):
     ins = (torch.randn(2, 7, 3, generator=g), torch.randn(2, 7, 3, generator=g))
     check(fn, ins, n_regions=n)
     grads_match(fn, ins)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn,n", [(_bidirectional, 2), (_two_forward_loops, 2), (_two_reverse_loops, 2),
+                                  (_layers_as_lists, 4)])
+def test_two_loops_over_the_same_inputs_on_the_gpu(fn, n):
+    """The same loops on CUDA (target auto), L 200, against float64 eager on the CPU."""
+    g = torch.Generator().manual_seed(30)
+    ins = (torch.randn(2, 200, 16, generator=g), torch.randn(2, 200, 16, generator=g))
+    out, rep = ssmc_run(fn, tuple(x.cuda() for x in ins))
+    assert len(rep.regions) == n and not rep.fallbacks, str(rep)
+    assert rel_err(out.cpu(), reference(fn, ins)[0]) < 1e-4, str(rep)
