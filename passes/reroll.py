@@ -918,6 +918,8 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
     stacked = {j for u, n, k, j in outside if k != L - 1 and (j, L - 1 - k) not in carry_ph}
     for u, n, k, j in outside:
         if j in stacked:
+            if u.op == "call_function" and u.target in (torch.stack, torch.cat):   # steps interleaved
+                raise _NotALoop(f"{u.name} uses {n.name}, a value of step {k}, after the loop")
             gathered[j].append((u, n, k))
         elif k == L - 1:
             last_uses[(j, 0)].append(n)
