@@ -431,8 +431,10 @@ class _Linear:
         return self._call(fn, full, d, keep)
 
     def _contract(self, n, c, x):
-        """y = contraction of x (on the state's path) with one state-free operand along the last
-        state dim: y[.., i] = sum_k W'[.., i, k] x[.., k]. Returns (W' as a body node, x)."""
+        """y = contraction of x (on the state's path) with one state-free operand along one
+        state dim d: y[.., i, ..] = sum_k W'[.., i, .., k] x[.., k, ..], i and k at d (the last
+        dim: ``h @ W.T``; another: ``A @ h`` for a column state h of shape (n, 1)). Returns (W'
+        laid out (*state, k) as a body node, d)."""
         if len(c.args) != 2:
             raise Decline(f"{_describe(n)} contracts the state with {len(c.args) - 1} operands")
         k = c.args.index(x)
@@ -441,18 +443,48 @@ class _Linear:
         if not isinstance(w, fx.Node) or w in self.path or w is self.prev:
             raise Decline(f"{_describe(n)} multiplies the state by itself")
         nd = len(self.sshape)
-        if len(sx) != nd or len(so) != nd or sx[:-1] != so[:-1] or sx[-1] == so[-1] \
-                or len(set(sw)) != len(sw) or sx[-1] not in sw or so[-1] not in sw \
-                or not set(sw) <= set(so) | {sx[-1]} or sx[-1] in so:
-            raise Decline(f"{_describe(n)} is not a matrix product along the state's last dim "
+        diff = [i for i in range(min(len(sx), len(so))) if sx[i] != so[i]]
+        d = diff[0] if len(diff) == 1 else nd - 1
+        if len(sx) != nd or len(so) != nd or len(diff) != 1 or len(set(sx)) != nd or len(set(so)) != nd \
+                or len(set(sw)) != len(sw) or sx[d] not in sw or so[d] not in sw \
+                or not set(sw) <= set(so) | {sx[d]} or sx[d] in so or so[d] in sx:
+            raise Decline(f"{_describe(n)} is not a matrix product along one state dim "
                           f"({','.join(c.params['subs'])}->{so})")
-        target = so + sx[-1]
+        target = so + sx[d]
         present = "".join(ch for ch in target if ch in sw)
         wt = self._call(torch.einsum, f"{sw}->{present}", w)
         for pos, ch in enumerate(target):
             if ch not in sw:
                 wt = self._call(torch.unsqueeze, wt, pos)
-        return wt
+        return wt, d
+
+    def _contract_along(self, n, d: int, wt, a1, b1):
+        """A matrix product along state dim d, not the last (``A @ h`` for h of shape (n, 1)),
+        of a state that went through elementwise ops only: the transition W' diag(a1) along d,
+        the drive W' b1."""
+        if isinstance(a1, (_Red, _Mat)):
+            raise Decline(f"{_describe(n)} multiplies the state by a matrix along dim {d} after another "
+                          "transition")
+        nd = len(self.sshape)
+
+        def along(v):            # v laid out as the state (broadcastable): its dim d as the columns
+            vs = shape(v)
+            if len(vs) < nd:
+                v = self._call(torch.reshape, v, (1,) * (nd - len(vs)) + tuple(vs))
+            return self._call(columns, v, d)
+        if a1 is None:
+            m = None
+        elif isinstance(a1, (int, float)) or not shape(a1):
+            m = self.mul(wt, a1)
+        else:
+            m = self.mul(wt, along(a1))
+        if b1 is None:
+            bm = None
+        elif isinstance(b1, (int, float)) or not shape(b1):       # the same in every element
+            bm = self.mul(self._call(torch.sum, wt, -1), b1)
+        else:
+            bm = self._call(torch.sum, self.mul(wt, along(b1)), -1)
+        return (_Mat(None, m, d) if m is not None else None), bm
 
     def _rule(self, n, c):
         args = c.args
@@ -477,8 +509,10 @@ class _Linear:
             red = self._summed(n, c, state[0])
             if red is not None:
                 return red
-            wt = self._contract(n, c, state[0])
+            wt, d = self._contract(n, c, state[0])
             a1, b1 = self.of(state[0])
+            if d != len(self.sshape) - 1:
+                return self._contract_along(n, d, wt, a1, b1)
             if isinstance(a1, _Red) or (isinstance(a1, _Mat) and a1.dim not in (None, len(self.sshape) - 1)):
                 raise Decline(f"{_describe(n)} multiplies a transition along another dim by a matrix")
             d1, m1 = (a1.d, a1.m) if isinstance(a1, _Mat) else (a1, None)

@@ -737,11 +737,19 @@ def test_composed_products_and_declines():
             ys.append(h.sum(-1))
         return torch.stack(ys, 1)
 
-    def left_product(x, W):            # mixes the state's first dim, not its last
+    def left_product(x, W):            # mixes the state's middle dim, not its last
         h = x.new_zeros(x.shape[0], W.shape[0], 3)
         ys = []
         for t in range(x.shape[1]):
-            h = W @ h + x[:, t, :, None]
+            h = W @ (0.9 * h) + x[:, t, :, None]
+            ys.append(h.sum(-1))
+        return torch.stack(ys, 1)
+
+    def both_sides(x, W):              # W h W^T: two products along different dims
+        h = x.new_zeros(x.shape[0], W.shape[0], W.shape[0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = W @ h @ W.T + x[:, t, :, None]
             ys.append(h.sum(-1))
         return torch.stack(ys, 1)
     g = torch.Generator().manual_seed(13)
@@ -751,9 +759,53 @@ def test_composed_products_and_declines():
     x = torch.randn(2, 4, n, generator=g)
     info = check(two_products, (x, W1, mask, W2))
     assert info.ir.mix is not None
-    out, report = ssmc_run(left_product, (x, W1))
-    assert rel_err(out, reference(left_product, (x, W1))[0]) < 1e-5
-    assert not report.regions and "last dim" in report.fallbacks[0][1]
+    info = check(left_product, (x, W1))
+    assert info.ir.mix is not None and info.ir.mix_axis == info.ir.axes[1], str(info.ir)
+    out, report = ssmc_run(both_sides, (x, W1))
+    assert rel_err(out, reference(both_sides, (x, W1))[0]) < 1e-5
+    assert not report.regions and "along another dim" in report.fallbacks[0][1], str(report)
+
+
+def _textbook(u, A, B, C):
+    """x_(k+1) = A x_k + B u_k, y_k = C x_k with column vectors: x of shape (n, 1)."""
+    x = A.new_zeros(A.shape[0], 1)
+    ys = []
+    for k in range(u.shape[0]):
+        x = A @ x + B @ u[k]
+        ys.append(C @ x)
+    return torch.stack(ys, 0)
+
+
+def _textbook_batched(u, A, B, C):
+    """The same with a batch in front (torch.matmul broadcasting A) and a per-step gate."""
+    x = A.new_zeros(u.shape[1], A.shape[0], 1)
+    ys = []
+    for k in range(u.shape[0]):
+        x = torch.matmul(A * torch.sigmoid(u[k, 0, 0]), x) + (u[k] @ B.T)[..., None]
+        ys.append((C @ x).squeeze(-1))
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_textbook, _textbook_batched])
+def test_left_multiplied_column_state(fn):
+    """The textbook form ``x = A @ x + B @ u[k]`` with x a column (n, 1): a transition along
+    the state's first dim, not its last; values and gradients against float64."""
+    g = torch.Generator().manual_seed(14)
+    n = 6
+    ins = (torch.randn(9, 2, 2, generator=g) if fn is _textbook_batched else torch.randn(9, 2, 1, generator=g),
+           0.3 * torch.randn(n, n, generator=g), torch.randn(n, 2, generator=g), torch.randn(2, n, generator=g))
+    if fn is _textbook:
+        ins = (ins[0], ins[1], ins[2], ins[3][:1])
+    out, report = ssmc_run(fn, ins)
+    assert len(report.regions) == 1 and not report.fallbacks, str(report)
+    assert report.regions[0].strategy == "block_sparse", str(report)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-5
+    xs = [x.clone().requires_grad_() for x in ins]
+    x64 = [x.double().requires_grad_() for x in ins]
+    got = torch.autograd.grad(ssmc_run(fn, xs)[0].sum(), xs)
+    want = torch.autograd.grad(fn(*x64).sum(), x64)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
 
 
 @pytest.mark.parametrize("form", ["euler_einsum", "rotary", "lti_matmul"])
@@ -1022,3 +1074,27 @@ def test_gpu_lru_triton():
     assert info.target == "triton" and info.strategy == "block_sparse", info.target_reasons
     assert lookup(info.key).kernel.fallback is None
 
+
+
+def test_matrix_transition_with_a_broadcast_initial_state():
+    """An initial state of shape (b, n, 1) that the first step broadcasts to (b, n, m) (the
+    drive is wider): the executor and the adjoint expand it, its gradient sums back."""
+    def fn(u, A, B, x0):
+        x, ys = x0, []
+        for k in range(u.shape[0]):
+            x = torch.matmul(A * torch.sigmoid(u[k, 0, 0]), x) + B @ u[k]
+            ys.append(x.sum(-2))
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(15)
+    n = 6
+    ins = (torch.randn(9, 2, 2, generator=g), 0.3 * torch.randn(n, n, generator=g), torch.randn(n, 2, generator=g),
+           torch.randn(2, n, 1, generator=g))
+    out, report = ssmc_run(fn, ins)
+    assert len(report.regions) == 1 and not report.fallbacks, str(report)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-5
+    xs = [x.clone().requires_grad_() for x in ins]
+    x64 = [x.double().requires_grad_() for x in ins]
+    got = torch.autograd.grad(ssmc_run(fn, xs)[0].sum(), xs)
+    want = torch.autograd.grad(fn(*x64).sum(), x64)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"

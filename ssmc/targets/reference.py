@@ -521,6 +521,8 @@ def run(region: Region, inputs, chunk: int = 0):
     state_shape = tuple(sizes[a] for a in r.axes)
     given, chunk = chunk, time_chunk(chunk, math.prod(state_shape), L)
     h = inputs[r.init].to(cdt) if r.init is not None else torch.zeros(state_shape, dtype=cdt, device=dev)
+    if tuple(h.shape) != state_shape:        # an initial state broadcast along a dim the steps fill
+        h = h.expand(state_shape)
     steps = {i: [] for i, o in enumerate(r.outputs) if o.kind == "steps"}
     names = ["t", *r.axes]
     ones = low_rank(r.mix.expr, r.axes[-1]) if r.mix is not None else None
@@ -591,8 +593,8 @@ class Grads:
                 ev.accumulate(self.acc[ld.input], ld, ev.factor_values(e))
 
     def h0(self, r: Region, inputs):
-        if r.init is not None:
-            return inputs[r.init].to(self.cdt)
+        if r.init is not None:       # (broadcast along a dim the steps fill, as the forward does)
+            return inputs[r.init].to(self.cdt).expand(self.state_shape)
         return torch.zeros(self.state_shape, dtype=self.cdt, device=inputs[0].device)
 
     def seed_final(self, r: Region, adj, h):
@@ -609,7 +611,7 @@ class Grads:
     def result(self, r: Region, inputs, lam_init):
         """The gradients in the inputs' dtypes; lam_init = dL/dh_(-1) goes to the initial state."""
         if r.init is not None and self.acc[r.init] is not None:
-            self.acc[r.init] += lam_init.expand(self.state_shape).to(self.cdt)
+            self.acc[r.init] += lam_init.expand(self.state_shape).to(self.cdt).sum_to_size(self.acc[r.init].shape)
         return [g.to(x.dtype) if g is not None else None for g, x in zip(self.acc, inputs)]
 
 
