@@ -539,6 +539,12 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
                 raise AssembleError(f"the size of state axis i{k} is not read from any input")
     if length is None:
         raise AssembleError("no input changes from step to step")
+    for what, e in (("the decay", decay), ("the drive", drive), *(("an output", o.expr) for o in outputs)):
+        if any(ir.MIX_COL in ld.index for ld in ir.loads(e)):
+            # a matrix of the transition also read in another role (its columns as an output's
+            # axis): one load cannot carry both labels
+            raise AssembleError(f"{what} reads a value the transition reads along its columns, in "
+                                "another role (a matrix used twice)")
     region = Region(loop.name, axes, tuple(axis_size), length, tuple(inputs), decay, drive,
                     tuple(outputs), init, mix=mix)
     return Plan(region, bld.sources, results, boundary, fuse)

@@ -236,7 +236,9 @@ def decompose_composites(graph: fx.Graph) -> int:
     re-rolling see the linear ops they know: ``lerp(h, x, w)`` is ``h + w * (x - h)``;
     ``addmm(b, h, W)`` is ``beta * b + alpha * (h @ W)``, and ``baddbmm``, ``addbmm`` (summed
     over the batch), ``addmv`` and ``addr`` (an outer product) alike; ``F.linear(h, W, b)`` (an
-    ``nn.Linear`` applied to the state) is ``h @ W.T + b``; an einsum that sums over
+    ``nn.Linear`` applied to the state) is ``h @ W.T + b``; a matrix times a vector through a
+    size-1 dim (``(A @ h[..., None])[..., 0]``, ``torch.bmm(A_t, h.unsqueeze(-1)).squeeze(-1)``,
+    ``torch.mv``) is an einsum; an einsum that sums over
     nothing (``"bdn,bdn->bdn"``, ``"bd,bn->bdn"``) is the product of its operands' views; and
     ``x.expand_as(h)`` (``view_as``, ``reshape_as``) takes h's static shape, not h, so that the
     state's shape read there is no use of the state. Only the loop's own body
@@ -251,6 +253,12 @@ def decompose_composites(graph: fx.Graph) -> int:
                 n.replace_all_uses_with(b.call(n, _SHAPED_AS[n.target], (n.args[0], tuple(size))))
                 graph.erase_node(n)
                 count += 1
+            continue
+        r = _matvec_as_einsum(b, n)
+        if r is not None:          # (W @ h[..., None])[..., 0], (h[..., None, :] @ W).squeeze(-2), mv
+            n.replace_all_uses_with(r)
+            _erase_dead(graph, n)
+            count += 1
             continue
         if n.op == "call_function" and n.target in _LINEAR:
             r = _linear_as_matmul(b, n)
@@ -297,6 +305,73 @@ def decompose_composites(graph: fx.Graph) -> int:
         graph.erase_node(n)
         count += 1
     return count
+
+
+_MATMULS = (torch.matmul, operator.matmul, torch.bmm)
+
+
+def _unit_dim(n: fx.Node, pos: int, added: bool) -> bool:
+    """Whether view n is its input with a size-1 dim inserted at `pos` (-1 or -2; `added`) or
+    taken out there (not `added`), nothing else."""
+    from .ops import canonical
+    x = n.args[0] if n.args else None
+    if not isinstance(x, fx.Node) or not is_tensor(x) or not is_tensor(n):
+        return False
+    c = canonical(n)
+    if c is None or c.kind != "view" or c.params.get("consts"):
+        return False
+    big, small = (list(shape(n)), list(shape(x))) if added else (list(shape(x)), list(shape(n)))
+    if len(big) != len(small) + 1 or big[pos] != 1:
+        return False
+    del big[pos]
+    return big == small
+
+
+def _matvec_as_einsum(b: _Builder, n: fx.Node) -> fx.Node | None:
+    """A matrix times a vector written through a size-1 dim, ``(W @ v.unsqueeze(-1)).squeeze(-1)``
+    (bmm too) or ``(v.unsqueeze(-2) @ W).squeeze(-2)``, or ``torch.mv(W, v)``: the einsum it is,
+    so that the state's matrix product is one contraction of the state's own shape. None for
+    anything else, or batch dims that broadcast a size 1 against another size."""
+    if n.op == "call_function" and n.target is torch.mv and len(n.args) == 2 and not n.kwargs:
+        w, v = n.args
+        return b.call(n, torch.einsum, ("ij,j->i", w, v)) if isinstance(w, fx.Node) and isinstance(v, fx.Node) else None
+    if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    m = n.args[0]
+    if m.op != "call_function" or m.target not in _MATMULS or len(m.args) != 2 or m.kwargs or len(m.users) != 1:
+        return None
+    for pos in (-1, -2):
+        if not _unit_dim(n, pos, added=False):
+            continue
+        w, u = m.args if pos == -1 else m.args[::-1]
+        if not isinstance(u, fx.Node) or not isinstance(w, fx.Node) or not _unit_dim(u, pos, added=True):
+            continue
+        v, sw, sv = u.args[0], list(shape(w)), list(shape(u.args[0]))
+        if len(sw) < 2 or not sv:
+            continue
+        bw, bv = sw[:-2], sv[:-1]
+        nb = max(len(bw), len(bv))
+        pw, pv = [None] * (nb - len(bw)) + bw, [None] * (nb - len(bv)) + bv
+        if any(x is not None and y is not None and x != y for x, y in zip(pw, pv)):
+            continue
+        letters = "abcdefghpqrstuvw"[:nb]
+        ew = "".join(ch for ch, x in zip(letters, pw) if x is not None)
+        ev = "".join(ch for ch, x in zip(letters, pv) if x is not None)
+        eq = f"{ew}ik,{ev}k->{letters}i" if pos == -1 else f"{ew}ki,{ev}k->{letters}i"
+        return b.call(n, torch.einsum, (eq, w, v))
+    return None
+
+
+def _erase_dead(graph: fx.Graph, n: fx.Node) -> None:
+    """Erase n and the inputs it leaves unused, while they are call nodes."""
+    todo = [n]
+    while todo:
+        x = todo.pop()
+        if x.users or x.op not in ("call_function", "call_method"):
+            continue
+        ins = list(x.all_input_nodes)
+        graph.erase_node(x)
+        todo.extend(ins)
 
 
 def _linear_as_matmul(b: _Builder, n: fx.Node) -> fx.Node | None:

@@ -1098,3 +1098,77 @@ def test_matrix_transition_with_a_broadcast_initial_state():
     want = torch.autograd.grad(fn(*x64).sum(), x64)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.shape == b.shape and rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+
+
+def _matvec_unsqueezed(x, A, At):
+    h = x.new_zeros(x.shape[0], A.shape[0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = (A @ h.unsqueeze(-1)).squeeze(-1) + x[:, t]
+        ys.append((h[:, None, :] @ A).squeeze(-2))          # the row form in the readout
+    return torch.stack(ys, 1)
+
+
+def _matvec_bmm(x, A, At):
+    h = x.new_zeros(x.shape[0], A.shape[0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.bmm(At[:, t], h[..., None])[..., 0] + x[:, t]    # a given per-step Abar
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _matvec_mv(x, A, At):
+    h = x.new_zeros(A.shape[0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.mv(A, h) + x[0, t]
+        ys.append(h)
+    return torch.stack(ys, 0)
+
+
+@pytest.mark.parametrize("fn", [_matvec_unsqueezed, _matvec_bmm, _matvec_mv])
+def test_matrix_vector_products_through_a_unit_dim(fn):
+    """``(A @ h.unsqueeze(-1)).squeeze(-1)``, ``torch.bmm(A_t, h[..., None])[..., 0]`` and
+    ``torch.mv(A, h)`` are the einsums they are: one block_sparse region; values and gradients
+    against float64."""
+    g = torch.Generator().manual_seed(16)
+    n = 5
+    ins = (torch.randn(2, 8, n, generator=g), 0.3 * torch.randn(n, n, generator=g),
+           0.3 * torch.randn(2, 8, n, n, generator=g))
+    out, report = ssmc_run(fn, ins)
+    assert len(report.regions) == 1 and report.regions[0].strategy == "block_sparse" and not report.fallbacks, \
+        str(report)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-5
+    xs = [x.clone().requires_grad_() for x in ins]
+    x64 = [x.double().requires_grad_() for x in ins]
+    got = torch.autograd.grad(ssmc_run(fn, xs)[0].sum(), xs, allow_unused=True)
+    want = torch.autograd.grad(fn(*x64).sum(), x64, allow_unused=True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), f"input {i}"
+        if a is not None:
+            assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+
+
+def test_matrix_used_as_transition_and_readout():
+    """A read by the transition (rows, columns) and by the readout (rows summed, columns a new
+    output axis): one load cannot carry both labels, so the readout is not fused (it ran into a
+    ValueError at run time before); values and gradients against float64."""
+    def fn(x, A):
+        h = x.new_zeros(x.shape[0], A.shape[0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.einsum("ik,ak->ai", A, h) + x[:, t]
+            ys.append(torch.einsum("ki,ak->ai", A, h))
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(17)
+    ins = (torch.randn(2, 6, 5, generator=g), 0.3 * torch.randn(5, 5, generator=g))
+    out, report = ssmc_run(fn, ins)
+    assert len(report.regions) == 1 and not report.fallbacks, str(report)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-5
+    xs = [x.clone().requires_grad_() for x in ins]
+    x64 = [x.double().requires_grad_() for x in ins]
+    got = torch.autograd.grad(ssmc_run(fn, xs)[0].sum(), xs)
+    want = torch.autograd.grad(fn(*x64).sum(), x64)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
