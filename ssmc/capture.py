@@ -327,9 +327,22 @@ def _unit_dim(n: fx.Node, pos: int, added: bool) -> bool:
     return big == small
 
 
+def _is_transpose(n) -> bool:
+    """Whether n is a view swapping the two dims of a 2-d input (``h.T``, ``h.t()``, ``.mT``)."""
+    from .ops import view_map
+    if not isinstance(n, fx.Node) or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    x = n.args[0]
+    if not is_tensor(x) or len(shape(x)) != 2 or len(shape(n) or ()) != 2:
+        return False
+    info = view_map(n)
+    return info is not None and tuple(info[0]) == (1, 0) and not info[1]
+
+
 def _matvec_as_einsum(b: _Builder, n: fx.Node) -> fx.Node | None:
     """A matrix times a vector written through a size-1 dim, ``(W @ v.unsqueeze(-1)).squeeze(-1)``
-    (bmm too) or ``(v.unsqueeze(-2) @ W).squeeze(-2)``, or ``torch.mv(W, v)``: the einsum it is,
+    (bmm too) or ``(v.unsqueeze(-2) @ W).squeeze(-2)``, through transposes of a (b, n) batch of
+    them, ``(W @ v.T).T``, or ``torch.mv(W, v)``: the einsum it is,
     so that the state's matrix product is one contraction of the state's own shape. None for
     anything else, or batch dims that broadcast a size 1 against another size."""
     if n.op == "call_function" and n.target is torch.mv and len(n.args) == 2 and not n.kwargs:
@@ -340,6 +353,10 @@ def _matvec_as_einsum(b: _Builder, n: fx.Node) -> fx.Node | None:
     m = n.args[0]
     if m.op != "call_function" or m.target not in _MATMULS or len(m.args) != 2 or m.kwargs or len(m.users) != 1:
         return None
+    if _is_transpose(n) and all(isinstance(a, fx.Node) for a in m.args):    # (W @ v.T).T
+        w, u = m.args
+        if _is_transpose(u) and len(shape(w)) == 2:
+            return b.call(n, torch.einsum, ("ik,bk->bi", w, u.args[0]))
     for pos in (-1, -2):
         if not _unit_dim(n, pos, added=False):
             continue

@@ -1127,11 +1127,20 @@ def _matvec_mv(x, A, At):
     return torch.stack(ys, 0)
 
 
-@pytest.mark.parametrize("fn", [_matvec_unsqueezed, _matvec_bmm, _matvec_mv])
+def _matvec_transposed(x, A, At):
+    h = x.new_zeros(x.shape[0], A.shape[0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = (A @ h.T).T + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_matvec_unsqueezed, _matvec_bmm, _matvec_mv, _matvec_transposed])
 def test_matrix_vector_products_through_a_unit_dim(fn):
-    """``(A @ h.unsqueeze(-1)).squeeze(-1)``, ``torch.bmm(A_t, h[..., None])[..., 0]`` and
-    ``torch.mv(A, h)`` are the einsums they are: one block_sparse region; values and gradients
-    against float64."""
+    """``(A @ h.unsqueeze(-1)).squeeze(-1)``, ``torch.bmm(A_t, h[..., None])[..., 0]``,
+    ``torch.mv(A, h)`` and ``(A @ h.T).T`` are the einsums they are: one block_sparse region;
+    values and gradients against float64."""
     g = torch.Generator().manual_seed(16)
     n = 5
     ins = (torch.randn(2, 8, n, generator=g), 0.3 * torch.randn(n, n, generator=g),
