@@ -66,7 +66,7 @@ def example_values(ctx, cand) -> list:
     invs = dict(zip(loop.invariant_nodes(), loop.invariants))
     step_dep = _time_dependent(loop)
     region = cand.plan.region
-    rowcol = {region.axes[-1], ir.MIX_COL}
+    rowcol = {region.mix_axis, ir.MIX_COL}
     needed = {ld.input for ld in ir.loads(region.mix.expr) if rowcol & set(ld.index)}
     out = []
     for k, src in enumerate(cand.plan.sources):
@@ -106,13 +106,10 @@ class BlockSparse(Pass):
             region = cand.plan.region
             if region.mix is None:
                 continue
-            if region.mix_axis != region.axes[-1]:
-                cand.notes.append(f"transition along {region.mix_axis}, not the state's last axis: no block "
-                                  "mask analysed (the strategy and target lines say what runs it)")
-                continue
-            n = shape(cand.rec.prev)[-1]
+            n = shape(cand.rec.prev)[region.axes.index(region.mix_axis)]
             vals = example_values(ctx, cand)
-            pat = transition_pattern(region, vals, n, diag=False).cpu()   # what the kernel multiplies
+            # what the kernel multiplies (a transition along another axis: as held, that axis last)
+            pat = transition_pattern(region.mixed_last()[0], vals, n, diag=False).cpu()
             b = choose_block(pat)
             bp = block_pattern(pat, b)
             mix = dataclasses.replace(region.mix, block=b, nblocks=n // b,

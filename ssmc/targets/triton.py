@@ -1241,8 +1241,8 @@ class TritonTarget:
         if strategy not in STRATEGIES:
             return f"strategy {strategy!r} has no Triton kernel"
         if strategy == "block_sparse":
-            from .triton_block_sparse import make_bsp_plan
-            plan = make_bsp_plan(region)
+            from .triton_block_sparse import plan_for
+            plan = plan_for(region)
         elif strategy == "rank_one":
             from .triton_rank_one import make_rank_one_plan
             plan = make_rank_one_plan(region.mixed_last()[0]) if region.mix is not None else "no transition"
@@ -1260,8 +1260,8 @@ class TritonTarget:
             from .triton_rank_one import RankOneKernel
             return RankOneKernel(region, strategy, options, arch)
         if strategy == "block_sparse":           # no other Triton kernel runs a matrix transition
-            from .triton_block_sparse import BlockSparseKernel, make_bsp_plan
-            got = make_bsp_plan(region)
+            from .triton_block_sparse import BlockSparseKernel, plan_for
+            got = plan_for(region)
             if isinstance(got, str):
                 raise ValueError(f"triton target cannot compile region {region.name}: {got}")
             return BlockSparseKernel(region, strategy, got, options, arch)

@@ -327,6 +327,12 @@ class BlockSparseKernel(T.TritonKernel):
     def __init__(self, region, strategy, plan, *args, **kwargs):
         self._compiled_bp: dict = {}
         self.coarsened_from = None
+        self.given, self.perm = region, None     # a region mixed along another axis than the last:
+        if _moves(region):                       # held with that axis last, the initial state permuted
+            region, self.perm = region.mixed_last()
+            plan = make_bsp_plan(region)
+            if isinstance(plan, str):
+                raise ValueError(f"triton target cannot compile region {region.name}: {plan}")
         got = coarsened(region, plan) if isinstance(plan, BSPlan) else None
         if got is not None:
             region, plan, self.coarsened_from = got
@@ -343,7 +349,23 @@ class BlockSparseKernel(T.TritonKernel):
         p = self.plan
         return (f"mixed axis {p.reg} in {p.bs}x{p.bs} blocks ({p.mode}), channel axis {p.block}, "
                 f"one program per index of {list(p.scalars)}"
+                + (f" (moved last from the caller's layout, permutation {list(self.perm)})" if self.perm else "")
                 + (f"; {self.coarsened_from}" if self.coarsened_from else ""))
+
+    def moved(self, inputs) -> list:
+        """The caller's inputs with the initial state permuted as the kernel's region has it (a view)."""
+        ins = list(inputs)
+        if self.perm is not None and self.given.init is not None:
+            ins[self.given.init] = ins[self.given.init].permute(self.perm)
+        return ins
+
+    def forward(self, inputs):
+        return super().forward(self.moved(inputs))
+
+    def forward_train(self, inputs):
+        if self.perm is None:
+            return super().forward_train(inputs)
+        return self.forward(inputs), []          # nothing kept: the backward runs its own scans
 
     def bucket(self, inputs) -> tuple:
         sizes, L = self.sizes(inputs)
@@ -405,7 +427,11 @@ class BlockSparseKernel(T.TritonKernel):
 
     def backward(self, inputs, grads, needs, residual=()):
         from .mix_adjoint import backward
-        return backward(self.region, inputs, grads, needs, self.scans)
+        out = backward(self.region, self.moved(inputs), grads, needs, self.scans)
+        i = self.given.init
+        if self.perm is not None and i is not None and out[i] is not None:
+            out[i] = out[i].permute(tuple(self.perm.index(d) for d in range(len(self.perm)))).contiguous()
+        return out
 
     def backward_note(self) -> str:
         return self.scans.note("Triton block-sparse")
@@ -421,6 +447,15 @@ class BlockSparseKernel(T.TritonKernel):
                 raise ValueError(plan)
             return BlockSparseKernel(r, self.strategy, plan, self.options, self.arch)
         return Scans(make)
+
+
+def _moves(region: Region) -> bool:
+    return region.mix is not None and region.mix_axis != region.axes[-1]
+
+
+def plan_for(region: Region) -> BSPlan | str:
+    """`make_bsp_plan` of the region as the kernel holds it (its mixed axis last)."""
+    return make_bsp_plan(region.mixed_last()[0] if _moves(region) else region)
 
 
 def block_size_for(n: int) -> int | None:
