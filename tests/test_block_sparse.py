@@ -1204,3 +1204,23 @@ def test_triton_kernel_transition_along_another_axis(fn, interp):
     want = torch.autograd.grad(fn(*x64).sum(), x64)
     for i, (a, b) in enumerate(zip(got, want)):
         assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", [_textbook, _textbook_batched, _matvec_bmm, _matvec_transposed])
+def test_left_products_on_the_gpu(fn):
+    """The textbook column form and the matrix-vector spellings on CUDA (target auto), L 300,
+    against float64 eager on the CPU."""
+    g = torch.Generator().manual_seed(19)
+    n = 16
+    if fn in (_textbook, _textbook_batched):
+        ins = (torch.randn(300, 4, 2 if fn is _textbook_batched else 1, generator=g),
+               0.2 * torch.randn(n, n, generator=g), torch.randn(n, 2, generator=g), torch.randn(2, n, generator=g))
+        if fn is _textbook:
+            ins = (ins[0], ins[1], ins[2], ins[3][:1])
+    else:
+        ins = (torch.randn(4, 300, n, generator=g), 0.2 * torch.randn(n, n, generator=g),
+               0.2 * torch.randn(4, 300, n, n, generator=g))
+    out, report = ssmc_run(fn, tuple(x.cuda() for x in ins))
+    assert len(report.regions) == 1 and not report.fallbacks, str(report)
+    assert rel_err(out.cpu(), reference(fn, ins)[0]) < 1e-4, str(report)
