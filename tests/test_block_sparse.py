@@ -1214,7 +1214,7 @@ def test_left_products_on_the_gpu(fn):
     g = torch.Generator().manual_seed(19)
     n = 16
     if fn in (_textbook, _textbook_batched):
-        ins = (torch.randn(300, 4, 2 if fn is _textbook_batched else 1, generator=g),
+        ins = (torch.randn(300, 4, 2, generator=g) if fn is _textbook_batched else torch.randn(300, 2, 1, generator=g),
                0.2 * torch.randn(n, n, generator=g), torch.randn(n, 2, generator=g), torch.randn(2, n, generator=g))
         if fn is _textbook:
             ins = (ins[0], ins[1], ins[2], ins[3][:1])
