@@ -51,11 +51,12 @@ def writes_states(region) -> bool:
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-2}
 
 
-def grads_match(fn, inputs, tol: float = 1e-5) -> None:
-    """The gradients of the outputs' sum through ssmc equal float64 eager's, input by input
-    (the same inputs unused in both); at least one input gets a gradient."""
+def grads_match(fn, inputs, tol: float = 1e-5, **options) -> None:
+    """The gradients of the outputs' sum through ssmc (compiled with `options`) equal float64
+    eager's, input by input, shapes too (the same inputs unused in both); at least one input
+    gets a gradient."""
     xs = [x.clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
-    out = as_tuple(ssmc_run(fn, xs)[0])
+    out = as_tuple(ssmc_run(fn, xs, **options)[0])
     x64 = [x.double().requires_grad_() if x.is_floating_point() else x for x in inputs]
     ref = as_tuple(fn(*x64))
     diff = [i for i, x in enumerate(xs) if x.is_floating_point()]
@@ -64,7 +65,8 @@ def grads_match(fn, inputs, tol: float = 1e-5) -> None:
     assert any(w is not None for w in want)
     for i, a, b in zip(diff, got, want):
         assert (a is None) == (b is None), f"input {i}: gradient {'missing' if a is None else 'unexpected'}"
-        assert b is None or rel_err(a, b) < tol, f"input {i}: rel err {rel_err(a, b):.3g}"
+        assert b is None or (a.shape == b.shape and rel_err(a, b) < tol), \
+            f"input {i}: shape {tuple(a.shape)} against {tuple(b.shape)}, rel err {rel_err(a, b):.3g}"
 
 
 def declined(fn, inputs, why: str, untouched: bool = False):

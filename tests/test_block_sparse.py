@@ -10,7 +10,7 @@ import torch
 
 import block_sparse_programs as P
 import ssmc
-from conftest import TOL, as_tuple, reference, rel_err, ssmc_run
+from conftest import TOL, as_tuple, grads_match, reference, rel_err, ssmc_run
 from ssmc import ir
 from ssmc.runtime.op import lookup
 from ssmc.sparsity import BLOCK_OVERHEAD, block_pattern, choose_block, transition_pattern
@@ -786,26 +786,25 @@ def _textbook_batched(u, A, B, C):
     return torch.stack(ys, 1)
 
 
+def _textbook_inputs(fn, seed: int, L: int, n: int = 6, scale: float = 0.3):
+    """(u, A, B, C) for `_textbook` (u (L, 2, 1), C (1, n)) or `_textbook_batched` (u (L, 4, 2))."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(L, 4, 2, generator=g) if fn is _textbook_batched else torch.randn(L, 2, 1, generator=g)
+    C = torch.randn(2, n, generator=g)
+    return (u, scale * torch.randn(n, n, generator=g), torch.randn(n, 2, generator=g),
+            C if fn is _textbook_batched else C[:1])
+
+
 @pytest.mark.parametrize("fn", [_textbook, _textbook_batched])
 def test_left_multiplied_column_state(fn):
     """The textbook form ``x = A @ x + B @ u[k]`` with x a column (n, 1): a transition along
     the state's first dim, not its last; values and gradients against float64."""
-    g = torch.Generator().manual_seed(14)
-    n = 6
-    ins = (torch.randn(9, 2, 2, generator=g) if fn is _textbook_batched else torch.randn(9, 2, 1, generator=g),
-           0.3 * torch.randn(n, n, generator=g), torch.randn(n, 2, generator=g), torch.randn(2, n, generator=g))
-    if fn is _textbook:
-        ins = (ins[0], ins[1], ins[2], ins[3][:1])
+    ins = _textbook_inputs(fn, 14, 9)
     out, report = ssmc_run(fn, ins)
     assert len(report.regions) == 1 and not report.fallbacks, str(report)
     assert report.regions[0].strategy == "block_sparse", str(report)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-5
-    xs = [x.clone().requires_grad_() for x in ins]
-    x64 = [x.double().requires_grad_() for x in ins]
-    got = torch.autograd.grad(ssmc_run(fn, xs)[0].sum(), xs)
-    want = torch.autograd.grad(fn(*x64).sum(), x64)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+    grads_match(fn, ins)
 
 
 @pytest.mark.parametrize("form", ["euler_einsum", "rotary", "lti_matmul"])
@@ -1092,12 +1091,7 @@ def test_matrix_transition_with_a_broadcast_initial_state():
     out, report = ssmc_run(fn, ins)
     assert len(report.regions) == 1 and not report.fallbacks, str(report)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-5
-    xs = [x.clone().requires_grad_() for x in ins]
-    x64 = [x.double().requires_grad_() for x in ins]
-    got = torch.autograd.grad(ssmc_run(fn, xs)[0].sum(), xs)
-    want = torch.autograd.grad(fn(*x64).sum(), x64)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.shape == b.shape and rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+    grads_match(fn, ins)
 
 
 def _matvec_unsqueezed(x, A, At):
@@ -1149,14 +1143,7 @@ def test_matrix_vector_products_through_a_unit_dim(fn):
     assert len(report.regions) == 1 and report.regions[0].strategy == "block_sparse" and not report.fallbacks, \
         str(report)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-5
-    xs = [x.clone().requires_grad_() for x in ins]
-    x64 = [x.double().requires_grad_() for x in ins]
-    got = torch.autograd.grad(ssmc_run(fn, xs)[0].sum(), xs, allow_unused=True)
-    want = torch.autograd.grad(fn(*x64).sum(), x64, allow_unused=True)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None), f"input {i}"
-        if a is not None:
-            assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+    grads_match(fn, ins)
 
 
 def test_matrix_used_as_transition_and_readout():
@@ -1175,12 +1162,7 @@ def test_matrix_used_as_transition_and_readout():
     out, report = ssmc_run(fn, ins)
     assert len(report.regions) == 1 and not report.fallbacks, str(report)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-5
-    xs = [x.clone().requires_grad_() for x in ins]
-    x64 = [x.double().requires_grad_() for x in ins]
-    got = torch.autograd.grad(ssmc_run(fn, xs)[0].sum(), xs)
-    want = torch.autograd.grad(fn(*x64).sum(), x64)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+    grads_match(fn, ins)
 
 
 @pytest.mark.parametrize("fn", [_textbook, _textbook_batched])
@@ -1188,22 +1170,12 @@ def test_triton_kernel_transition_along_another_axis(fn, interp):
     """The Triton block-sparse kernel holds a transition along another axis than the last with
     that axis last (the initial state permuted, its gradient permuted back): values and
     gradients against float64 under the interpreter."""
-    g = torch.Generator().manual_seed(18)
-    n = 6
-    ins = (torch.randn(7, 2, 2, generator=g) if fn is _textbook_batched else torch.randn(7, 2, 1, generator=g),
-           0.3 * torch.randn(n, n, generator=g), torch.randn(n, 2, generator=g), torch.randn(2, n, generator=g))
-    if fn is _textbook:
-        ins = (ins[0], ins[1], ins[2], ins[3][:1])
+    ins = _textbook_inputs(fn, 18, 7)
     out, report = ssmc_run(fn, ins, target="triton")
     assert [r.target for r in report.regions] == ["triton"], str(report)
     assert "moved last" in lookup(report.regions[0].key).kernel.plan_text()
     assert rel_err(out, reference(fn, ins)[0]) < 1e-5
-    xs = [x.clone().requires_grad_() for x in ins]
-    x64 = [x.double().requires_grad_() for x in ins]
-    got = torch.autograd.grad(ssmc_run(fn, xs, target="triton")[0].sum(), xs)
-    want = torch.autograd.grad(fn(*x64).sum(), x64)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert rel_err(a, b) < 1e-5, f"input {i}: {rel_err(a, b):.3g}"
+    grads_match(fn, ins, target="triton")
 
 
 @pytest.mark.gpu
@@ -1214,10 +1186,7 @@ def test_left_products_on_the_gpu(fn):
     g = torch.Generator().manual_seed(19)
     n = 16
     if fn in (_textbook, _textbook_batched):
-        ins = (torch.randn(300, 4, 2, generator=g) if fn is _textbook_batched else torch.randn(300, 2, 1, generator=g),
-               0.2 * torch.randn(n, n, generator=g), torch.randn(n, 2, generator=g), torch.randn(2, n, generator=g))
-        if fn is _textbook:
-            ins = (ins[0], ins[1], ins[2], ins[3][:1])
+        ins = _textbook_inputs(fn, 19, 300, n, 0.2)
     else:
         ins = (torch.randn(4, 300, n, generator=g), 0.2 * torch.randn(n, n, generator=g),
                0.2 * torch.randn(4, 300, n, n, generator=g))

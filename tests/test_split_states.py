@@ -3,7 +3,7 @@ eager, gradients too; loops whose states cannot be split run as written, with th
 import pytest
 import torch
 
-from conftest import as_tuple, declined, reference, rel_err, ssmc_run
+from conftest import as_tuple, declined, grads_match, reference, rel_err, ssmc_run
 from ssmc.runtime.op import lookup
 
 
@@ -327,12 +327,7 @@ def test_state_read_before_its_update_by_a_later_state(fn):
     assert "from before its update: stacked" in " ".join(rep.regions[0].notes), rep.regions[0].notes
     for o, r in zip(as_tuple(out), reference(fn, ins)):
         assert rel_err(o, r) < 1e-5, str(rep)
-    xs = [x.clone().requires_grad_() for x in ins]
-    x64 = [x.double().requires_grad_() for x in ins]
-    got = torch.autograd.grad(sum(o.sum() for o in as_tuple(ssmc_run(fn, xs)[0])), xs)
-    want = torch.autograd.grad(sum(o.sum() for o in as_tuple(fn(*x64))), x64)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}"
+    grads_match(fn, ins, tol=1e-4)
 
 
 def test_state_read_before_its_update_in_another_shape_is_declined():
@@ -460,14 +455,7 @@ def test_random_multi_state_loops(seed):
     assert rep.regions and not rep.fallbacks, f"{rep}\n{src}"
     for o, r in zip(as_tuple(out), reference(fn, ins)):
         assert rel_err(o, r) < 1e-5, f"{rep}\n{src}"
-    xs = [x.clone().requires_grad_() for x in ins]
-    x64 = [x.double().requires_grad_() for x in ins]
-    got = torch.autograd.grad(sum(o.sum() for o in as_tuple(ssmc_run(fn, xs)[0])), xs, allow_unused=True)
-    want = torch.autograd.grad(sum(o.sum() for o in as_tuple(fn(*x64))), x64, allow_unused=True)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a is None) == (b is None), f"input {i}\n{src}"
-        if a is not None:
-            assert rel_err(a, b) < 1e-4, f"input {i}: {rel_err(a, b):.3g}\n{src}"
+    grads_match(fn, ins, tol=1e-4)
 
 
 @pytest.mark.gpu
