@@ -237,8 +237,8 @@ def decompose_composites(graph: fx.Graph) -> int:
     ``addmm(b, h, W)`` is ``beta * b + alpha * (h @ W)``, and ``baddbmm``, ``addbmm`` (summed
     over the batch), ``addmv`` and ``addr`` (an outer product) alike; ``F.linear(h, W, b)`` (an
     ``nn.Linear`` applied to the state) is ``h @ W.T + b``; a matrix times a vector through a
-    size-1 dim (``(A @ h[..., None])[..., 0]``, ``torch.bmm(A_t, h.unsqueeze(-1)).squeeze(-1)``,
-    ``torch.mv``) is an einsum; an einsum that sums over
+    size-1 dim (``(A @ h[..., None])[..., 0]``, ``torch.bmm(A_t, h.unsqueeze(-1)).squeeze(-1)``),
+    through transposes (``(A @ h.T).T``) or by ``torch.mv`` is an einsum; an einsum that sums over
     nothing (``"bdn,bdn->bdn"``, ``"bd,bn->bdn"``) is the product of its operands' views; and
     ``x.expand_as(h)`` (``view_as``, ``reshape_as``) takes h's static shape, not h, so that the
     state's shape read there is no use of the state. Only the loop's own body
