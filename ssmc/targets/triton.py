@@ -674,6 +674,30 @@ def _layout(inputs) -> tuple:
     return tuple(inner(x) for x in inputs)
 
 
+class MixedLast:
+    """For a kernel of a non-diagonal transition that holds its region with the mixed axis last
+    (`Region.mixed_last`): ``given`` is the caller's region, ``perm`` the permutation of the
+    state dims that takes the caller's initial state to the kernel's (None: nothing moved).
+    Its backward is the adjoint's (`mix_adjoint`), the scans on ``self.scans``."""
+    given = None
+    perm = None
+
+    def moved(self, inputs) -> list:
+        """The caller's inputs with the initial state permuted as the kernel's region has it (a view)."""
+        ins = list(inputs)
+        if self.perm is not None and self.given.init is not None:
+            ins[self.given.init] = ins[self.given.init].permute(self.perm)
+        return ins
+
+    def backward(self, inputs, grads, needs, residual=()):
+        from .mix_adjoint import backward
+        out = backward(self.region, self.moved(inputs), grads, needs, self.scans)
+        i = self.given.init
+        if self.perm is not None and i is not None and out[i] is not None:    # the caller's layout
+            out[i] = out[i].permute(tuple(self.perm.index(d) for d in range(len(self.perm)))).contiguous()
+        return out
+
+
 class TritonKernel:
     """The forward kernel of one region: rendered source, per-bucket autotuned configs.
 

@@ -315,7 +315,7 @@ def coarsened(r: Region, plan: BSPlan) -> tuple[Region, BSPlan, str] | None:
     return coarse, cplan, why
 
 
-class BlockSparseKernel(T.TritonKernel):
+class BlockSparseKernel(T.MixedLast, T.TritonKernel):
     """Forward of a block-sparse recurrence; the block pattern from the inputs at each call.
     Blocks below 16 of a transition shared by all rows run as 16x16 tiles on tl.dot
     (`coarsened`); ``coarsened_from`` says so, and the plan text in the kernel source."""
@@ -351,13 +351,6 @@ class BlockSparseKernel(T.TritonKernel):
                 f"one program per index of {list(p.scalars)}"
                 + (f" (moved last from the caller's layout, permutation {list(self.perm)})" if self.perm else "")
                 + (f"; {self.coarsened_from}" if self.coarsened_from else ""))
-
-    def moved(self, inputs) -> list:
-        """The caller's inputs with the initial state permuted as the kernel's region has it (a view)."""
-        ins = list(inputs)
-        if self.perm is not None and self.given.init is not None:
-            ins[self.given.init] = ins[self.given.init].permute(self.perm)
-        return ins
 
     def forward(self, inputs):
         return super().forward(self.moved(inputs))
@@ -424,14 +417,6 @@ class BlockSparseKernel(T.TritonKernel):
         if n % self.plan.bs:
             return f"the mixed axis has {n} elements, not a multiple of the block size {self.plan.bs}"
         return super()._why_not(inputs, sizes, L)
-
-    def backward(self, inputs, grads, needs, residual=()):
-        from .mix_adjoint import backward
-        out = backward(self.region, self.moved(inputs), grads, needs, self.scans)
-        i = self.given.init
-        if self.perm is not None and i is not None and out[i] is not None:
-            out[i] = out[i].permute(tuple(self.perm.index(d) for d in range(len(self.perm)))).contiguous()
-        return out
 
     def backward_note(self) -> str:
         return self.scans.note("Triton block-sparse")

@@ -61,7 +61,7 @@ def render(r: Region, plan: RankOnePlan, cdt: str) -> str:
         plan=base, args=T.arg_lines(T.kernel_args(r, base)), v=v)
 
 
-class RankOneKernel(T.TritonKernel):
+class RankOneKernel(T.MixedLast, T.TritonKernel):
     """Forward of a rank-one recurrence. `region` is the caller's (mixed along any state axis);
     the kernel holds it with that axis last (``self.region``) and ``perm``, the permutation of
     the state dims that takes the caller's initial state to the kernel's."""
@@ -111,13 +111,6 @@ class RankOneKernel(T.TritonKernel):
         sig.update({k: "constexpr" for k in cx})
         return fn, sig, cx
 
-    def moved(self, inputs) -> list:
-        """The caller's inputs with the initial state permuted as the kernel's region has it (a view)."""
-        ins = list(inputs)
-        if self.given.init is not None:
-            ins[self.given.init] = ins[self.given.init].permute(self.perm)
-        return ins
-
     walks_back = True     # forward(..., backwards=, out=) runs time backwards without copies
 
     def forward(self, inputs, backwards: dict | None = None, out: list | None = None):
@@ -164,14 +157,6 @@ class RankOneKernel(T.TritonKernel):
 
     def forward_train(self, inputs):
         return self.forward(inputs), []          # no checkpoints: the backward runs its own scans
-
-    def backward(self, inputs, grads, needs, residual=()):
-        from .mix_adjoint import backward
-        out = backward(self.region, self.moved(inputs), grads, needs, self.scans)
-        i = self.given.init
-        if i is not None and out[i] is not None:
-            out[i] = out[i].permute(tuple(self.perm.index(d) for d in range(len(self.perm)))).contiguous()
-        return out
 
     def backward_note(self) -> str:
         return self.scans.note("Triton rank-one")
