@@ -933,9 +933,9 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
         rev = seg.step < 0                # order (a reverse loop's last step first)
         results.append(Result("steps", "stack", 0, [], reverse=rev))
         result_vals.append(env[tmpl[j]])
-        steps = [nodes[s + k * K + j] for k in range(L)]
-        gathers.append((results[-1], steps[::-1] if rev else steps, [(u, n, L - 1 - k if rev else k)
-                                                                     for u, n, k in uses]))
+        steps = [nodes[s + k * K + j] for k in range(L)]           # in graph order
+        gathers.append((results[-1], steps[::-1] if rev else steps, steps[-1],
+                        [(u, n, L - 1 - k if rev else k) for u, n, k in uses]))
     for (j, m), outer in last_uses.items():
         results.append(Result("last", replace=list(dict.fromkeys(outer))))
         result_vals.append(env[tmpl[j]] if m == 0 else carry_ph[(j, m)])
@@ -982,9 +982,8 @@ def gather_steps(gm, lp: Loop) -> bool:
     right after the last of them. Done only once the loop is taken, so that the graph the
     search walks does not change under it; True when it changed the graph."""
     mode = _fake_mode(gm.graph)
-    for res, steps, uses in lp.gathers:
+    for res, steps, last, uses in lp.gathers:
         b = _Builder(gm.graph, mode)
-        last = max(steps, key={n: i for i, n in enumerate(gm.graph.nodes)}.get)
         st = b.call(last.next, torch.stack, (list(steps), 0))      # right after the last one
         for u, n, i in uses:
             u.replace_input_with(n, b.call(u, operator.getitem, (st, i)))

@@ -52,7 +52,8 @@ class Loop:
     foreign: frozenset = frozenset()   # outer nodes other loops replace (fusion stops at them)
     made: list = dataclasses.field(default_factory=list)   # outer nodes made for the loop (flipped
                                                            # reads); erased when it is declined
-    gathers: list = dataclasses.field(default_factory=list)  # (result, step nodes, [(user, node, step)]):
+    gathers: list = dataclasses.field(default_factory=list)  # (result, step nodes, the last in the graph,
+                                       # [(user, node, index)]):
                                        # single steps' values read after the loop; `gather_steps`
     complex_results: frozenset = frozenset()   # results the body gives as real (..., 2) pairs of
                                                # complex values (ssmc.complex_state); lowering
