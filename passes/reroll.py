@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, copies_as_writes, decompose_composites,
-                          erase_unused, find_reads, functionalize_updates)
+                          erase_unused, find_reads, functionalize_updates, transformed)
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import impure, is_tensor, mutated, reaches, shape, value as value_of
@@ -276,6 +276,10 @@ MAX_DEPTH = 4      # a step may read values computed up to this many steps back 
 
 def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
     loops, spans, failed = [], [], []      # spans: (first, last) node of each loop's steps
+    inside = transformed(gm.graph)
+    if any(n in inside for n in find_reads(gm.graph)):
+        ctx.fallbacks.append(("torch.func", "reads inside torch.vmap or another torch.func transform are "
+                              "not searched for loops (their tensors are batched): such a loop runs as written"))
     for _ in range(MAX_ROUNDS):     # again on the reads no loop took: a second loop over the
         # same tensor (a bidirectional layer's backward scan), or over the stacked values of
         # the first one (``ys[t]``, see `gather_steps`); the graph is read anew each round
@@ -305,7 +309,8 @@ def _find_round(gm, loops, spans, failed) -> None:
     found; appends to loops, spans (their steps' first and last nodes) and failed."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    found = find_reads(gm.graph)
+    inside = transformed(gm.graph)
+    found = {n: rs for n, rs in find_reads(gm.graph).items() if n not in inside}
     covered = [(pos[a], pos[b] + 1) for a, b in spans]
 
     def cover(seg):

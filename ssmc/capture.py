@@ -189,6 +189,22 @@ def find_reads(graph: fx.Graph) -> dict[fx.Node, list[ReadOf]]:
     return out
 
 
+
+def transformed(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes inside a torch.func transform's level (vmap, grad, jvp: between Dynamo's
+    ``_<transform>_increment_nesting`` and its ``_decrement_nesting``). Their tensors are batched
+    or wrapped, which a region's op has no rule for."""
+    inside, depth = set(), 0
+    for n in graph.nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name.endswith("_increment_nesting"):
+            depth += 1
+        elif name.endswith("_decrement_nesting"):
+            depth = max(0, depth - 1)
+        elif depth:
+            inside.add(n)
+    return inside
+
 # -- in-place state updates ------------------------------------------------------------------------
 
 _INPLACE = {"add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_", "lerp_", "copy_", "exp_", "neg_",

@@ -1,0 +1,292 @@
+"""Recurrences written the way other people write them (RG-LRU, QRNN, SRU, LMU, RetNet, HGRN2,
+LRU, masks and resets, a decode module with a state buffer, ...), each a plain loop: one region
+with the strategy named, or a decline with its reason; values and gradients equal to float64
+eager, on the CPU and (the `gpu` tests) on CUDA at odd sizes through the generated kernels."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import as_tuple, grads_match, reference, rel_err, ssmc_run
+
+
+def _rg_lru(x, wa, ba, wx, bx, lam):
+    """Griffin's RG-LRU, step by step, its gates projected from the step's input in the loop."""
+    h = torch.zeros(x.shape[0], x.shape[2], dtype=x.dtype, device=x.device)
+    outs = []
+    for t in range(x.shape[1]):
+        xt = x[:, t]
+        r, i = torch.sigmoid(F.linear(xt, wa, ba)), torch.sigmoid(F.linear(xt, wx, bx))
+        a = torch.exp(-8.0 * r * F.softplus(lam))
+        h = a * h + torch.sqrt(1 - a ** 2) * (i * xt)
+        outs.append(h)
+    return torch.stack(outs, dim=1)
+
+
+def _qrnn(z, f, o):
+    """QRNN's fo-pooling."""
+    c = torch.zeros_like(z[:, 0])
+    hs = []
+    for t in range(z.shape[1]):
+        ft = torch.sigmoid(f[:, t])
+        c = ft * c + (1 - ft) * torch.tanh(z[:, t])
+        hs.append(torch.sigmoid(o[:, t]) * c)
+    return torch.stack(hs, 1)
+
+
+def _sru(x, wx, f, r):
+    """SRU: a tanh of the state in the readout, a highway to the input."""
+    c = x.new_zeros(x.shape[0], x.shape[2])
+    hs = []
+    for t in range(x.shape[1]):
+        ft, rt = torch.sigmoid(f[:, t]), torch.sigmoid(r[:, t])
+        c = ft * c + (1 - ft) * wx[:, t]
+        hs.append(rt * torch.tanh(c) + (1 - rt) * x[:, t])
+    return torch.stack(hs, 1)
+
+
+def _lerp_addcmul(x, f, g):
+    """Two states, one by `torch.lerp`, one by `torch.addcmul`."""
+    h, k = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.lerp(x[:, t], h, torch.sigmoid(f[:, t]))
+        k = torch.addcmul(x[:, t], torch.sigmoid(g[:, t]), k)
+        ys.append(h * k)
+    return torch.stack(ys, 1)
+
+
+def _lmu(u, A, Bv, C):
+    """An LMU-style memory: fixed dense matrices through `F.linear`."""
+    m = u.new_zeros(u.shape[0], A.shape[0])
+    ys = []
+    for t in range(u.shape[1]):
+        m = F.linear(m, A) + F.linear(u[:, t], Bv)
+        ys.append(F.linear(m, C))
+    return torch.stack(ys, 1)
+
+
+def _retnet(q, k, v, gamma):
+    """RetNet's recurrent retention, time-first (L, b, heads, ...), a decay per head."""
+    S = q.new_zeros(q.shape[1], q.shape[2], q.shape[3], v.shape[3])
+    outs = []
+    for t in range(q.shape[0]):
+        S = gamma.view(1, -1, 1, 1) * S + k[t].unsqueeze(-1) * v[t].unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[t], S))
+    return torch.stack(outs)
+
+
+def _chunks_of_steps(x, a):
+    """An outer loop over chunks, an inner one over their steps; `clone` of each state."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for c0 in range(0, x.shape[1], 5):
+        for t in range(c0, min(c0 + 5, x.shape[1])):
+            h = h.mul(torch.sigmoid(a[:, t])).add(x[:, t])
+            ys.append(h.clone())
+    return torch.stack(ys, 1)
+
+
+def _heads_by_view(x, dt, A, B, C):
+    """Mamba-2's step with the heads split by `view` inside the loop, readout by `@`."""
+    bsz, L, D = x.shape
+    H = A.shape[0]
+    h = x.new_zeros(bsz, H, D // H, B.shape[-1])
+    ys = []
+    for t in range(L):
+        xt = x[:, t].view(bsz, H, D // H)
+        dA = torch.exp(dt[:, t] * A)
+        h = h * dA[:, :, None, None] + (dt[:, t, :, None] * xt)[..., None] * B[:, t, None, None, :]
+        ys.append((h @ C[:, t, None, :, None]).squeeze(-1).reshape(bsz, D))
+    return torch.stack(ys, 1)
+
+
+def _padding_mask(x, a, mask):
+    """Padded steps keep the state: `torch.where` on a boolean mask."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.where(mask[:, t, None], torch.sigmoid(a[:, t]) * h + x[:, t], h)
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _resets(x, a, r):
+    """Document boundaries reset the state; the final state returned too."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = h * (1.0 - r[:, t, None])
+        h = a * h + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1), h
+
+
+def _lru(x, nu, theta, Bre, Bim, C):
+    """LRU: a complex diagonal from `torch.polar`, complex input matrix, real part read out."""
+    lam = torch.polar(torch.exp(-torch.exp(nu)), theta)
+    Bc = torch.complex(Bre, Bim)
+    h = torch.zeros(x.shape[0], nu.shape[0], dtype=lam.dtype, device=x.device)
+    ys = []
+    for t in range(x.shape[1]):
+        h = lam * h + x[:, t].to(Bc.dtype) @ Bc.T
+        ys.append((h @ C.to(h.dtype).T).real)
+    return torch.stack(ys, 1)
+
+
+def _hgrn2(q, f, i, lb):
+    """HGRN2: an outer-product state, its forget gate bounded below."""
+    S = q.new_zeros(q.shape[0], q.shape[2], q.shape[2])
+    ys = []
+    for t in range(q.shape[1]):
+        g = lb + (1 - lb) * torch.sigmoid(f[:, t])
+        S = g[:, :, None] * S + (1 - g)[:, :, None] * i[:, t, None, :]
+        ys.append(torch.einsum("bd,bde->be", q[:, t], S))
+    return torch.stack(ys, 1)
+
+
+def _ema_layer_norm(x, w):
+    """A fixed EMA, each step's state layer-normed and projected."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = 0.9 * h + 0.1 * x[:, t]
+        ys.append(F.layer_norm(h, (h.shape[-1],)) @ w)
+    return torch.stack(ys, 1)
+
+
+def _mlstm_stabilized(q, k, v, ig, fg):
+    """xLSTM's mLSTM with its running-max stabiliser: the max is not linear (declined)."""
+    C = q.new_zeros(q.shape[0], q.shape[2], v.shape[2])
+    nrm, m = q.new_zeros(q.shape[0], q.shape[2]), q.new_zeros(q.shape[0], 1)
+    hs = []
+    for t in range(q.shape[1]):
+        logf = F.logsigmoid(fg[:, t, None])
+        m_new = torch.maximum(logf + m, ig[:, t, None])
+        fa, ia = torch.exp(logf + m - m_new), torch.exp(ig[:, t, None] - m_new)
+        C = fa[..., None] * C + ia[..., None] * k[:, t, :, None] * v[:, t, None, :]
+        nrm = fa * nrm + ia * k[:, t]
+        m = m_new
+        den = torch.maximum((q[:, t] * nrm).sum(-1, keepdim=True).abs(), torch.exp(-m))
+        hs.append(torch.einsum("bk,bkv->bv", q[:, t], C) / den)
+    return torch.stack(hs, 1)
+
+
+def _elman(x, W, a):
+    """The state through tanh: no linear recurrence (declined)."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = a * h + torch.tanh(h @ W) + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _per_sample(x, a):
+    h = torch.zeros_like(x[0])
+    ys = []
+    for t in range(x.shape[0]):
+        h = a * h + x[t]
+        ys.append(h)
+    return torch.stack(ys)
+
+
+def _vmapped(x, a):
+    """A per-sample loop under `torch.vmap`: its tensors are batched, which the region op has no
+    rule for (declined)."""
+    return torch.vmap(_per_sample, in_dims=(0, None))(x, a)
+
+
+def _inputs(name, s, g):
+    """The program's inputs at sizes s (b, L, d, n), from generator g."""
+    b, L, d, n = s["b"], s["L"], s["d"], s["n"]
+    r = lambda *sh: torch.randn(*sh, generator=g)
+    u = lambda *sh: torch.rand(*sh, generator=g)
+    if name == "rg_lru":
+        return (r(b, L, d), r(d, d) / d ** 0.5, r(d), r(d, d) / d ** 0.5, r(d), r(d))
+    if name in ("qrnn", "sru"):
+        return tuple(r(b, L, d) for _ in range({"qrnn": 3, "sru": 4}[name]))
+    if name == "lerp_addcmul":
+        return (r(b, L, d), r(b, L, d), r(b, L, d))
+    if name == "lmu":
+        return (r(b, L, 1), 0.9 * torch.eye(n) + 0.05 * r(n, n) / n ** 0.5, r(n, 1), r(3, n))
+    if name == "retnet":
+        return (r(L, b, 2, n), r(L, b, 2, n) / n ** 0.5, r(L, b, 2, d), 0.5 + 0.5 * u(2))
+    if name == "chunks_of_steps":
+        return (r(b, L, d), r(b, L, d))
+    if name == "heads_by_view":
+        return (r(b, L, 2 * d), 0.1 * u(b, L, 2), -u(2), r(b, L, n), r(b, L, n))
+    if name == "padding_mask":
+        return (r(b, L, d), r(b, L, d), u(b, L) > 0.3)
+    if name == "resets":
+        return (r(b, L, d), u(d), (u(b, L) > 0.8).float())
+    if name == "lru":
+        return (r(b, L, d), r(n) - 1, r(n), r(n, d) / d ** 0.5, r(n, d) / d ** 0.5, r(3, n))
+    if name == "hgrn2":
+        return (r(b, L, n), r(b, L, n), r(b, L, n), 0.5 * u(n))
+    if name == "ema_layer_norm":
+        return (r(b, L, d), r(d, 3))
+    if name == "mlstm_stabilized":
+        return (r(b, L, n), r(b, L, n) / n ** 0.5, r(b, L, d), r(b, L), r(b, L) + 2)
+    if name == "vmapped":
+        return (r(b, L, d), u(d))
+    if name == "elman":
+        return (r(b, L, d), 0.1 * r(d, d), u(d))
+    raise KeyError(name)
+
+
+# name -> (program, the strategies of its regions (a|b: either, by size), or the start of the
+# decline's reason)
+ZOO = {
+    "rg_lru": (_rg_lru, ("chunked_scan",)),
+    "qrnn": (_qrnn, ("chunked_scan",)),
+    "sru": (_sru, ("chunked_scan",)),
+    "lerp_addcmul": (_lerp_addcmul, ("chunked_scan", "chunked_scan")),     # two states, split
+    "lmu": (_lmu, ("block_sparse",)),
+    "retnet": (_retnet, ("chunked_scan|chunked_ssd",)),     # by size
+    "chunks_of_steps": (_chunks_of_steps, ("chunked_scan",)),
+    "heads_by_view": (_heads_by_view, ("chunked_scan|chunked_ssd",)),
+    "padding_mask": (_padding_mask, ("chunked_scan",)),
+    "resets": (_resets, ("chunked_scan",)),
+    "lru": (_lru, ("block_sparse",)),
+    "hgrn2": (_hgrn2, ("chunked_scan",)),
+    "ema_layer_norm": (_ema_layer_norm, ("chunked_scan",)),
+    "mlstm_stabilized": (_mlstm_stabilized, "split_states: the state m_new_1 goes through `maximum`"),
+    "elman": (_elman, "detect_recurrence: the state goes through `tanh`"),
+    "vmapped": (_vmapped, "reads inside torch.vmap"),
+}
+SMALL = dict(b=2, L=9, d=5, n=4)
+LARGE = dict(b=3, L=131, d=40, n=16)          # odd sizes: masked tiles in the kernels
+
+
+def _check(name, inputs, tol, **options):
+    fn, expect = ZOO[name]
+    out, rep = ssmc_run(fn, inputs, **options)
+    if isinstance(expect, tuple):
+        assert len(rep.regions) == len(expect) and not rep.fallbacks, str(rep)
+        assert all(r.strategy in e.split("|") for r, e in zip(rep.regions, expect)), str(rep)
+    else:
+        assert not rep.regions and any(w.startswith(expect) for _, w in rep.fallbacks), str(rep)
+    for o, r in zip(as_tuple(out), reference(fn, [x.cpu() for x in inputs])):
+        assert o.shape == r.shape and rel_err(o.cpu(), r) < tol, f"rel err {rel_err(o.cpu(), r):.3g}\n{rep}"
+    return rep
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo(name):
+    ins = _inputs(name, SMALL, torch.Generator().manual_seed(sorted(ZOO).index(name)))
+    _check(name, ins, 1e-6)
+    grads_match(ZOO[name][0], ins, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_on_the_gpu(name):
+    """At odd sizes on CUDA: the region runs a generated kernel (no runtime fallback to the torch
+    reference), values and gradients against float64 eager."""
+    from ssmc.runtime.op import lookup
+    ins = tuple(x.cuda() for x in _inputs(name, LARGE, torch.Generator().manual_seed(7)))
+    rep = _check(name, ins, 1e-4)
+    for r in rep.regions:
+        assert r.target != "torch", str(rep)
+        assert getattr(lookup(r.key).kernel, "fallback", None) is None, str(rep)
+    grads_match(ZOO[name][0], ins, 1e-4)
