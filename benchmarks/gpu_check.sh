@@ -2,7 +2,7 @@
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
 # SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune", "scanmixer", "batch1",
-# "ncu", "m1counters", "decode", "bspprobe", "ssdcore" and "train" only when named; SSMC_BSP_FLAGS=--backward:
+# "ncu", "m1counters", "decode", "bspprobe", "ssdcore", "zoo", "demo" and "train" only when named; SSMC_BSP_FLAGS=--backward:
 # bsp also times forward+backward); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
@@ -16,7 +16,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$LOG"
 STEPS=${SSMC_GPU_STEPS:-tests,region,moe,bsp}
 if [[ $STEPS == *tests* ]]; then      # one file at a time: a fault in one cannot hide the others' results
   for f in ${SSMC_TEST_FILES:-tests/test_ssd.py tests/test_streams.py tests/test_triton_bwd.py tests/test_moe.py \
-           tests/test_block_sparse.py tests/test_cuda_codegen.py tests/test_robustness.py tests/test_split_states.py}; do
+           tests/test_block_sparse.py tests/test_cuda_codegen.py tests/test_robustness.py tests/test_split_states.py \
+           tests/test_zoo.py}; do
     echo "== $f" >> "$LOG"
     timeout ${SSMC_TEST_TIMEOUT:-120} python -m pytest -m gpu -q -p no:cacheprovider -rf "$f" 2>&1 | tail -15 >> "$LOG"
   done
@@ -115,6 +116,13 @@ if [[ $STEPS == *batch1* ]]; then     # batch 1 (inference): the Mamba-1/-2 regi
 fi
 if [[ $STEPS == *scanmixer* ]]; then  # a mixer around torch's associative_scan: ssmc, ssmc without sink_consumers, Inductor
   timeout ${SSMC_MIXER_TIMEOUT:-300} python -m benchmarks.bench_scan_mixer --out "$OUT/scan_mixer.json" >> "$LOG" 2>&1
+fi
+if [[ $STEPS == *zoo* ]]; then       # tests/test_zoo.py's programs: ssmc against the eager loop, b8 L1024 d256 n16
+  timeout ${SSMC_ZOO_TIMEOUT:-240} python -m benchmarks.bench_zoo --out "$OUT/zoo.json" >> "$LOG" 2>&1
+fi
+if [[ $STEPS == *demo* ]]; then      # the README's first command's script
+  echo "== examples/naive_mamba.py" >> "$LOG"
+  timeout ${SSMC_DEMO_TIMEOUT:-240} python examples/naive_mamba.py >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *fuzz* ]]; then      # workers share the GPU: compiling (Dynamo, Triton, NVRTC) is CPU-bound
   echo "== fuzz" >> "$LOG"

@@ -546,7 +546,8 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
             raise AssembleError(f"{what} reads a value the transition reads along its columns, in "
                                 "another role (a matrix used twice)")
     region = Region(loop.name, axes, tuple(axis_size), length, tuple(inputs), decay, drive,
-                    tuple(outputs), init, mix=mix)
+                    tuple(outputs), init, mix=mix,
+                    unit_axes=tuple(a for a, s in zip(axes, state_shape) if _is_one(s)))
     return Plan(region, bld.sources, results, boundary, fuse)
 
 

@@ -270,6 +270,7 @@ class Region:
     state_dtype: str = "float32"
     reverse: bool = False
     mix: Mix | None = None                    # non-diagonal transition (block-sparse A)
+    unit_axes: tuple[str, ...] = ()           # state axes of size 1 when compiled (Dynamo specialises 1)
 
     # -- derived properties the strategies and targets look at -------------------------------
     def decay_axes(self) -> frozenset[str]:
@@ -306,11 +307,24 @@ class Region:
                                    axis_size=tuple(sizes[p] for p in perm),
                                    mix=dataclasses.replace(self.mix, axis=None)), perm
 
+    def without_unit_sums(self) -> "Region":
+        """The region with its outputs' sums over size-1 state axes dropped (a sum of one
+        element is that element): such an output then varies along an axis it does not index,
+        at that axis's single index. How `ssmc.assemble` writes a size-1 dim squeezed away."""
+        outs = []
+        for o in self.outputs:
+            e = o.expr
+            if isinstance(e, Reduce) and e.op == "sum" and set(e.axes) & set(self.unit_axes):
+                rest = tuple(a for a in e.axes if a not in self.unit_axes)
+                e = Reduce(e.arg, rest, e.op) if rest else e.arg
+            outs.append(dataclasses.replace(o, expr=e))
+        return dataclasses.replace(self, outputs=tuple(outs))
+
     def key(self) -> str:
         import hashlib
         scalars = (self.name, self.axes, self.axis_size, self.length, self.inputs, self.init,
                    self.state_dtype, self.reverse, tuple((o.kind, o.index, o.dtype) for o in self.outputs),
-                   (self.mix.block, self.mix.blocks) if self.mix else None)
+                   (self.mix.block, self.mix.blocks) if self.mix else None, self.unit_axes)
         return hashlib.sha256((repr(scalars) + "\n" + str(self)).encode()).hexdigest()[:16]
 
     def __str__(self):

@@ -23,3 +23,17 @@ def test_cli_tiny_cpu(tmp_path):
     ssmc_rows = [row for row in rows if row["kind"] == "ssmc" and row["workload"] == "mamba1"]
     assert all(row["ms"] and row["ms"] > 0 and row["rel_err"] < 1e-4 for row in ssmc_rows)
     assert "variant" in r.stdout and "wrote" in r.stdout            # the table was printed
+
+
+def test_zoo_benchmark_tiny_cpu(tmp_path):
+    """benchmarks.bench_zoo on the CPU: a row a program, checked against float64 and timed; a
+    declined program has no region and its reason."""
+    out = tmp_path / "zoo.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_zoo", "--out", str(out), "--shape", "2,8,4,4",
+                        "--only", "qrnn,elman"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["program"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"qrnn", "elman"} and not any("error" in row for row in rows.values()), rows
+    assert all(row["rel_err_vs_float64"] < 1e-5 and row["ssmc_ms"] > 0 and row["eager_ms"] > 0 for row in rows.values())
+    assert rows["qrnn"]["regions"] == ["chunked_scan/torch"] and not rows["qrnn"]["fallbacks"]
+    assert not rows["elman"]["regions"] and "tanh" in rows["elman"]["fallbacks"][0]

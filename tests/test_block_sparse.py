@@ -1178,8 +1178,46 @@ def test_triton_kernel_transition_along_another_axis(fn, interp):
     grads_match(fn, ins, target="triton")
 
 
+def _column_squeezed(u, A, Bv):
+    """An LMU-style memory as a (b, n, 1) column by `torch.baddbmm`, read out squeezed."""
+    m = u.new_zeros(u.shape[0], A.shape[0], 1)
+    ys = []
+    for t in range(u.shape[1]):
+        m = torch.baddbmm(Bv * u[:, t, :, None], A.expand(u.shape[0], -1, -1), m)
+        ys.append(m.squeeze(-1))
+    return torch.stack(ys, 1)
+
+
+def _row_unsqueezed(u, A, Bv):
+    """The same as a (b, 1, n) row multiplied on the right, read out as ``h[:, 0]``."""
+    h = u.new_zeros(u.shape[0], 1, A.shape[0])
+    ys = []
+    for t in range(u.shape[1]):
+        h = h @ A.T + u[:, t, None, :] * Bv[:, 0]
+        ys.append(h[:, 0])
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_column_squeezed, _row_unsqueezed])
+def test_triton_kernel_state_with_a_size_one_dim(fn, interp):
+    """A state with a size-1 dim read out without it (squeezed or indexed 0): the readout's sum
+    over that one element is dropped (`Region.without_unit_sums`), so the Triton block-sparse
+    kernel runs it (before: declined, "the readout sums over i2"); values and gradients."""
+    g = torch.Generator().manual_seed(20)
+    n = 8
+    ins = (torch.randn(3, 9, 1, generator=g), 0.9 * torch.eye(n) + 0.05 * torch.randn(n, n, generator=g),
+           torch.randn(n, 1, generator=g))
+    out, report = ssmc_run(fn, ins, target="triton")
+    assert [r.target for r in report.regions] == ["triton"], str(report)
+    assert report.regions[0].ir.unit_axes, str(report.regions[0].ir)
+    assert lookup(report.regions[0].key).kernel.fallback is None
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-5
+    grads_match(fn, ins, target="triton")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fn", [_textbook, _textbook_batched, _matvec_bmm, _matvec_transposed])
+@pytest.mark.parametrize("fn", [_textbook, _textbook_batched, _matvec_bmm, _matvec_transposed,
+                                _column_squeezed, _row_unsqueezed])
 def test_left_products_on_the_gpu(fn):
     """The textbook column form and the matrix-vector spellings on CUDA (target auto), L 300,
     against float64 eager on the CPU."""
@@ -1187,6 +1225,9 @@ def test_left_products_on_the_gpu(fn):
     n = 16
     if fn in (_textbook, _textbook_batched):
         ins = _textbook_inputs(fn, 19, 300, n, 0.2)
+    elif fn in (_column_squeezed, _row_unsqueezed):
+        ins = (torch.randn(4, 300, 1, generator=g), 0.9 * torch.eye(n) + 0.02 * torch.randn(n, n, generator=g),
+               torch.randn(n, 1, generator=g))
     else:
         ins = (torch.randn(4, 300, n, generator=g), 0.2 * torch.randn(n, n, generator=g),
                0.2 * torch.randn(4, 300, n, n, generator=g))

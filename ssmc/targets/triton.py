@@ -156,7 +156,7 @@ def make_plan(r: Region, drive_sums: bool = False) -> Plan | str:
             return "a final output with a time dim"
         if o.kind not in ("steps", "final"):
             return f"output kind {o.kind!r}"
-        extra = ir.axes_of(o.expr, r.axes) - set(idx) - ({"t"} if o.kind == "final" else set())
+        extra = ir.axes_of(o.expr, r.axes) - set(idx) - ({"t"} if o.kind == "final" else set()) - set(r.unit_axes)
         if extra:
             return f"output {o.index} varies along {sorted(extra)}, which it does not index"
     if r.init is not None and r.inputs[r.init].ndim != len(r.axes):

@@ -330,6 +330,8 @@ class BlockSparseKernel(T.MixedLast, T.TritonKernel):
         self.given, self.perm = region, None     # a region mixed along another axis than the last:
         if _moves(region):                       # held with that axis last, the initial state permuted
             region, self.perm = region.mixed_last()
+        if _moves(self.given) or region.unit_axes:
+            region = region.without_unit_sums()  # e.g. a (n, 1) column, read out squeezed
             plan = make_bsp_plan(region)
             if isinstance(plan, str):
                 raise ValueError(f"triton target cannot compile region {region.name}: {plan}")
@@ -439,8 +441,9 @@ def _moves(region: Region) -> bool:
 
 
 def plan_for(region: Region) -> BSPlan | str:
-    """`make_bsp_plan` of the region as the kernel holds it (its mixed axis last)."""
-    return make_bsp_plan(region.mixed_last()[0] if _moves(region) else region)
+    """`make_bsp_plan` of the region as the kernel holds it (its mixed axis last, no sums over
+    size-1 axes)."""
+    return make_bsp_plan((region.mixed_last()[0] if _moves(region) else region).without_unit_sums())
 
 
 def block_size_for(n: int) -> int | None:
