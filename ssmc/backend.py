@@ -174,6 +174,34 @@ def _direct_calls(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+_LENGTHS: dict[str, set] = {}     # region key -> the lengths its unrolled loop was captured at
+
+
+def _note_lengths(cands, infos, greport: GraphReport) -> None:
+    """Dynamo unrolls a Python loop for one length: another length is another trace of the whole
+    loop (the region's kernels are reused), and after torch._dynamo.config.recompile_limit
+    recompiles Dynamo runs the function eagerly. Said once a region, at its second length."""
+    by_name = {i.name: i for i in infos}
+    for c in cands:
+        info = by_name.get(c.name)
+        if info is None or c.loop.origin != "unrolled" or not isinstance(c.loop.length, int):
+            continue
+        seen = _LENGTHS.setdefault(info.key, set())
+        if c.loop.length in seen or len(_LENGTHS) > 4096:
+            continue
+        seen.add(c.loop.length)
+        if len(seen) == 2:
+            limit = getattr(torch._dynamo.config, "recompile_limit", None) or \
+                getattr(torch._dynamo.config, "cache_size_limit", "?")
+            msg = (f"{c.name} was captured again for another length ({sorted(seen)}): Dynamo unrolls a Python "
+                   f"loop for each length, so each new length is traced again (ssmc's kernels are reused), and "
+                   f"after {limit} recompiles (torch._dynamo.config.recompile_limit) Dynamo runs the function "
+                   "eagerly. For many lengths write the step with torch._higher_order_ops.scan (one graph for "
+                   "every length) or pad inputs to a few lengths")
+            log.warning("ssmc: %s", msg)
+            greport.log.append(msg)
+
+
 def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphReport) -> int:
     """Run the passes and lower every region into `gm`; returns the number of regions."""
     from ssmc.passes.base import PassContext
@@ -243,6 +271,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     gm.graph.eliminate_dead_code(is_impure_node=impure)    # what a loop that failed to compile made
     gm.recompile()
     greport.regions.extend(reversed(lowered))
+    _note_lengths(live, lowered, greport)
     for group in getattr(ctx, "groups", []):
         greport.groups.append(_lower_group(gm, group, opts, device, arch))
     greport.log.extend(cache.events[seen_events:])      # corrupt entries rebuilt, unwritable cache dir

@@ -219,6 +219,37 @@ def test_recompiles_with_sizes_dynamo_made_dynamic(fn):
     assert all(gr.regions for gr in rep.graphs), str(rep)
 
 
+def test_another_length_is_another_trace_and_says_so(caplog):
+    """Each new length of an unrolled loop is another Dynamo trace: said once, at the second
+    length, with what to do (scan, or a few padded lengths); not again at a third length, and
+    not for a length seen before."""
+    import logging
+    from ssmc import backend
+
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = a * h + x[:, t] * 0.37
+            ys.append(h)
+        return torch.stack(ys, 1)
+    torch._dynamo.reset()
+    backend._LENGTHS.clear()
+    compiled = torch.compile(fn, backend="ssmc")
+    g = torch.Generator().manual_seed(44)
+    said = []
+    for L in (6, 6, 9, 11, 6):
+        x, a = torch.randn(2, L, 3, generator=g), torch.rand(3, generator=g)
+        with caplog.at_level(logging.WARNING, logger="ssmc"):
+            caplog.clear()
+            assert rel_err(compiled(x, a), fn(x.double(), a.double())) < 1e-6
+        said.append([r.getMessage() for r in caplog.records if "captured again for another length" in r.getMessage()])
+        if L == 9:          # and in the report, as a note
+            assert any("captured again" in m for m in backend.LAST_REPORT.graphs[-1].log), str(backend.LAST_REPORT)
+    assert [len(m) for m in said] == [0, 0, 1, 0, 0], said
+    assert "[6, 9]" in said[2][0] and "torch._higher_order_ops.scan" in said[2][0]
+
+
 def test_vmapped_code_beside_a_region():
     """Dynamo inlines torch.vmap as level pushes and pops that nothing reads: lowering a region
     in the same graph keeps them (swept as dead code, the vmapped ops ran outside any level)."""
