@@ -54,7 +54,26 @@ def _device(example_inputs) -> tuple[str, int | None]:
     return "cpu", None
 
 
-def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Report | None = None, **kw):
+def _inductor_patches(mode: str | None) -> tuple[dict, str | None]:
+    """(Inductor config patches, a note) for ``torch.compile(..., mode=...)``: the mode is
+    Inductor's and applies to the graph outside the regions, without CUDA graphs (the regions'
+    first calls autotune and some read their inputs on the host)."""
+    if mode in (None, "default"):
+        return {}, None
+    from torch._inductor import list_mode_options
+    try:
+        patches = dict(list_mode_options(mode))
+    except RuntimeError as e:
+        raise ValueError(f"ssmc: torch.compile(mode={mode!r}): {e}") from None
+    note = f"mode={mode!r}: Inductor compiles the graph outside the regions with {sorted(patches) or 'its defaults'}"
+    if patches.pop("triton.cudagraphs", False):
+        note += "; without CUDA graphs (not taken with ssmc's regions)"
+    return patches, note
+
+
+def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Report | None = None,
+                 mode: str | None = None, **kw):
+    patches, mode_note = _inductor_patches(mode)
     opts = make_options(options, **kw)
     global LAST_REPORT, _LAST_COMPILE_ID
     cid = _ddp_piece_of()
@@ -94,9 +113,12 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
         log.info("ssmc: nothing outside the regions for Inductor; the graph runs eagerly")
     if n_regions:
         _direct_calls(gm)
+    if mode_note:
+        greport.log.append(mode_note if greport.rest == "inductor" else
+                           f"mode={mode!r} is Inductor's, which does not run this graph (the rest runs with {greport.rest})")
     if greport.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=patches)
     if not n_regions and greport.nodes_in > 2000:
         log.info("ssmc: no region found; running the captured graph of %d nodes eagerly", greport.nodes_in)
     return gm.forward

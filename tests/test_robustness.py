@@ -250,6 +250,31 @@ def test_another_length_is_another_trace_and_says_so(caplog):
     assert "[6, 9]" in said[2][0] and "torch._higher_order_ops.scan" in said[2][0]
 
 
+def test_torch_compile_mode_goes_to_inductor():
+    """``torch.compile(..., backend="ssmc", mode=...)``: the mode is Inductor's, for the graph
+    outside the regions (without CUDA graphs), said in the report; an unknown mode is a clear
+    error naming it (before: "unknown option(s) ['mode']")."""
+    from ssmc import backend
+    from torch._dynamo.exc import BackendCompilerFailed
+    x, a = torch.randn(2, 6, 3), torch.rand(3)
+    torch._dynamo.reset()
+    out = torch.compile(_decay_loop, backend="ssmc", mode="max-autotune")(x, a, torch.rand(2, 6, 3))
+    assert out[0].shape == x.shape
+    assert any("mode='max-autotune' is Inductor's" in m for g in backend.LAST_REPORT.graphs for m in g.log), \
+        str(backend.LAST_REPORT)
+    rep = ssmc.Report()        # with Inductor running the rest (forced here; the default on a GPU)
+    torch._dynamo.reset()
+    dt = torch.rand(2, 6, 3)
+    fn = torch.compile(_decay_loop, backend=lambda gm, ex: ssmc.ssmc_backend(
+        gm, ex, options={"rest": "inductor"}, mode="max-autotune-no-cudagraphs", _report=rep))
+    for o, r in zip(fn(x, a, dt), _decay_loop(x.double(), a.double(), dt.double())):
+        assert rel_err(o, r) < 1e-6
+    assert rep.regions and any("coordinate_descent_tuning" in m for m in rep.graphs[0].log), str(rep)
+    torch._dynamo.reset()
+    with pytest.raises(BackendCompilerFailed, match="mode='fastest'"):
+        torch.compile(_decay_loop, backend="ssmc", mode="fastest")(x, a, dt)
+
+
 def test_vmapped_code_beside_a_region():
     """Dynamo inlines torch.vmap as level pushes and pops that nothing reads: lowering a region
     in the same graph keeps them (swept as dead code, the vmapped ops ran outside any level)."""
