@@ -152,6 +152,55 @@ def column_sums(m, dim):
     return torch.movedim(m.sum(dim), -1, dim)
 
 
+def placement(rows: int, cols: int, pairs, d: int, nd: int, dtype, device):
+    """The 0/1 matrix (rows x cols) with ones at (i0 + k, j0 + k) for each (i0, j0, length) in
+    pairs, laid out for a transition along state dim d of nd dims (rows at d, columns last): how
+    ``torch.cat``, ``torch.roll`` and ``F.pad`` move slices of the state along d (a shift
+    register). A constant: computed before the region, like `compose`."""
+    m = torch.zeros(rows, cols, dtype=dtype, device=device)
+    for i0, j0, ln in pairs:
+        m[i0:i0 + ln, j0:j0 + ln] += torch.eye(ln, dtype=dtype, device=device)
+    return m.reshape(rows, *([1] * (nd - 1 - d)), cols)
+
+
+def kept(n: int, pairs, d: int, nd: int, dtype, device):
+    """The 0/1 vector (n) with ones at j0 .. j0 + length - 1 for each (j0, j0, length) in pairs,
+    laid out along state dim d of nd dims: slices of the state that stay in place (a slot
+    overwritten, the rest kept), an elementwise coefficient. A constant, like `placement`."""
+    v = torch.zeros(n, dtype=dtype, device=device)
+    for _, j0, ln in pairs:
+        v[j0:j0 + ln] = 1
+    return v.reshape(n, *([1] * (nd - 1 - d)))
+
+
+def _slice_along(n, nd: int):
+    """(x, d, start, stop) for ``x[..., start:stop, ...]`` (one unit-step slice of dim d, every
+    other dim whole); None otherwise."""
+    if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[1], (tuple, slice)):
+        return None
+    idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    if sum(i is Ellipsis for i in idx) > 1 or any(not isinstance(i, slice) and i is not Ellipsis for i in idx):
+        return None
+    if Ellipsis in idx:
+        k = idx.index(Ellipsis)
+        idx = idx[:k] + (slice(None),) * (nd - len(idx) + 1) + idx[k + 1:]
+    idx = idx + (slice(None),) * (nd - len(idx))
+    cut = [k for k, i in enumerate(idx) if i != slice(None)]
+    if len(idx) != nd or len(cut) != 1 or idx[cut[0]].step not in (None, 1):
+        return None
+    d = cut[0]
+    size = shape(n.args[0])[d]
+    start, stop, _ = idx[d].indices(size) if isinstance(size, int) else (None, None, None)
+    return (n.args[0], d, start, stop) if start is not None and stop > start else None
+
+
+class _Unsqueezed:
+    """A state-free value put into the state along dim d where it has no dim (``select_scatter``)."""
+
+    def __init__(self, v, d):
+        self.v, self.d = v, d
+
+
 class _Mat:
     """A non-diagonal coefficient: diag(d) + m, with m a body node laid out (*state, j) (or
     broadcastable to it); d as an elementwise coefficient (None: zero)."""
@@ -196,11 +245,12 @@ class _Linear:
                 and shape(n) == self.sshape:
             return None, None             # zeros made from the state (a reset): 0 * h + 0
         c = canonical(n)
-        if c is None:
+        segs = self.segments(n) if c is None else None
+        if c is None and segs is None:
             raise Decline(f"the state goes through {_describe(n)}, which ssmc does not know to be linear")
         self.stack.append(n)
         try:
-            r = self._rule(n, c)
+            r = self._rule(n, c) if segs is None else self._placed(*segs)
         finally:
             self.stack.pop()
         want = self.red_shape(r[0]) if isinstance(r[0], _Red) else self.sshape
@@ -485,6 +535,179 @@ class _Linear:
         else:
             bm = self._call(torch.sum, self.mul(wt, along(b1)), -1)
         return (_Mat(None, m, d) if m is not None else None), bm
+
+    # slices of the state moved along one dim (cat, roll, pad: a shift register) -------------
+    def segments(self, n):
+        """(d, [(out_start, length, source, src_start)]) where n (state-shaped, on the path) is
+        made of slices of state-shaped values along dim d (source on the path) and state-free
+        pieces (src_start None) and zeros (source None), in order; None when it is not. A source
+        that is itself such a move along d (``torch.roll`` then ``torch.cat``) is looked through."""
+        got = self._segments(n)
+        if got is None:
+            return None
+        d, segs = got
+        out = []
+        for pos, ln, src, s0 in segs:
+            inner = self._segments(src) if src is not None and s0 is not None and src is not self.prev else None
+            if inner is None or inner[0] != d:
+                out.append((pos, ln, src, s0))
+                continue
+            for ip, il, isrc, is0 in inner[1]:          # the part of src's pieces in [s0, s0 + ln)
+                lo, hi = max(ip, s0), min(ip + il, s0 + ln)
+                if lo < hi:
+                    out.append((pos + lo - s0, hi - lo, isrc, None if is0 is None and isrc is not None
+                                else (is0 + lo - ip if is0 is not None else None)))
+        if any(src is not None and s0 is None and not isinstance(src, _Unsqueezed) and ln != shape(src)[d]
+               for pos, ln, src, s0 in out):
+            return None                 # part of a state-free piece: not taken apart here
+        return d, out
+
+    def _segments(self, n):
+        nd = len(self.sshape)
+        if n.op != "call_function" or shape(n) != self.sshape:
+            return None
+        name = getattr(n.target, "__name__", "")
+        if n.target in (torch.cat, torch.concat) or name in ("cat", "concat"):
+            parts = n.args[0] if n.args else n.kwargs.get("tensors")
+            d = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+            if not isinstance(parts, (list, tuple)) or not isinstance(d, int):
+                return None
+            d %= nd
+            out, pos = [], 0
+            for p in parts:
+                got = self._piece(p, d, nd)
+                if got is None:
+                    return None
+                for ln, src, s0 in got:
+                    out.append((pos, ln, src, s0))
+                    pos += ln
+            return (d, out) if pos == self.sshape[d] else None
+        if name in ("select_scatter", "slice_scatter") and len(n.args) >= 3:
+            x, v = n.args[0], n.args[1]       # x with a slice along d replaced by v
+            d = n.args[2] % nd
+            N = self.sshape[d]
+            if name == "select_scatter":
+                k = n.args[3] % N
+                lo, hi = k, k + 1
+                if not isinstance(v, fx.Node) or v in self.path or v is self.prev:
+                    return None
+                piece = [(1, _Unsqueezed(v, d), None)]
+            else:
+                lo, hi = (n.args[3] if len(n.args) > 3 else 0), (n.args[4] if len(n.args) > 4 else N)
+                if not isinstance(lo, int) or not isinstance(hi, int):
+                    return None
+                lo, hi, _ = slice(lo, hi).indices(N)
+                piece = self._piece(v, d, nd)
+                if piece is None or sum(p[0] for p in piece) != hi - lo:
+                    return None
+            if x not in self.path and x is not self.prev:
+                return None
+            out = ([(0, lo, x, 0)] if lo else []) + [(lo + sum(q[0] for q in piece[:j]), ln, src, s0)
+                                                     for j, (ln, src, s0) in enumerate(piece)]
+            return d, out + ([(hi, N - hi, x, hi)] if hi < N else [])
+        if name == "roll" and n.args:
+            x = n.args[0]
+            sh = n.args[1] if len(n.args) > 1 else n.kwargs.get("shifts")
+            d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dims")
+            sh, d = (sh[0] if isinstance(sh, (list, tuple)) and len(sh) == 1 else sh,
+                     d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d)
+            if not isinstance(sh, int) or not isinstance(d, int) or x not in self.path and x is not self.prev:
+                return None
+            d %= nd
+            N, k = self.sshape[d], sh % self.sshape[d]
+            return d, [(0, k, x, N - k), (k, N - k, x, 0)] if k else [(0, N, x, 0)]
+        if name == "pad":
+            got = self._piece(n, None, nd)
+            if got is None:
+                return None
+            d, segs = got
+            out, pos = [], 0
+            for ln, src, s0 in segs:
+                out.append((pos, ln, src, s0))
+                pos += ln
+            return d, [s for s in out if s[0] < self.sshape[d]]
+        return None
+
+    def _piece(self, p, d, nd):
+        """[(length, source, src_start)] of one piece along d (None: unknown; d None: a pad
+        finds it, then returns (d, pieces))."""
+        sl = _slice_along(p, nd) if isinstance(p, fx.Node) else None
+        if getattr(p, "op", None) == "call_function" and getattr(p.target, "__name__", "") == "pad" \
+                and p in self.path:
+            x, pad = p.args[0], p.args[1] if len(p.args) > 1 else p.kwargs.get("pad")
+            mode = p.args[2] if len(p.args) > 2 else p.kwargs.get("mode", "constant")
+            value = p.args[3] if len(p.args) > 3 else p.kwargs.get("value", None)
+            pad = list(pad) if isinstance(pad, (list, tuple)) else None
+            if mode != "constant" or value not in (None, 0, 0.0) or not pad or len(pad) % 2 \
+                    or not all(isinstance(v, int) and v >= 0 for v in pad):
+                return None
+            dims = [nd - 1 - k for k in range(len(pad) // 2) if pad[2 * k] or pad[2 * k + 1]]
+            if len(dims) != 1 or (d is not None and dims[0] != d):
+                return None
+            k = nd - 1 - dims[0]
+            inner = self._piece(x, dims[0], nd)
+            if inner is None:
+                return None
+            got = [(pad[2 * k], None, None)] * bool(pad[2 * k]) + inner + [(pad[2 * k + 1], None, None)] * bool(pad[2 * k + 1])
+            return got if d is not None else (dims[0], got)
+        if d is None:
+            return None
+        if sl is not None and (sl[0] in self.path or sl[0] is self.prev) and sl[1] == d \
+                and shape(sl[0]) == self.sshape:
+            return [(sl[3] - sl[2], sl[0], sl[2])]
+        if isinstance(p, fx.Node) and (p in self.path or p is self.prev):
+            return [(self.sshape[d], p, 0)] if shape(p) == self.sshape else None
+        if isinstance(p, fx.Node) and len(shape(p)) == nd and isinstance(shape(p)[d], int):
+            return [(shape(p)[d], p, None)]          # state-free
+        return None
+
+    def _placed(self, d, segs):
+        """The state-shaped value made of the segments: each source's slices as a constant
+        0/1 matrix along d times that source's (a, b), state-free pieces placed into the drive."""
+        nd, N = len(self.sshape), self.sshape[d]
+        ev = self.prev.meta.get("example_value")
+        like = dict(dtype=getattr(ev, "dtype", torch.float32), device=getattr(ev, "device", "cpu"))
+        srcs: dict = {}
+        a, b = None, None
+        for pos, ln, src, s0 in segs:
+            if src is None:
+                continue
+            if s0 is None:           # a state-free piece: placed by a (N x ln) matrix
+                if isinstance(src, _Unsqueezed):
+                    src = self._call(torch.unsqueeze, src.v, src.d)
+                q = self._call(placement, N, ln, ((pos, 0, ln),), d, nd, like["dtype"], like["device"])
+                b = self.add(b, self._apply(q, d, src))
+                continue
+            srcs.setdefault(src, []).append((pos, s0, ln))
+        for src, pairs in srcs.items():
+            a1, b1 = self.of(src)
+            if isinstance(a1, (_Mat, _Red)):
+                raise Decline(f"{_describe(self.stack[-1])} moves slices of a state that went through a "
+                              "matrix product or a sum")
+            if all(i0 == j0 for i0, j0, _ in pairs):       # nothing moves: a diagonal 0/1 factor
+                v = self._call(kept, N, tuple(pairs), d, nd, like["dtype"], like["device"])
+                a, b = self.plus(a, self.mul(a1, v)), self.add(b, self.mul(b1, v))
+                continue
+            p = self._call(placement, N, N, tuple(pairs), d, nd, like["dtype"], like["device"])
+            if a1 is not None:
+                m = self.mul(p, a1 if isinstance(a1, (int, float)) or not shape(a1) else self._cols(a1, d))
+                a = self.plus(a, _Mat(None, m, d if d != nd - 1 else nd - 1))
+            if b1 is not None:
+                b = self.add(b, self._apply(p, d, b1))
+        return a, b
+
+    def _cols(self, v, d: int):
+        """v laid out as the state (broadcastable), its dim d as the columns of a (*state, j) matrix."""
+        nd, vs = len(self.sshape), shape(v)
+        if len(vs) < nd:
+            v = self._call(torch.reshape, v, (1,) * (nd - len(vs)) + tuple(vs))
+        return self._call(columns, v, d)
+
+    def _apply(self, w, d: int, v):
+        """sum_k w[.., i, .., k] v[.., k, ..]: a (*state, k) matrix along dim d applied to v."""
+        if isinstance(v, (int, float)) or not shape(v):
+            return self.mul(self._call(torch.sum, w, -1), v)
+        return self._call(torch.sum, self.mul(w, self._cols(v, d)), -1)
 
     def _rule(self, n, c):
         args = c.args

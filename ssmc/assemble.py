@@ -94,11 +94,19 @@ def _labels(body: fx.Graph, rec: Recurrence, split=frozenset()) -> Labels:
         for r in range(1, len(ms)):
             if ms[-1 - r] != 1 and r <= len(ss):
                 lab.union((rec.prev, len(ss) - r), (rec.m, len(ms) - 1 - r))
+    ss = shape(rec.prev)
+    for v in (rec.a, rec.b) if rec.m is None else (rec.b,):   # laid out as the state (broadcast)
+        if isinstance(v, fx.Node) and is_tensor(v) and len(shape(v)) <= len(ss):
+            off = len(ss) - len(shape(v))
+            for j, s in enumerate(shape(v)):
+                if s != 1 and s == ss[j + off]:
+                    lab.union((v, j), (rec.prev, j + off))
     for n in body.nodes:
         if n.op not in ("call_function", "call_method") or not is_tensor(n):
             continue
         c = canonical(n)
         if c is None:
+            _label_moves(lab, n)
             continue
         if c.kind == "contract" and n in rec.state_nodes and n not in rec.epilogue:
             continue     # the state's matrix product: its row and column are different axes
@@ -136,6 +144,29 @@ def _labels(body: fx.Graph, rec: Recurrence, split=frozenset()) -> Labels:
                 if ch in first and out[i] != 1:
                     lab.union(first[ch], (n, i))
     return lab
+
+
+def _label_moves(lab: Labels, n: fx.Node) -> None:
+    """``torch.cat``, ``torch.roll`` and ``F.pad`` (slices of a state moved along one dim, see
+    detect_recurrence's `segments`): every other dim is the same axis in the inputs and the
+    output."""
+    name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+    out = shape(n)
+    if name in ("cat", "concat"):
+        parts, d = (n.args[0] if n.args else ()), (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
+        if not isinstance(d, int) or not isinstance(parts, (list, tuple)):
+            return
+        keep = [j for j in range(len(out)) if j != d % len(out)]
+    elif name in ("roll", "pad") and n.args and isinstance(n.args[0], fx.Node):
+        parts, a = [n.args[0]], shape(n.args[0])
+        keep = [j for j in range(len(out)) if len(a) == len(out) and a[j] == out[j]]
+    else:
+        return
+    for p in parts:
+        if isinstance(p, fx.Node) and is_tensor(p) and len(shape(p)) == len(out):
+            for j in keep:
+                if out[j] != 1 and shape(p)[j] == out[j]:
+                    lab.union((n, j), (p, j))
 
 
 def _input_views(body: fx.Graph, loop) -> frozenset:

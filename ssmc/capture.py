@@ -230,7 +230,37 @@ def _inplace_self(n: fx.Node):
         return n.args[0]
     if n.op == "call_function" and n.target in _AUGMENTED and is_tensor(value(n.args[0])):
         return n.args[0]
+    if n.op == "call_function" and n.target is operator.setitem and len(n.args) == 3 \
+            and is_tensor(value(n.args[0])) and _scatter_of(n) is not None:
+        return n.args[0]
     return None
+
+
+def _scatter_of(n: fx.Node):
+    """``x[idx] = v`` with idx one int or one unit-step slice along a dim (every other dim whole)
+    as (select_scatter or slice_scatter, its extra arguments, the shape v must have); None
+    otherwise."""
+    x, idx = value(n.args[0]), n.args[1]
+    nd = x.dim()
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if sum(i is Ellipsis for i in idx) > 1 or any(not isinstance(i, (int, slice)) and i is not Ellipsis for i in idx):
+        return None
+    if Ellipsis in idx:
+        k = idx.index(Ellipsis)
+        idx = idx[:k] + (slice(None),) * (nd - len(idx) + 1) + idx[k + 1:]
+    idx = idx + (slice(None),) * (nd - len(idx))
+    cut = [k for k, i in enumerate(idx) if i != slice(None)]
+    if len(idx) != nd or len(cut) != 1 or not isinstance(x.shape[cut[0]], int):
+        return None
+    d, i, size = cut[0], idx[cut[0]], x.shape[cut[0]]
+    if isinstance(i, int):
+        if not -size <= i < size:
+            return None
+        return torch.select_scatter, (d, i % size), tuple(x.shape[:d]) + tuple(x.shape[d + 1:])
+    start, stop, step = i.indices(size)
+    if step != 1 or stop <= start:
+        return None
+    return torch.slice_scatter, (d, start, stop), tuple(x.shape[:d]) + (stop - start,) + tuple(x.shape[d + 1:])
 
 
 def _fresh(r: fx.Node) -> bool:
@@ -513,6 +543,8 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
         rv = value(r)
         if not is_tensor(rv):
             continue
+        if len({repr(m.args[1]) for m in ms if m.target is operator.setitem}) > 1:
+            continue       # a buffer written at several places (out[:, t] = y): the loop's sink
         safe = True
         for a in [r, *ms]:
             for u in a.users:
@@ -525,6 +557,13 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
                     continue
                 safe = False
         for m in ms:
+            if m.target is operator.setitem:         # x[idx] = v: v of x's dtype, broadcast to the slice
+                v = value(m.args[2]) if isinstance(m.args[2], fx.Node) else None
+                want = _scatter_of(m)[2]
+                if v is None or not is_tensor(v) or v.dtype != rv.dtype or len(v.shape) > len(want) \
+                        or tuple(torch.broadcast_shapes(tuple(v.shape), want)) != want:
+                    safe = False
+                continue
             args = [value(x) for x in m.args[1:] if isinstance(x, fx.Node)]
             if any(not is_tensor(x) or x.dtype != rv.dtype for x in args):
                 safe = False
@@ -548,6 +587,18 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
         n.args = fx.node.map_arg(n.args, lambda a: latest(a) if a is not n else a)
         n.kwargs = fx.node.map_arg(n.kwargs, latest)
         if r in ok:
+            if n.target is operator.setitem:        # a new value: x with the slice replaced
+                fn, extra, want = _scatter_of(n)
+                with g.inserting_after(n):
+                    v = n.args[2]
+                    if tuple(value(v).shape) != want:
+                        v = g.call_function(torch.broadcast_to, (v, want))
+                        v.meta["example_value"] = torch.broadcast_to(value(n.args[2]), want)
+                    new = g.call_function(fn, (n.args[0], v, *extra))
+                    new.meta["example_value"] = fn(value(n.args[0]), value(v), *extra)
+                current[r] = new
+                count += 1
+                continue
             if n.target == "copy_":
                 current[r] = n.args[1]
             elif n.target in _AUGMENTED:
@@ -559,6 +610,8 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
             count += 1
     for n in reversed(list(g.nodes)):
         if n.op == "call_method" and n.target == "copy_" and not n.users and root.get(n) in ok:
+            g.erase_node(n)
+        elif n.target is operator.setitem and root.get(n) in ok:
             g.erase_node(n)
     gm.recompile()
     return count

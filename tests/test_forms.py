@@ -1223,3 +1223,42 @@ def test_two_loops_over_the_same_inputs_on_the_gpu(fn, n):
     out, rep = ssmc_run(fn, tuple(x.cuda() for x in ins))
     assert len(rep.regions) == n and not rep.fallbacks, str(rep)
     assert rel_err(out.cpu(), reference(fn, ins)[0]) < 1e-4, str(rep)
+
+
+def _slot_write(x, a):
+    """A state with one slot written in place each step (``s[:, :, 0] = x_t`` after a decay)."""
+    s = torch.zeros(x.shape[0], x.shape[2], 3)
+    ys = []
+    for t in range(x.shape[1]):
+        s = a * s
+        s[:, :, 0] = x[:, t]
+        ys.append(s.sum(-1))
+    return torch.stack(ys, 1)
+
+
+def _slot_write_viewed(x, a):
+    """The same with a view of the state read after the write (it sees the write): left as
+    written, whatever ssmc then does with the loop."""
+    s = torch.zeros(x.shape[0], x.shape[2], 3)
+    ys = []
+    for t in range(x.shape[1]):
+        s = a * s
+        first = s[:, :, 0]
+        s[:, :, 0] = x[:, t]
+        ys.append(first * 2 + s.sum(-1))
+    return torch.stack(ys, 1)
+
+
+def test_slot_writes_into_a_state():
+    """``s[idx] = v`` on a tensor the step made (one int or slice along one dim) is the new value
+    ``select_scatter``/``slice_scatter`` of it, when no view of it is taken: the state's slot
+    replaced: kept slots times a 0/1 vector (nothing moves, so the decay stays elementwise) plus
+    the written value. With a view taken, the write stays; the values equal float64 eager either
+    way."""
+    g = torch.Generator().manual_seed(31)
+    ins = (torch.randn(2, 7, 4, generator=g), torch.rand(3, generator=g))
+    rep = check(_slot_write, ins)
+    assert rep.regions[0].strategy == "chunked_scan", str(rep)
+    grads_match(_slot_write, ins)
+    out, rep = ssmc_run(_slot_write_viewed, ins)
+    assert rel_err(out, reference(_slot_write_viewed, ins)[0]) < 1e-6, str(rep)

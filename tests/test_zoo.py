@@ -1,5 +1,5 @@
 """Recurrences written the way other people write them (RG-LRU, QRNN, SRU, LMU, RetNet, HGRN2,
-LRU, masks and resets, a decode module with a state buffer, ...), each a plain loop: one region
+LRU, masks and resets, shift registers, a Mamba mixer step by step, ...), each a plain loop: regions
 with the strategy named, or a decline with its reason; values and gradients equal to float64
 eager, on the CPU and (the `gpu` tests) on CUDA at odd sizes through the generated kernels."""
 import pytest
@@ -181,6 +181,44 @@ def _elman(x, W, a):
     return torch.stack(ys, 1)
 
 
+def _shift_register(u, w):
+    """A delay line (H3's shift SSM): the newest input in front, the rest moved one slot by
+    slicing and `torch.cat`; read out by fixed taps."""
+    h = u.new_zeros(u.shape[0], u.shape[2], w.shape[-1])
+    ys = []
+    for t in range(u.shape[1]):
+        h = torch.cat([u[:, t, :, None], h[..., :-1]], -1)
+        ys.append((h * w).sum(-1))
+    return torch.stack(ys, 1)
+
+
+def _shift_by_pad(u, w):
+    """The same delay line by `F.pad` of a slice plus the input padded into the first slot."""
+    h = u.new_zeros(u.shape[0], u.shape[2], w.shape[-1])
+    ys = []
+    for t in range(u.shape[1]):
+        h = F.pad(h[..., :-1], (1, 0)) + F.pad(u[:, t, :, None], (0, w.shape[-1] - 1))
+        ys.append((h * w).sum(-1))
+    return torch.stack(ys, 1)
+
+
+def _mamba_step_by_step(x, conv_w, conv_b, W_dt, dt_bias, W_B, W_C, A_log, D):
+    """A Mamba mixer run as an RNN: the causal conv's state rolled and its last slot written
+    (`conv_state[:, :, -1] = x_t`, as in decoding code), then the selective scan's step."""
+    A = -torch.exp(A_log)
+    conv_state = torch.zeros(x.shape[0], x.shape[2], conv_w.shape[-1], device=x.device)
+    h = torch.zeros(x.shape[0], x.shape[2], A.shape[-1], device=x.device)
+    ys = []
+    for t in range(x.shape[1]):
+        conv_state = torch.roll(conv_state, shifts=-1, dims=-1)
+        conv_state[:, :, -1] = x[:, t]
+        xc = F.silu(torch.sum(conv_state * conv_w, dim=-1) + conv_b)
+        dt = F.softplus(xc @ W_dt + dt_bias)
+        h = torch.exp(dt[..., None] * A) * h + (dt * xc)[..., None] * (xc @ W_B)[:, None, :]
+        ys.append((h * (xc @ W_C)[:, None, :]).sum(-1) + D * xc)
+    return torch.stack(ys, 1)
+
+
 def _per_sample(x, a):
     h = torch.zeros_like(x[0])
     ys = []
@@ -227,6 +265,11 @@ def _inputs(name, s, g):
         return (r(b, L, d), r(d, 3))
     if name == "mlstm_stabilized":
         return (r(b, L, n), r(b, L, n) / n ** 0.5, r(b, L, d), r(b, L), r(b, L) + 2)
+    if name in ("shift_register", "shift_by_pad"):
+        return (r(b, L, d), r(d, 4))
+    if name == "mamba_step_by_step":
+        return (r(b, L, d), 0.5 * r(d, 4), r(d), r(d, d) / d ** 0.5, r(d), r(d, n) / d ** 0.5,
+                r(d, n) / d ** 0.5, r(d, n), r(d))
     if name == "vmapped":
         return (r(b, L, d), u(d))
     if name == "elman":
@@ -253,6 +296,9 @@ ZOO = {
     "mlstm_stabilized": (_mlstm_stabilized, "split_states: the state m_new_1 goes through `maximum`"),
     "elman": (_elman, "detect_recurrence: the state goes through `tanh`"),
     "vmapped": (_vmapped, "reads inside torch.vmap"),
+    "shift_register": (_shift_register, ("block_sparse",)),     # the shift: a constant 0/1 matrix
+    "shift_by_pad": (_shift_by_pad, ("block_sparse",)),
+    "mamba_step_by_step": (_mamba_step_by_step, ("block_sparse", "chunked_scan")),
 }
 SMALL = dict(b=2, L=9, d=5, n=4)
 LARGE = dict(b=3, L=131, d=40, n=16)          # odd sizes: masked tiles in the kernels
@@ -290,3 +336,17 @@ def test_zoo_on_the_gpu(name):
         assert r.target != "torch", str(rep)
         assert getattr(lookup(r.key).kernel, "fallback", None) is None, str(rep)
     grads_match(ZOO[name][0], ins, 1e-4)
+
+
+@pytest.mark.parametrize("name", ["shift_register", "mamba_step_by_step"])
+def test_zoo_shift_registers_on_the_triton_interpreter(name, monkeypatch, tmp_path):
+    """The shift register's region (a 0/1 transition matrix) and the scan after it on the
+    generated Triton kernels (interpreter): values and gradients against float64."""
+    from ssmc.runtime.op import lookup
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    ins = _inputs(name, SMALL, torch.Generator().manual_seed(9))
+    rep = _check(name, ins, 1e-5, target="triton")
+    for r in rep.regions:
+        assert r.target == "triton" and lookup(r.key).kernel.fallback is None, str(rep)
+    grads_match(ZOO[name][0], ins, 1e-5, target="triton")
