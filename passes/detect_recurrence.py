@@ -175,7 +175,13 @@ def kept(n: int, pairs, d: int, nd: int, dtype, device):
 
 def _slice_along(n, nd: int):
     """(x, d, start, stop) for ``x[..., start:stop, ...]`` (one unit-step slice of dim d, every
-    other dim whole); None otherwise."""
+    other dim whole) or ``x.narrow(d, start, length)``; None otherwise."""
+    if getattr(n.target, "__name__", n.target) == "narrow" and n.op in ("call_function", "call_method") \
+            and len(n.args) == 4 and all(isinstance(a, int) for a in n.args[1:]):
+        x, d, start, length = n.args
+        size = shape(x)[d]
+        start = start % size if isinstance(size, int) else None
+        return (x, d % nd, start, start + length) if start is not None and length > 0 else None
     if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[1], (tuple, slice)):
         return None
     idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
@@ -652,6 +658,9 @@ class _Linear:
             return got if d is not None else (dims[0], got)
         if d is None:
             return None
+        if isinstance(p, fx.Node) and p in self.path and len(shape(p)) == nd and isinstance(shape(p)[d], int) \
+                and (p.target in (torch.zeros_like,) or p.target in ("new_zeros", "zero_")):
+            return [(shape(p)[d], None, None)]        # zeros shaped like a slice of the state
         if sl is not None and (sl[0] in self.path or sl[0] is self.prev) and sl[1] == d \
                 and shape(sl[0]) == self.sshape:
             return [(sl[3] - sl[2], sl[0], sl[2])]

@@ -238,6 +238,7 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
     dumper = Dumper(opts.debug_dir) if opts.debug_dir else None
     if dumper:
         dumper.write("000_input.py", gm.code)
+    before = _fingerprint(gm)
     greport.passes = run_pipeline(ctx, dumper.after_pass if dumper else None)
     greport.log.extend(ctx.log)
     greport.fallbacks.extend(ctx.fallbacks)
@@ -251,6 +252,8 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
             greport.fallbacks.append((c.name, f"{c.declined_by}: {c.declined} (the loop runs as written)"))
             erase_unused(gm, c.loop.made)
     if not live:
+        if opts.validate and _fingerprint(gm) != before:    # rewritten (in-place updates as values)
+            _validate(gm)
         return 0
     pkg = {p.name: f"{p.package} {p.version}" for p in loaded if p.group == "ssmc.targets"}
     from ssmc.runtime.cache import get_cache
@@ -427,6 +430,10 @@ def _lend_backward(kernel, triton_kernel, region, strategy, ctx, opts):
         kernel.backward_partner = lambda: triton_kernel
     else:
         kernel.backward_partner = lambda: ctx.targets["triton"].compile(region, strategy, opts)
+
+
+def _fingerprint(gm: fx.GraphModule) -> int:
+    return hash(tuple((n.op, str(n.target), n.args.__repr__()) for n in gm.graph.nodes))
 
 
 def _validate(work: fx.GraphModule):

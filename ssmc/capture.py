@@ -589,13 +589,14 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
         if r in ok:
             if n.target is operator.setitem:        # a new value: x with the slice replaced
                 fn, extra, want = _scatter_of(n)
-                with g.inserting_after(n):
-                    v = n.args[2]
-                    if tuple(value(v).shape) != want:
+                v = n.args[2]
+                if tuple(value(v).shape) != want:
+                    with g.inserting_after(n):
                         v = g.call_function(torch.broadcast_to, (v, want))
-                        v.meta["example_value"] = torch.broadcast_to(value(n.args[2]), want)
+                    v.meta["example_value"] = torch.broadcast_to(value(n.args[2]), want)
+                with g.inserting_after(v if v is not n.args[2] else n):
                     new = g.call_function(fn, (n.args[0], v, *extra))
-                    new.meta["example_value"] = fn(value(n.args[0]), value(v), *extra)
+                new.meta["example_value"] = fn(value(n.args[0]), value(v), *extra)
                 current[r] = new
                 count += 1
                 continue
