@@ -200,6 +200,15 @@ def _slice_along(n, nd: int):
     return (n.args[0], d, start, stop) if start is not None and stop > start else None
 
 
+class _Applied:
+    """A slice of state-shaped value x (on the path) put through elementwise ops with state-free
+    operands that are the same at every index of the moved dim (``h[..., 1:] * 0.5``): ops is
+    [(op, operand, state first)], applied in order."""
+
+    def __init__(self, x, ops):
+        self.x, self.ops = x, ops
+
+
 class _Unsqueezed:
     """A state-free value put into the state along dim d where it has no dim (``select_scatter``)."""
 
@@ -554,7 +563,8 @@ class _Linear:
         d, segs = got
         out = []
         for pos, ln, src, s0 in segs:
-            inner = self._segments(src) if src is not None and s0 is not None and src is not self.prev else None
+            inner = self._segments(src) if isinstance(src, fx.Node) and s0 is not None and src is not self.prev \
+                else None
             if inner is None or inner[0] != d:
                 out.append((pos, ln, src, s0))
                 continue
@@ -661,6 +671,20 @@ class _Linear:
         if isinstance(p, fx.Node) and p in self.path and len(shape(p)) == nd and isinstance(shape(p)[d], int) \
                 and (p.target in (torch.zeros_like,) or p.target in ("new_zeros", "zero_")):
             return [(shape(p)[d], None, None)]        # zeros shaped like a slice of the state
+        c = canonical(p) if isinstance(p, fx.Node) and p in self.path else None
+        if c is not None and c.kind == "ew" and c.op in ("mul", "div", "add", "sub", "neg") \
+                and c.params.get("alpha", 1) == 1:
+            on = [k for k, a in enumerate(c.args) if isinstance(a, fx.Node) and (a in self.path or a is self.prev)]
+            rest = [a for k, a in enumerate(c.args) if k not in on]
+            flat = all(isinstance(a, (int, float)) or (isinstance(a, fx.Node) and (len(shape(a)) < nd - d
+                       or shape(a)[d - nd] == 1)) for a in rest)
+            inner = self._piece(c.args[on[0]], d, nd) if len(on) == 1 and flat and (c.op != "div" or on[0] == 0) \
+                else None
+            if inner is None or len(inner) != 1 or inner[0][1] is None or inner[0][2] is None:
+                return None
+            ln, src, s0 = inner[0]
+            x, ops = (src.x, list(src.ops)) if isinstance(src, _Applied) else (src, [])
+            return [(ln, _Applied(x, ops + [(c.op, rest[0] if rest else None, on[0] == 0)]), s0)]
         if sl is not None and (sl[0] in self.path or sl[0] is self.prev) and sl[1] == d \
                 and shape(sl[0]) == self.sshape:
             return [(sl[3] - sl[2], sl[0], sl[2])]
@@ -689,7 +713,18 @@ class _Linear:
                 continue
             srcs.setdefault(src, []).append((pos, s0, ln))
         for src, pairs in srcs.items():
-            a1, b1 = self.of(src)
+            a1, b1 = self.of(src.x if isinstance(src, _Applied) else src)
+            for op, y, first in (src.ops if isinstance(src, _Applied) else ()):
+                if op == "mul":
+                    a1, b1 = self.scale(a1, y), self.mul(b1, y)
+                elif op == "div":
+                    a1, b1 = self.divide(a1, y), self.div(b1, y)
+                elif op == "neg":
+                    a1, b1 = self.negate(a1), self.neg(b1)
+                elif op == "add" or first:
+                    b1 = self.add(b1, y if op == "add" else self.neg(y))
+                else:                                  # y - x
+                    a1, b1 = self.negate(a1), self.add(self.neg(b1), y)
             if isinstance(a1, (_Mat, _Red)):
                 raise Decline(f"{_describe(self.stack[-1])} moves slices of a state that went through a "
                               "matrix product or a sum")
