@@ -671,7 +671,7 @@ class _Linear:
         if isinstance(p, fx.Node) and p in self.path and len(shape(p)) == nd and isinstance(shape(p)[d], int) \
                 and (p.target in (torch.zeros_like,) or p.target in ("new_zeros", "zero_")):
             return [(shape(p)[d], None, None)]        # zeros shaped like a slice of the state
-        c = canonical(p) if isinstance(p, fx.Node) and p in self.path else None
+        c = canonical(p) if isinstance(p, fx.Node) and p in self.path and shape(p) != self.sshape else None
         if c is not None and c.kind == "ew" and c.op in ("mul", "div", "add", "sub", "neg") \
                 and c.params.get("alpha", 1) == 1:
             on = [k for k, a in enumerate(c.args) if isinstance(a, fx.Node) and (a in self.path or a is self.prev)]
