@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from ssmc.assemble import AssembleError, Recurrence, assemble
-from ssmc.capture import _Builder, _fake_mode
+from ssmc.capture import _Builder, _fake_mode, one_dim_index
 from ssmc.complex_state import ComplexError, is_complex_loop, split_complex
 from ssmc.ops import canonical, dtype, shape
 
@@ -184,19 +184,11 @@ def _slice_along(n, nd: int):
         return (x, d % nd, start, start + length) if start is not None and length > 0 else None
     if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[1], (tuple, slice)):
         return None
-    idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-    if sum(i is Ellipsis for i in idx) > 1 or any(not isinstance(i, slice) and i is not Ellipsis for i in idx):
+    got = one_dim_index(n.args[1], nd, ints=False)
+    if got is None or got[1].step not in (None, 1):
         return None
-    if Ellipsis in idx:
-        k = idx.index(Ellipsis)
-        idx = idx[:k] + (slice(None),) * (nd - len(idx) + 1) + idx[k + 1:]
-    idx = idx + (slice(None),) * (nd - len(idx))
-    cut = [k for k, i in enumerate(idx) if i != slice(None)]
-    if len(idx) != nd or len(cut) != 1 or idx[cut[0]].step not in (None, 1):
-        return None
-    d = cut[0]
-    size = shape(n.args[0])[d]
-    start, stop, _ = idx[d].indices(size) if isinstance(size, int) else (None, None, None)
+    d, size = got[0], shape(n.args[0])[got[0]]
+    start, stop, _ = got[1].indices(size) if isinstance(size, int) else (None, None, None)
     return (n.args[0], d, start, stop) if start is not None and stop > start else None
 
 

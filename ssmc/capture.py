@@ -236,23 +236,30 @@ def _inplace_self(n: fx.Node):
     return None
 
 
-def _scatter_of(n: fx.Node):
-    """``x[idx] = v`` with idx one int or one unit-step slice along a dim (every other dim whole)
-    as (select_scatter or slice_scatter, its extra arguments, the shape v must have); None
-    otherwise."""
-    x, idx = value(n.args[0]), n.args[1]
-    nd = x.dim()
+def one_dim_index(idx, nd: int, ints: bool = True):
+    """(d, entry) for an index of an nd-dim tensor that is one int (with `ints`) or one slice at
+    dim d, every other dim whole (``x[..., 1:]``, ``x[:, :, -1]``); None otherwise."""
     idx = idx if isinstance(idx, tuple) else (idx,)
-    if sum(i is Ellipsis for i in idx) > 1 or any(not isinstance(i, (int, slice)) and i is not Ellipsis for i in idx):
+    kinds = (int, slice) if ints else (slice,)
+    if sum(i is Ellipsis for i in idx) > 1 or any(not isinstance(i, kinds) and i is not Ellipsis for i in idx):
         return None
     if Ellipsis in idx:
         k = idx.index(Ellipsis)
         idx = idx[:k] + (slice(None),) * (nd - len(idx) + 1) + idx[k + 1:]
     idx = idx + (slice(None),) * (nd - len(idx))
     cut = [k for k, i in enumerate(idx) if i != slice(None)]
-    if len(idx) != nd or len(cut) != 1 or not isinstance(x.shape[cut[0]], int):
+    return (cut[0], idx[cut[0]]) if len(idx) == nd and len(cut) == 1 else None
+
+
+def _scatter_of(n: fx.Node):
+    """``x[idx] = v`` with idx one int or one unit-step slice along a dim (every other dim whole)
+    as (select_scatter or slice_scatter, its extra arguments, the shape v must have); None
+    otherwise."""
+    x = value(n.args[0])
+    got = one_dim_index(n.args[1], x.dim())
+    if got is None or not isinstance(x.shape[got[0]], int):
         return None
-    d, i, size = cut[0], idx[cut[0]], x.shape[cut[0]]
+    (d, i), size = got, x.shape[got[0]]
     if isinstance(i, int):
         if not -size <= i < size:
             return None
