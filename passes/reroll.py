@@ -31,7 +31,8 @@ import torch
 import torch.fx as fx
 
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, copies_as_writes, decompose_composites,
-                          erase_unused, find_reads, functionalize_updates, transformed)
+                          erase_unused, find_reads, functionalize_updates, stack_list_inputs,
+                          transformed, unstack)
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import impure, is_tensor, mutated, reaches, shape, value as value_of
@@ -73,7 +74,22 @@ class Reroll(Pass):
         for n in symbolic_trees(ctx.gm.graph)[:1]:
             ctx.fallbacks.append((n.name, "associative_scan (generic, inlined) not taken: its length is "
                                   "symbolic (Dynamo recompiled for another length), the tree runs as captured"))
-        loops += find_unrolled(ctx.gm, ctx)
+        unrolled = find_unrolled(ctx.gm, ctx)
+        if not unrolled:            # a list of per-step tensors passed in: stacked, then searched again
+            lists = stack_list_inputs(ctx.gm)
+            if lists:
+                said = len(ctx.fallbacks)
+                unrolled = find_unrolled(ctx.gm, ctx)
+                if not unrolled:        # what that search said is about the stacks, now undone
+                    del ctx.fallbacks[said:]
+                used = {r.source for lp in unrolled for r in lp.reads}
+                for st in lists:
+                    if st.stack in used or any(r in used for r in st.reads):
+                        ctx.note(f"reroll: the {len(st.elements)} tensors of list argument {st.name} were "
+                                 "stacked into one (its elements are the steps)")
+                    else:
+                        unstack(ctx.gm, st)
+        loops += unrolled
         if not loops and not ctx.fallbacks:
             ctx.note("reroll: no loop here: no tensor is read at consecutive indices (x[:, t], "
                      "select, unbind, narrow, index_select; or every k-th) by steps that repeat, and "

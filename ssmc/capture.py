@@ -58,6 +58,72 @@ class _Builder:
         return n
 
 
+@dataclasses.dataclass
+class StackedList:
+    """Graph inputs that are the elements 0..L-1 of one Python list argument, stacked along a
+    new dim 0 (`stack_list_inputs`); ``reads[k]`` is ``stack.select(0, k)``, which replaced
+    element k in every use."""
+    name: str
+    stack: fx.Node
+    elements: list
+    reads: list
+
+
+def stack_list_inputs(gm: fx.GraphModule) -> list[StackedList]:
+    """A function called with a list of per-step tensors (``forward(self, xs: list[Tensor])``)
+    gets each element as a graph input of its own: no tensor is read at consecutive indices, so
+    no loop can be found. Elements 0..L-1 (L >= 2) of one list argument with one shape, dtype
+    and device (Dynamo's sources say which inputs they are) are stacked into one tensor, read at
+    index k where element k was read. `unstack` undoes it."""
+    groups: dict = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or not is_tensor(value(n)):
+            continue
+        src = getattr(n.meta.get("grapharg"), "source", None)
+        if type(src).__name__ == "GetItemSource" and isinstance(getattr(src, "index", None), int) \
+                and not getattr(src, "index_is_slice", False):
+            name = getattr(src.base, "name", None)
+            name = name() if callable(name) else name if isinstance(name, str) else repr(src.base)
+            groups.setdefault(name, {})[src.index] = n
+    out = []
+    mode = _fake_mode(gm.graph)
+    b = _Builder(gm.graph, mode)
+    last_ph = [n for n in gm.graph.nodes if n.op == "placeholder"][-1:] or [None]
+    for base, by_index in groups.items():
+        els = []        # elements 0, 1, ... while they are there and alike
+        while by_index.get(len(els)) is not None and (not els or _alike(els[0], by_index[len(els)])):
+            els.append(by_index[len(els)])
+        if len(els) < 2:
+            continue
+        anchor = last_ph[0].next
+        st = b.call(anchor, torch.stack, (els, 0))
+        reads = []
+        for k, e in enumerate(els):
+            users = [u for u in e.users if u is not st]
+            r = b.call(anchor, torch.select, (st, 0, k))
+            for u in users:
+                u.replace_input_with(e, r)
+            reads.append(r)
+        out.append(StackedList(base, st, els, reads))
+    if out:
+        gm.recompile()
+    return out
+
+
+def _alike(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = value(a), value(b)
+    return (tuple(va.shape), va.dtype, va.device) == (tuple(vb.shape), vb.dtype, vb.device)
+
+
+def unstack(gm: fx.GraphModule, st: StackedList) -> None:
+    """Undo `stack_list_inputs` for one list: each read of the stack becomes its element again."""
+    for e, r in zip(st.elements, st.reads):
+        r.replace_all_uses_with(e)
+        gm.graph.erase_node(r)
+    gm.graph.erase_node(st.stack)
+    gm.recompile()
+
+
 def erase_unused(gm: fx.GraphModule, nodes) -> None:
     """Erase outer nodes a pass made for a loop that then runs as written (or is not kept)."""
     for n in reversed(nodes):

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import programs as P
+import ssmc
 from conftest import TOL, as_tuple, declined, grads_match, reference, rel_err, ssmc_run, writes_states
 
 
@@ -1262,3 +1263,46 @@ def test_slot_writes_into_a_state():
     grads_match(_slot_write, ins)
     out, rep = ssmc_run(_slot_write_viewed, ins)
     assert rel_err(out, reference(_slot_write_viewed, ins)[0]) < 1e-6, str(rep)
+
+
+def _over_a_list(xs, a):
+    h = torch.zeros_like(xs[0])
+    ys = []
+    for x_t in xs[:-1]:
+        h = a * h + x_t
+        ys.append(h)
+    return torch.stack(ys, 1) * xs[-1].square().sum()
+
+
+def _list_not_steps(ws, x):
+    return ws[0] * x + ws[1] * ws[2]
+
+
+def test_a_list_of_steps_passed_in():
+    """``forward(xs: list[Tensor])``: each element is a graph input of its own, so no tensor is
+    read at consecutive indices; the elements alike (0..L-1, one shape) are stacked and the loop
+    found over the stack (values and gradients). A list whose elements are no steps is left as
+    captured (the stack undone)."""
+    g = torch.Generator().manual_seed(32)
+    xs = [torch.randn(2, 3, generator=g) for _ in range(6)] + [torch.randn(5, generator=g)]
+    a = torch.rand(3, generator=g)
+    rep = ssmc.Report()
+    torch._dynamo.reset()
+    f = torch.compile(_over_a_list, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=rep))
+    xg = [t.clone().requires_grad_() for t in xs]
+    ag = a.clone().requires_grad_()
+    out = f(xg, ag)
+    x64 = [t.double().requires_grad_() for t in xs]
+    a64 = a.double().requires_grad_()
+    ref = _over_a_list(x64, a64)
+    assert [r.strategy for r in rep.regions] == ["chunked_scan"], str(rep)
+    assert any("6 tensors of list argument" in m for m in rep.graphs[0].log), str(rep)
+    assert rel_err(out, ref) < 1e-6
+    for p, q in zip(torch.autograd.grad(out.sum(), xg + [ag]), torch.autograd.grad(ref.sum(), x64 + [a64])):
+        assert rel_err(p, q) < 1e-6
+    rep = ssmc.Report()
+    torch._dynamo.reset()
+    ws, x = [torch.rand(3, generator=g) for _ in range(3)], torch.randn(3, generator=g)
+    f = torch.compile(_list_not_steps, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=rep))
+    assert torch.equal(f(ws, x), _list_not_steps(ws, x))
+    assert not rep.regions and rep.graphs[0].nodes_out == rep.graphs[0].nodes_in, str(rep)
