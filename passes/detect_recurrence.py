@@ -656,7 +656,8 @@ class _Linear:
             inner = self._piece(x, dims[0], nd)
             if inner is None:
                 return None
-            got = [(pad[2 * k], None, None)] * bool(pad[2 * k]) + inner + [(pad[2 * k + 1], None, None)] * bool(pad[2 * k + 1])
+            lo, hi = pad[2 * k], pad[2 * k + 1]
+            got = [(lo, None, None)] * bool(lo) + inner + [(hi, None, None)] * bool(hi)
             return got if d is not None else (dims[0], got)
         if d is None:
             return None
@@ -727,7 +728,7 @@ class _Linear:
             p = self._call(placement, N, N, tuple(pairs), d, nd, like["dtype"], like["device"])
             if a1 is not None:
                 m = self.mul(p, a1 if isinstance(a1, (int, float)) or not shape(a1) else self._cols(a1, d))
-                a = self.plus(a, _Mat(None, m, d if d != nd - 1 else nd - 1))
+                a = self.plus(a, _Mat(None, m, d))
             if b1 is not None:
                 b = self.add(b, self._apply(p, d, b1))
         return a, b

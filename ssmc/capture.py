@@ -255,7 +255,6 @@ def find_reads(graph: fx.Graph) -> dict[fx.Node, list[ReadOf]]:
     return out
 
 
-
 def transformed(graph: fx.Graph) -> set[fx.Node]:
     """Nodes inside a torch.func transform's level (vmap, grad, jvp: between Dynamo's
     ``_<transform>_increment_nesting`` and its ``_decrement_nesting``). Their tensors are batched
@@ -314,7 +313,13 @@ def one_dim_index(idx, nd: int, ints: bool = True):
         idx = idx[:k] + (slice(None),) * (nd - len(idx) + 1) + idx[k + 1:]
     idx = idx + (slice(None),) * (nd - len(idx))
     cut = [k for k, i in enumerate(idx) if i != slice(None)]
-    return (cut[0], idx[cut[0]]) if len(idx) == nd and len(cut) == 1 else None
+    if len(idx) != nd or len(cut) != 1:
+        return None
+    i = idx[cut[0]]
+    if isinstance(i, slice) and not all(v is None or (isinstance(v, int) and not isinstance(v, bool))
+                                        for v in (i.start, i.stop, i.step)):
+        return None            # a bound computed in the graph (a symbolic size)
+    return None if isinstance(i, bool) else (cut[0], i)
 
 
 def _scatter_of(n: fx.Node):

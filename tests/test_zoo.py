@@ -362,7 +362,8 @@ def _random_shift_program(seed):
     rnd = random.Random(seed)
     N = rnd.choice([3, 4, 5, 8])
     d = rnd.choice([1, 2])          # state (b, c, N) along 2, or (b, N, c) along 1
-    kind = rnd.choice(["cat_front", "cat_back", "roll", "roll_set", "pad", "slot", "slice_set", "two_src", "cat_block", "ew_slices"])
+    kind = rnd.choice(["cat_front", "cat_back", "roll", "roll_set", "pad", "slot", "slice_set", "two_src",
+                       "cat_block", "ew_slices"])
     k = rnd.randint(1, N - 1)
     dec = rnd.choice([None, "scalar", "vec"])
     def fn(x, a, w):
