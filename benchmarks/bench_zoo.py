@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -29,22 +27,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import ssmc  # noqa: E402
 import test_zoo as Z  # noqa: E402
-from benchmarks.bench_gpu import bench, env_info, rel  # noqa: E402
+from benchmarks.bench_block_sparse import timer  # noqa: E402
+from benchmarks.bench_gpu import env_info, rel  # noqa: E402
 
 
 def _first(x):
     return x[0] if isinstance(x, tuple) else x
-
-
-def _cpu_bench(fn, warmup=1, rep=5):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
 
 
 def main(argv=None):
@@ -57,7 +45,8 @@ def main(argv=None):
     full, small = dict(b=b, L=L, d=d, n=n), dict(b=2, L=64, d=min(d, 32), n=min(n, 8))
     names = [x for x in a.only.split(",") if x] or sorted(Z.ZOO)
     gpu = torch.cuda.is_available()
-    dev, timer = ("cuda", bench) if gpu else ("cpu", _cpu_bench)
+    dev = "cuda" if gpu else "cpu"
+    bench = timer(torch.device(dev))      # do_bench medians on a GPU, perf_counter medians on the CPU
     res = {"env": env_info() if gpu else {"device": "cpu", "torch": torch.__version__},
            "shape": full, "check_shape": small, "rows": []}
     for name in names:
@@ -74,8 +63,8 @@ def main(argv=None):
             row["fallbacks"] = [w for _, w in report.fallbacks]
             ins = [x.to(dev) for x in Z._inputs(name, full, torch.Generator().manual_seed(12))]
             compiled(*ins)
-            row["ssmc_ms"] = timer(lambda: compiled(*ins))
-            row["eager_ms"] = timer(lambda: fn(*ins), 2, 10) if gpu else timer(lambda: fn(*ins))
+            row["ssmc_ms"] = bench(lambda: compiled(*ins))
+            row["eager_ms"] = bench(lambda: fn(*ins))
             row["speedup"] = row["eager_ms"] / row["ssmc_ms"]
             print(f"{name:18s} ssmc {row['ssmc_ms']:8.3f} ms  eager {row['eager_ms']:9.2f} ms  "
                   f"{row['speedup']:7.1f}x  err {row['rel_err_vs_float64']:.2e}  {row['regions']}", flush=True)

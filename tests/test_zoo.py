@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import as_tuple, grads_match, reference, rel_err, ssmc_run
+from test_forms import _masked as _padding_mask     # padded steps keep the state (torch.where)
 
 
 def _rg_lru(x, wa, ba, wx, bx, lam):
@@ -99,16 +100,6 @@ def _heads_by_view(x, dt, A, B, C):
         dA = torch.exp(dt[:, t] * A)
         h = h * dA[:, :, None, None] + (dt[:, t, :, None] * xt)[..., None] * B[:, t, None, None, :]
         ys.append((h @ C[:, t, None, :, None]).squeeze(-1).reshape(bsz, D))
-    return torch.stack(ys, 1)
-
-
-def _padding_mask(x, a, mask):
-    """Padded steps keep the state: `torch.where` on a boolean mask."""
-    h = torch.zeros_like(x[:, 0])
-    ys = []
-    for t in range(x.shape[1]):
-        h = torch.where(mask[:, t, None], torch.sigmoid(a[:, t]) * h + x[:, t], h)
-        ys.append(h)
     return torch.stack(ys, 1)
 
 
@@ -256,7 +247,7 @@ def _inputs(name, s, g):
     if name == "heads_by_view":
         return (r(b, L, 2 * d), 0.1 * u(b, L, 2), -u(2), r(b, L, n), r(b, L, n))
     if name == "padding_mask":
-        return (r(b, L, d), r(b, L, d), u(b, L) > 0.3)
+        return (r(b, L, d), u(b, L, d), u(b, L) > 0.3)
     if name == "resets":
         return (r(b, L, d), u(d), (u(b, L) > 0.8).float())
     if name == "lru":
