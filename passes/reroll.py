@@ -293,9 +293,10 @@ MAX_DEPTH = 4      # a step may read values computed up to this many steps back 
 def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
     loops, spans, failed = [], [], []      # spans: (first, last) node of each loop's steps
     inside = transformed(gm.graph)
-    if any(n in inside for n in find_reads(gm.graph)):
-        ctx.fallbacks.append(("torch.func", "reads inside torch.vmap or another torch.func transform are "
-                              "not searched for loops (their tensors are batched): such a loop runs as written"))
+    why = ("torch.func", "reads inside torch.vmap or another torch.func transform are not searched for "
+           "loops (their tensors are batched): such a loop runs as written")
+    if any(n in inside for n in find_reads(gm.graph)) and why not in ctx.fallbacks:
+        ctx.fallbacks.append(why)
     for _ in range(MAX_ROUNDS):     # again on the reads no loop took: a second loop over the
         # same tensor (a bidirectional layer's backward scan), or over the stacked values of
         # the first one (``ys[t]``, see `gather_steps`); the graph is read anew each round
