@@ -304,20 +304,15 @@ def _inplace_self(n: fx.Node):
 def one_dim_index(idx, nd: int, ints: bool = True):
     """(d, entry) for an index of an nd-dim tensor that is one int (with `ints`) or one slice at
     dim d, every other dim whole (``x[..., 1:]``, ``x[:, :, -1]``); None otherwise."""
-    idx = idx if isinstance(idx, tuple) else (idx,)
+    full = _expand_index(idx, nd)
     kinds = (int, slice) if ints else (slice,)
-    if sum(i is Ellipsis for i in idx) > 1 or any(not isinstance(i, kinds) and i is not Ellipsis for i in idx):
+    if full is None or len(full) != nd or any(not isinstance(i, kinds) for i in full):
         return None
-    if Ellipsis in idx:
-        k = idx.index(Ellipsis)
-        idx = idx[:k] + (slice(None),) * (nd - len(idx) + 1) + idx[k + 1:]
-    idx = idx + (slice(None),) * (nd - len(idx))
-    cut = [k for k, i in enumerate(idx) if i != slice(None)]
-    if len(idx) != nd or len(cut) != 1:
+    cut = [k for k, i in enumerate(full) if i != slice(None)]
+    if len(cut) != 1:
         return None
-    i = idx[cut[0]]
-    if isinstance(i, slice) and not all(v is None or (isinstance(v, int) and not isinstance(v, bool))
-                                        for v in (i.start, i.stop, i.step)):
+    i = full[cut[0]]
+    if isinstance(i, slice) and not all(v is None or _is_int(v) for v in (i.start, i.stop, i.step)):
         return None            # a bound computed in the graph (a symbolic size)
     return None if isinstance(i, bool) else (cut[0], i)
 
