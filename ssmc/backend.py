@@ -89,8 +89,8 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
     t0 = time.perf_counter()
     device, arch = _device(example_inputs)
     greport.rest = opts.rest_for(device)
-    captured = gm.forward          # the graph as Dynamo captured it; stays valid after lowering
-    n_regions = 0
+    captured = copy.deepcopy(gm.graph)     # the graph as Dynamo captured it (`gm.forward` is not:
+    n_regions = 0                          # a lazy module's forward runs its latest graph)
     try:
         n_regions = _compile(gm, example_inputs, opts, device, arch, greport)
     except Exception as e:  # never crash the user's model
@@ -102,7 +102,9 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
         greport.nodes_out = greport.nodes_in
         greport.rest = "eager"
         greport.compile_ms = (time.perf_counter() - t0) * 1e3
-        return captured
+        gm.graph = captured
+        gm.recompile()
+        return gm.forward
     greport.nodes_out = len(gm.graph.nodes)
     greport.compile_ms = (time.perf_counter() - t0) * 1e3
     log.info("ssmc: graph of %d nodes -> %d nodes, %d region(s), %.0f ms",

@@ -343,3 +343,34 @@ def test_checkpointed_body_that_fails_runs_as_captured(monkeypatch):
     out, rep = ssmc_run(fn, [x, a])
     assert any("the body runs as captured: RuntimeError: boom" in why for _, why in rep.fallbacks), str(rep)
     assert torch.allclose(out, fn(x, a))
+
+
+def test_a_rewrite_that_breaks_the_graph_with_no_region_left_falls_back(monkeypatch):
+    """The passes rewrite the captured graph before they know whether a loop is taken (in-place
+    updates as values). Where no region is left, the rewritten graph is shape-checked first: a
+    rewrite that broke it (poisoned here: a reshape that cannot be) falls back to the graph as
+    captured, with the reason, instead of failing when the model runs."""
+    import ssmc.passes.reroll as reroll_mod
+
+    def poison(gm):
+        ph = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_after(ph):
+            gm.graph.call_function(torch.reshape, (ph, (-7,)))
+        gm.recompile()
+        return 1
+
+    def elman(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.tanh(a * h + x[:, t])
+            ys.append(h)
+        return torch.stack(ys, 1)
+    monkeypatch.setattr(reroll_mod, "functionalize_updates", poison)
+    g = torch.Generator().manual_seed(45)
+    x, a = torch.randn(2, 5, 3, generator=g), torch.rand(3, generator=g)
+    rep = ssmc.Report()
+    torch._dynamo.reset()
+    out = torch.compile(elman, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=rep))(x, a)
+    assert rel_err(out, elman(x.double(), a.double())) < 1e-6
+    assert not rep.regions and any("internal error, graph runs as captured" in why for _, why in rep.fallbacks), str(rep)
