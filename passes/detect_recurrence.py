@@ -138,6 +138,13 @@ def compose(w, m):
     return torch.matmul(w, m)
 
 
+def compose_along(w, m, dim):
+    """`compose` for matrices acting along a state dim other than the last (rows there, columns
+    last, as `_Mat` lays them out; `dim` < -2 counts from the end, the columns included): W'
+    after M. Computed before the region, like `compose`."""
+    return torch.movedim(torch.matmul(torch.movedim(w, dim, -2), torch.movedim(m, dim, -2)), -2, dim)
+
+
 def columns(w, dim):
     """w's `dim` moved to a new last dim, a size-1 dim left in its place: the columns of a
     rank-1 transition u w^T along `dim`, laid out (*state, j). Outside ssmc's op vocabulary like
@@ -261,10 +268,21 @@ class _Linear:
         finally:
             self.stack.pop()
         want = self.red_shape(r[0]) if isinstance(r[0], _Red) else self.sshape
-        if shape(n) != want:
+        if shape(n) != want and not self.rows_changed(r[0], shape(n)):
             raise Decline(f"{_describe(n)} changes the state's shape to {shape(n)}")
         self.memo[n] = r
         return r
+
+    def rows_changed(self, a, s) -> bool:
+        """Whether a value of shape s is the state mapped by a matrix to another number of rows
+        along the dim the matrix acts on, nothing else changed (``H @ x`` of a Kalman filter, a
+        feedback gain ``K @ x``): a transition with m rows, the state's n columns, which a later
+        matrix product takes back to n rows (`compose`)."""
+        nd = len(self.sshape)
+        if not isinstance(a, _Mat) or a.d is not None or a.m is None or len(s) != nd:
+            return False
+        d = nd - 1 if a.dim is None else a.dim % nd
+        return all(x == y for i, (x, y) in enumerate(zip(s, self.sshape)) if i != d)
 
     def red_shape(self, a: "_Red") -> tuple:
         s = list(self.sshape)
@@ -519,22 +537,25 @@ class _Linear:
         """A matrix product along state dim d, not the last (``A @ h`` for h of shape (n, 1)),
         of a state that went through elementwise ops only: the transition W' diag(a1) along d,
         the drive W' b1."""
-        if isinstance(a1, (_Red, _Mat)):
-            raise Decline(f"{_describe(n)} multiplies the state by a matrix along dim {d} after another "
-                          "transition")
         nd = len(self.sshape)
+        if isinstance(a1, _Red) or isinstance(a1, _Mat) and (nd - 1 if a1.dim is None else a1.dim % nd) != d:
+            raise Decline(f"{_describe(n)} multiplies the state by a matrix along dim {d} after another "
+                          "transition along another dim")
 
         def along(v):            # v laid out as the state (broadcastable): its dim d as the columns
             vs = shape(v)
             if len(vs) < nd:
                 v = self._call(torch.reshape, v, (1,) * (nd - len(vs)) + tuple(vs))
             return self._call(columns, v, d)
-        if a1 is None:
+        d1, m1 = (a1.d, a1.m) if isinstance(a1, _Mat) else (a1, None)
+        if d1 is None:
             m = None
-        elif isinstance(a1, (int, float)) or not shape(a1):
-            m = self.mul(wt, a1)
+        elif isinstance(d1, (int, float)) or not shape(d1):
+            m = self.mul(wt, d1)
         else:
-            m = self.mul(wt, along(a1))
+            m = self.mul(wt, along(d1))
+        if m1 is not None:       # a second matrix product along d: W' composed with it
+            m = self.add(m, self._call(compose_along, wt, m1, d - nd - 1))
         if b1 is None:
             bm = None
         elif isinstance(b1, (int, float)) or not shape(b1):       # the same in every element

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, copies_as_writes, decompose_composites,
-                          erase_unused, find_reads, functionalize_updates, stack_list_inputs,
+                          diagonal_products, erase_unused, find_reads, functionalize_updates, stack_list_inputs,
                           transformed, unstack)
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.loop import Loop, Read, Result
@@ -98,7 +98,14 @@ class Reroll(Pass):
             lp.name = f"loop{i}"
             if decompose_composites(lp.body.graph):
                 lp.body.recompile()
-            ctx.candidates.append(Candidate(loop=lp, notes=_made_notes(lp)))
+            notes = _made_notes(lp)
+            diag = diagonal_products(lp)
+            if diag:
+                decompose_composites(lp.body.graph)
+                lp.body.recompile()
+                notes.append(f"{lp.name}: {diag} product(s) with a diagonal matrix (torch.diag, diag_embed, eye * v) "
+                             "taken as elementwise products")
+            ctx.candidates.append(Candidate(loop=lp, notes=notes))
         return bool(loops)
 
 

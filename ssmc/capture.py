@@ -705,3 +705,157 @@ def _maybe_view(u: fx.Node) -> bool:
     """Whether `u` may return a tensor sharing memory with its input (a view, or the input
     itself: ``.to()`` and ``.float()`` of a tensor already of that type)."""
     return _name(u) in _VIEWS or _name(u).endswith("_")
+
+
+# -- products with a diagonal matrix ---------------------------------------------------------
+
+def _vector(x) -> bool:
+    return isinstance(x, fx.Node) and is_tensor(x) and len(shape(x) or ()) >= 1
+
+
+def _swaps_last_two(n: fx.Node) -> bool:
+    """Whether view n swaps its input's last two dims and keeps the others (``D.T``, ``D.mT``,
+    ``D.transpose(-1, -2)``, ``D.permute(0, 2, 1)``)."""
+    from .ops import view_map
+    if not isinstance(n, fx.Node) or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    if n.op == "call_function" and n.target is getattr and n.args[1:] in (("T",), ("mT",)):
+        nd = len(shape(n.args[0]) or ())
+        return nd == 2 or (nd > 2 and n.args[1] == "mT")
+    nd = len(shape(n.args[0]) or ())
+    if nd < 2 or len(shape(n) or ()) != nd:
+        return False
+    info = view_map(n)
+    return info is not None and not info[1] and tuple(info[0]) == tuple(range(nd - 2)) + (nd - 1, nd - 2)
+
+
+def diagonal_of(n, outer: dict | None = None):
+    """The vector v when `n` is the matrix with v on its diagonal and zeros elsewhere, whatever v
+    holds: ``torch.diag(v)`` (v 1-d), ``torch.diag_embed(v)`` (a batch of them), ``torch.eye(k) * v``,
+    or a transpose of one of these; `outer` maps a step body's invariant placeholders to the outer
+    nodes they stand for (v is then an outer node). None for anything else."""
+    if not isinstance(n, fx.Node):
+        return None
+    if outer is not None and n in outer:
+        v = diagonal_of(outer[n])
+        return ("outer", v) if v is not None else None
+    name = _name(n)
+    args = list(n.args)
+    if n.op == "call_function" and name in ("diag", "diag_embed") and getattr(torch, name) is n.target \
+            or n.op == "call_method" and name in ("diag", "diag_embed"):
+        v = args[0] if args else None
+        extra = args[1:] + list(n.kwargs.values())
+        if not _vector(v) or any(e not in (0,) for e in extra[:1]) or extra[1:] not in ([], [-2, -1]):
+            return None
+        if name == "diag" and len(shape(v)) != 1:        # diag of a matrix reads its diagonal
+            return None
+        return v
+    if n.op == "call_function" and n.target in (operator.mul, torch.mul) and len(args) == 2 and not n.kwargs:
+        for e, v in (args, args[::-1]):
+            if isinstance(e, fx.Node) and e.op == "call_function" and e.target is torch.eye \
+                    and len(shape(e) or ()) == 2 and shape(e)[0] == shape(e)[1] \
+                    and _vector(v) and len(shape(v)) == 1 and shape(v)[0] == shape(e)[0] \
+                    and tuple(shape(n)) == tuple(shape(e)):
+                return v
+        return None
+    if _swaps_last_two(n):
+        return diagonal_of(n.args[0], outer)
+    return None
+
+
+_MATRIX_PRODUCTS = {"matmul", "mm", "bmm"}
+
+
+def diagonal_products(lp) -> int:
+    """Products with a diagonal matrix in a loop's step body, written as the elementwise products
+    they are: ``diag(v) @ X`` is ``v[..., None] * X`` and ``X @ diag(v)`` is ``X * v[..., None, :]``
+    (``v * X`` for a vector X; `diagonal_of` lists the diagonal matrices known), and a
+    two-operand einsum with one is the einsum of v with the matrix's column letter renamed to
+    its row letter. The state's transition then stays elementwise (one multiply per element)
+    instead of an n x n matrix (block_sparse) or, for a diagonal that changes every step,
+    (L, n, n) matrices made before the loop. A diagonal matrix built outside the loop enters as
+    a new loop invariant, its vector. Returns the products rewritten."""
+    graph = lp.body.graph
+    b = _Builder(graph, _fake_mode(graph))
+    outer = dict(zip(lp.invariant_nodes(), lp.invariants))
+    added: dict = {}
+
+    def here(v, anchor):
+        if not (isinstance(v, tuple) and v[0] == "outer"):
+            return v
+        v = v[1]
+        if v not in added:
+            last = lp.placeholders()[-1]
+            with graph.inserting_after(last):
+                ph = graph.placeholder(f"diag_{len(lp.invariants)}")
+            ph.meta["example_value"] = value(v)
+            lp.invariants.append(v)
+            added[v] = ph
+        return added[v]
+
+    count = 0
+    for n in list(graph.nodes):
+        if n.op not in ("call_function", "call_method") or not is_tensor(n):
+            continue
+        name = _name(n)
+        r = None
+        if (n.op == "call_method" or getattr(torch, name, None) is n.target or n.target is operator.matmul) \
+                and (name in _MATRIX_PRODUCTS or n.target is operator.matmul) and len(n.args) == 2 and not n.kwargs:
+            x, y = n.args
+            for left, (d, other) in ((True, (x, y)), (False, (y, x))):
+                v = diagonal_of(d, outer)
+                if v is None or not _vector(other):
+                    continue
+                v = here(v, n)
+                if len(shape(other)) == 1:
+                    r = b.call(n, torch.mul, (v, other))
+                else:
+                    r = b.call(n, torch.mul, (b.call(n, torch.unsqueeze, (v, -1 if left else -2)), other))
+                break
+        elif n.op == "call_function" and n.target is torch.einsum:
+            r = _diagonal_einsum(b, n, outer, here)
+        if r is None:
+            continue
+        if tuple(shape(r)) != tuple(shape(n)) or value(r).dtype != value(n).dtype:
+            _erase_dead(graph, r)
+            continue
+        n.replace_all_uses_with(r)
+        _erase_dead(graph, n)
+        count += 1
+    return count
+
+
+def _diagonal_einsum(b: _Builder, n: fx.Node, outer: dict, here) -> fx.Node | None:
+    args = list(n.args)
+    if len(args) == 2 and isinstance(args[1], (list, tuple)):
+        args = [args[0], *args[1]]
+    if len(args) != 3 or not isinstance(args[0], str) or n.kwargs:
+        return None
+    spec = args[0].replace(" ", "")
+    if "..." in spec or "->" not in spec:
+        return None
+    ins, out = spec.split("->")
+    subs = ins.split(",")
+    if len(subs) != 2:
+        return None
+    for k in (0, 1):
+        s, d = subs[k], args[1 + k]
+        v = diagonal_of(d, outer)
+        if v is None or len(s) < 2 or s[-1] == s[-2]:
+            continue
+        row, col = s[-2], s[-1]
+        if row in s[:-2] or col in s[:-2]:
+            continue
+        other = subs[1 - k].replace(col, row)
+        new_out = out.replace(col, row)
+        if len(set(other)) != len(other) or len(set(new_out)) != len(new_out):
+            continue
+        vs = s[:-2] + row
+        if len(shape(v[1] if isinstance(v, tuple) else v)) != len(vs):
+            continue
+        ops = [here(v, n), args[2 - k]]
+        new_subs = [vs, other] if k == 0 else [other, vs]
+        if k == 1:
+            ops = ops[::-1]
+        return b.call(n, torch.einsum, (f"{new_subs[0]},{new_subs[1]}->{new_out}", *ops))
+    return None

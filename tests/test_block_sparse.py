@@ -208,6 +208,36 @@ def test_triton_kernel_changed_mask(form, interp):
         assert rel_err(o, r) < 1e-5
 
 
+def _column_state(u, A, B, C):
+    """x = A x + B u on a column state (n, b), read out by C: an odd-sized dense transition."""
+    x = u.new_zeros(A.shape[0], u.shape[0])
+    ys = []
+    for k in range(u.shape[1]):
+        x = A @ x + B @ u[:, k].T
+        ys.append((C @ x).T)
+    return torch.stack(ys, 1)
+
+
+def _odd_inputs(n, g):
+    return (torch.randn(2, 9, 2, generator=g), 0.9 * torch.eye(n) + 0.1 * torch.randn(n, n, generator=g) / n ** 0.5,
+            torch.randn(n, 2, generator=g), torch.randn(3, n, generator=g))
+
+
+@pytest.mark.parametrize("n", [3, 5, 7])
+def test_odd_sized_transition_on_the_triton_kernel(n, interp):
+    """A transition of 3, 5 or 7 rows is one block of that size, which tl.arange cannot take: the
+    Triton kernel runs it in 1x1 blocks (it ran on the torch reference before); values and
+    gradients equal float64 eager."""
+    g = torch.Generator().manual_seed(40 + n)
+    ins = _odd_inputs(n, g)
+    info = check(_column_state, ins, target="triton")
+    assert info.ir.mix.block == n
+    entry = lookup(info.key)
+    assert entry.target == "triton" and entry.failure is None, entry.failure
+    assert entry.kernel.fallback is None and entry.kernel.plan.bs == 1, entry.kernel.plan_text()
+    grads_match(_column_state, ins, tol=1e-4, target="triton")
+
+
 @pytest.mark.parametrize("cc", [80, 90])
 def test_triton_kernel_compiles_for_gpu(cc, monkeypatch, tmp_path):
     import triton
@@ -235,6 +265,13 @@ def test_triton_kernel_compiles_for_gpu(cc, monkeypatch, tmp_path):
                             options={"num_warps": cfg["num_warps"]})
         assert f".target sm_{cc}" in ck.asm["ptx"]
         assert ("mma" in ck.asm["ptx"]) == has_mma
+    _, report = ssmc_run(_column_state, _odd_inputs(5, g))           # 1x1 blocks (tl.arange(0, 1))
+    kern = T.TritonTarget().compile(report.regions[0].ir, "block_sparse", ssmc.make_options(cache_dir=str(tmp_path)))
+    cfg = kern.table()[f"sm_{cc}"][0]
+    fn, sig, cx = kern.signature(cfg, 8, {0: torch.float32})
+    assert cx["BS"] == 1
+    ck = triton.compile(ast_source(fn, sig, cx), target=GPUTarget("cuda", cc, 32), options={"num_warps": cfg["num_warps"]})
+    assert f".target sm_{cc}" in ck.asm["ptx"]
 
 
 @pytest.mark.gpu
@@ -804,6 +841,56 @@ def test_left_multiplied_column_state(fn):
     assert len(report.regions) == 1 and not report.fallbacks, str(report)
     assert report.regions[0].strategy == "block_sparse", str(report)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-5
+    grads_match(fn, ins)
+
+
+def _kalman_column(z, A, K, H):
+    """A steady-state Kalman filter on column states (n, b): predict x' = A x, correct with the
+    gain K (n, m) on the innovation z - H x' (m rows: the state through another number of rows)."""
+    x = z.new_zeros(A.shape[0], z.shape[2])
+    xs = []
+    for t in range(z.shape[0]):
+        xp = A @ x
+        x = xp + K @ (z[t] - H @ xp)
+        xs.append(x)
+    return torch.stack(xs)
+
+
+def _kalman_row(z, A, K, H):
+    """The same on row states (b, n), matrices applied from the right."""
+    x = z.new_zeros(z.shape[2], A.shape[0])
+    xs = []
+    for t in range(z.shape[0]):
+        xp = x @ A.T
+        x = xp + (z[t].T - xp @ H.T) @ K.T
+        xs.append(x)
+    return torch.stack(xs)
+
+
+def _state_feedback(z, A, K, H):
+    """u = -K^T x (a feedback gain to m inputs), x = A (0.5 x) + H^T u + noise, by einsum."""
+    x = z.new_zeros(z.shape[2], A.shape[0])
+    ys = []
+    for t in range(z.shape[0]):
+        u = -torch.einsum("nm,bn->bm", K, x)
+        x = torch.einsum("ij,bj->bi", A, 0.5 * x) + torch.einsum("mn,bm->bn", H, u) + z[t].T
+        ys.append(x)
+    return torch.stack(ys)
+
+
+@pytest.mark.parametrize("fn", [_kalman_column, _kalman_row, _state_feedback])
+def test_matrix_products_through_another_number_of_rows(fn):
+    """Matrix products in a row along one state dim, one of them to m != n rows and the next
+    back to n (a Kalman filter's H and K, a feedback gain), the first along the column state's
+    first dim: one transition (their composition); values and gradients equal float64."""
+    g = torch.Generator().manual_seed(47)
+    n, m = 5, 2
+    ins = (torch.randn(9, m, 3, generator=g), 0.9 * torch.eye(n) + 0.05 * torch.randn(n, n, generator=g),
+           0.1 * torch.randn(n, m, generator=g), torch.randn(m, n, generator=g))
+    if fn is _state_feedback:
+        ins = (torch.randn(9, n, 3, generator=g), *ins[1:])
+    info = check(fn, ins)
+    assert info.strategy == "block_sparse" and info.ir.mix is not None, str(info)
     grads_match(fn, ins)
 
 

@@ -692,6 +692,91 @@ def test_composite_ops_in_the_step(fn):
     grads_match(fn, ins)
 
 
+def _diag_outside(x, lam, W):
+    """h @ diag(lam), the matrix made before the loop (the textbook LTI form), read out by W."""
+    D = torch.diag(lam)
+    h = x.new_zeros(x.shape[0], lam.shape[0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = h @ D + x[:, t]
+        ys.append(h @ W)
+    return torch.stack(ys, 1)
+
+
+def _diag_left_column(x, lam, W):
+    """A column state (n, b): diag(lam) @ h, and its transpose written D.T."""
+    h = x.new_zeros(lam.shape[0], x.shape[0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.diag(torch.sigmoid(lam)).T @ h + x[:, t].T
+        ys.append(h.T)
+    return torch.stack(ys, 1)
+
+
+def _diag_embed_per_step(x, lam, W):
+    """A diagonal that changes every step, diag_embed of a gate, applied by bmm through a size-1 dim."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        a = torch.diag_embed(torch.sigmoid(x[:, t] + lam))
+        h = torch.bmm(a, h.unsqueeze(-1)).squeeze(-1) + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _eye_times_vector(x, lam, W):
+    """torch.eye(n) * lam by einsum, and F.linear with a diagonal weight."""
+    A = torch.eye(lam.shape[0]) * torch.sigmoid(lam)
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.einsum("ij,bj->bi", A, h) + F.linear(x[:, t], torch.diag(lam))
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_diag_outside, _diag_left_column, _diag_embed_per_step, _eye_times_vector])
+def test_products_with_a_diagonal_matrix(fn):
+    """A product of the state with a matrix built as a diagonal (torch.diag(v), diag_embed(v),
+    eye(n) * v, transposed or not; by @, bmm, einsum or F.linear) is the elementwise product it
+    is: an elementwise recurrence (no transition matrix), values and gradients equal to float64."""
+    g = torch.Generator().manual_seed(29)
+    ins = (torch.randn(2, 7, 3, generator=g), torch.randn(3, generator=g), torch.randn(3, 2, generator=g))
+    rep = check(fn, ins)
+    assert rep.regions[0].strategy == "chunked_scan" and "M_t" not in rep.regions[0].region, str(rep)
+    assert any("diagonal matrix" in n for n in rep.regions[0].notes), str(rep)
+    grads_match(fn, ins)
+
+
+def _off_diagonal(x, lam, W):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = 0.5 * h + h @ torch.diag(lam[:-1], 1) + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _diagonal_by_value(x, lam, W):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = h @ W + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_off_diagonal, _diagonal_by_value])
+def test_matrices_that_are_not_built_as_diagonals_stay_matrices(fn):
+    """A matrix off the main diagonal (torch.diag(v, 1)), or one that is diagonal only by its
+    current values (a weight that training may fill in), stays a transition matrix."""
+    g = torch.Generator().manual_seed(31)
+    ins = (torch.randn(2, 7, 3, generator=g), torch.randn(3, generator=g), torch.diag(torch.randn(3, generator=g)))
+    rep = check(fn, ins)
+    assert rep.regions[0].strategy == "block_sparse", str(rep)
+    assert not any("diagonal matrix" in n for n in rep.regions[0].notes), str(rep)
+
+
 def test_composite_op_in_a_declined_loop_is_left_as_written():
     def fn(x, z):
         h = torch.zeros_like(x[:, 0])

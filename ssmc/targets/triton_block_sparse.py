@@ -330,8 +330,8 @@ class BlockSparseKernel(T.MixedLast, T.TritonKernel):
         self.given, self.perm = region, None     # a region mixed along another axis than the last:
         if _moves(region):                       # held with that axis last, the initial state permuted
             region, self.perm = region.mixed_last()
-        if _moves(self.given) or region.unit_axes:
-            region = region.without_unit_sums()  # e.g. a (n, 1) column, read out squeezed
+        if _moves(self.given) or region.unit_axes or _pow2_blocks(region) is not region:
+            region = _pow2_blocks(region.without_unit_sums())  # e.g. a (n, 1) column, read out squeezed
             plan = make_bsp_plan(region)
             if isinstance(plan, str):
                 raise ValueError(f"triton target cannot compile region {region.name}: {plan}")
@@ -442,8 +442,24 @@ def _moves(region: Region) -> bool:
 
 def plan_for(region: Region) -> BSPlan | str:
     """`make_bsp_plan` of the region as the kernel holds it (its mixed axis last, no sums over
-    size-1 axes)."""
-    return make_bsp_plan((region.mixed_last()[0] if _moves(region) else region).without_unit_sums())
+    size-1 axes, an odd-sized transition in 1x1 blocks)."""
+    return make_bsp_plan(_pow2_blocks((region.mixed_last()[0] if _moves(region) else region).without_unit_sums()))
+
+
+MAX_ONE_BLOCK = 16      # a transition of up to this many rows held as one block of odd size runs in 1x1 blocks
+
+
+def _pow2_blocks(r: Region) -> Region:
+    """A transition held as one block whose size is not a power of two (an odd-sized state: 3, 5,
+    7 ... elements; tl.arange takes powers of two): the same transition in 1x1 blocks, every entry
+    nonzero in the compiled mask (the pattern of the actual inputs is read at each call, as
+    always). Other regions as they are."""
+    m = r.mix
+    if m is None or not m.block or not m.block & (m.block - 1) or m.nblocks != 1 or m.block > MAX_ONE_BLOCK:
+        return r
+    n = m.block
+    return dataclasses.replace(r, mix=dataclasses.replace(
+        m, block=1, nblocks=n, blocks=tuple((i, j) for i in range(n) for j in range(n)) if m.blocks else ()))
 
 
 def block_size_for(n: int) -> int | None:
