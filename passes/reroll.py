@@ -508,22 +508,42 @@ def _cat_accumulators(lp: Loop) -> None:
     lp.body.recompile()
 
 
-def _ancestors(nodes) -> set:
-    """The nodes among `nodes` (values of a body: nodes or constants) and all they are made from."""
+def _ancestors(nodes, stop=frozenset()) -> set:
+    """The nodes among `nodes` (values of a body: nodes or constants) and all they are made from;
+    the nodes in `stop` are included but not looked through."""
     anc, todo = set(), [n for n in nodes if isinstance(n, fx.Node)]
     while todo:
         n = todo.pop()
         if n not in anc:
             anc.add(n)
-            todo.extend(n.all_input_nodes)
+            if n not in stop:
+                todo.extend(n.all_input_nodes)
     return anc
 
 
 def _reads_previous_state(lp: Loop) -> bool:
     """True when a step reads a carried value other than to compute the new carried values
-    (``y = C @ h; h = A @ h + B @ x``: the output reads the state before the update)."""
+    (``y = C @ h; h = A @ h + B @ x``: the output reads the state before the update), or a
+    per-step result is made from a carried value and not from any new one (``u = -K @ x``
+    both fed back into the update and returned: a feedback gain, a filter's innovation)."""
     anc = _ancestors(lp.carry_outputs())
-    return any(u not in anc for c in lp.carry_nodes() for u in c.users)
+    if any(u not in anc for c in lp.carry_nodes() for u in c.users):
+        return True
+    new = {v for v in lp.carry_outputs() if isinstance(v, fx.Node)} - set(lp.carry_nodes())
+    old = _descendants(lp.carry_nodes())
+    return any(isinstance(v, fx.Node) and r.kind == "steps" and v in old and not _ancestors([v]) & new
+               for v, r in zip(lp.result_values(), lp.results))
+
+
+def _descendants(nodes) -> set:
+    """The nodes of a body made from any of `nodes`, those included."""
+    out, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(n.users)
+    return out
 
 
 def _rotated(gm, seg: _Segment, found: Loop):
@@ -603,16 +623,20 @@ def _recompute_delays(lp: Loop) -> None:
     being carried. Left carried where a read would start before index 0."""
     for j in reversed(range(lp.n_carry)):
         o = lp.carry_outputs()[j]
-        if not isinstance(o, fx.Node):
+        if not isinstance(o, fx.Node) or o in lp.carry_nodes():
             continue
-        anc = _ancestors([o])
+        # another carry's new value read here is that carry's value in the next step
+        others = {v: c for k, (v, c) in enumerate(zip(lp.carry_outputs(), lp.carry_nodes()))
+                  if k != j and isinstance(v, fx.Node) and v not in lp.carry_nodes()}
+        anc = _ancestors([o], stop=set(others))
         reads = dict(zip(lp.read_nodes(), lp.reads))
         used = [p for p in lp.read_nodes() if p in anc]
         if any(c in anc for c in lp.carry_nodes()) or any(reads[p].start < 1 for p in used):
             continue
         phs = _add_reads(lp, [Read(reads[p].source, reads[p].dim, reads[p].start - 1, reads[p].width) for p in used],
                          [p.meta.get("example_value") for p in used])
-        init = _drop_carry(lp, j, _copy_from(lp, anc, o, dict(zip(used, phs))))
+        env = {**{v: c for v, c in others.items() if v in anc}, **dict(zip(used, phs))}
+        init = _drop_carry(lp, j, _copy_from(lp, anc - set(others), o, env))
         if isinstance(init, fx.Node) and init in lp.made and not init.users:
             init.graph.erase_node(init)
             lp.made.remove(init)

@@ -297,6 +297,54 @@ def test_output_reading_the_new_and_the_previous_state(fn):
     grads_match(fn, ins)
 
 
+def _error_feedback(x, a, c):
+    """y = c * h is returned and fed back: h = a * h + (x - y)."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        y = c[0] * h
+        h = a * h + (x[:, t] - y)
+        ys.append(y)
+    return torch.stack(ys, 1)
+
+
+def _feedback_gain(x, a, c):
+    """u = -K x (a gain to 2 inputs) is returned and drives the update through B u."""
+    K, B = c[:, :2] * 0.3, c[:, 1:3].T
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        u = -(h @ K)
+        h = a * h + u @ B + x[:, t]
+        ys.append(u)
+    return torch.stack(ys, 1), h
+
+
+def _innovation(x, a, c):
+    """A filter's innovation e = x - H (A h), returned and fed back through the gain."""
+    H, K = c[:2], 0.2 * c[:, :2]
+    h = torch.zeros_like(x[:, 0, :])
+    ys = []
+    for t in range(x.shape[1]):
+        hp = a * h
+        e = x[:, t, :2] - hp @ H.T
+        h = hp + e @ K.T
+        ys.append(e)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_error_feedback, _feedback_gain, _innovation])
+def test_result_from_the_previous_state_fed_into_the_update(fn):
+    """A step's result computed from the state before its update that is also a term of the
+    update (output feedback, a feedback gain, a filter's innovation): the loop is cut one step
+    later and that value is made again from the carried state, not carried as a second state;
+    one region, values and gradients equal to float64 eager."""
+    g = torch.Generator().manual_seed(37)
+    ins = (torch.randn(2, 8, 3, generator=g), torch.rand(3, generator=g), torch.randn(3, 3, generator=g))
+    check(fn, ins)
+    grads_match(fn, ins)
+
+
 def test_declined_reverse_loop_leaves_the_graph_as_captured():
     """The flipped reads made for a reverse loop go again when the loop is declined."""
     def fn(x, a):

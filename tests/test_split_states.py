@@ -345,7 +345,10 @@ def test_state_read_before_its_update_in_another_shape_is_declined():
     declined(fn, (torch.randn(2, 6, 3), torch.rand(3)), "before its update together with other states")
 
 
-def test_result_read_from_the_state_before_its_update_is_declined():
+def test_result_read_from_the_state_before_its_update_and_fed_into_it():
+    """m = a * h is both a result of the step and a term of the update (it was declined: "a
+    result of the step is computed from the state before its update"): the loop is cut one step
+    later and m, carried across the cut, is computed again from the state it was made from."""
     def fn(x, a):
         h = torch.zeros_like(x[:, 0])
         ys = []
@@ -354,7 +357,11 @@ def test_result_read_from_the_state_before_its_update_is_declined():
             h = m + x[:, t]
             ys.append(m)
         return torch.stack(ys, 1)
-    declined(fn, (torch.randn(2, 6, 3), torch.rand(3)), "before its update")
+    ins = (torch.randn(2, 6, 3), torch.rand(3))
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-5, str(rep)
+    grads_match(fn, ins)
 
 
 @pytest.mark.gpu
