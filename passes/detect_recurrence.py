@@ -50,8 +50,7 @@ class DetectRecurrence(Pass):
                 if is_complex_loop(cand.loop):
                     cand.loop, note = split_complex(ctx.gm, cand.loop, _fake_mode_outer(cand.loop))
                     cand.notes.append(note)
-                cand.rec = detect(cand.loop)
-                cand.plan = assemble(cand.loop, cand.rec, False, False)
+                cand.rec, cand.plan = _detect_and_assemble(cand.loop)
                 changed = True
             except ComplexError as e:
                 cand.decline(self.name, f"complex state not split into real pairs: {e}")
@@ -60,12 +59,36 @@ class DetectRecurrence(Pass):
         return changed
 
 
+def _detect_and_assemble(loop):
+    """`detect`, then `assemble` the unfused plan. Where a value the drive multiplies by a matrix
+    is also read as the state's elements (a Runge-Kutta step: ``u`` in ``k1 = h @ A.T + u`` and,
+    through ``k2 = (h + dt/2 k1) @ A.T + u``, in ``u @ A.T``), its dim would be both a row and a
+    column of the transition: detect again with the drive's matrix products computed before the
+    region (`apply_matrix`), the first attempt's nodes taken out of the body."""
+    body = loop.body.graph
+    before = set(body.nodes)
+    rec = detect(loop)
+    try:
+        return rec, assemble(loop, rec, False, False)
+    except AssembleError as e:
+        if "are mixed by" not in str(e) or rec.m is None:
+            raise
+    for n in reversed(list(body.nodes)):
+        if n not in before and not n.users:
+            body.erase_node(n)
+    rec = detect(loop, apart=True)
+    return rec, assemble(loop, rec, False, False)
+
+
 def _describe(n: fx.Node) -> str:
     t = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
     return f"`{t}` (node {n.name})"
 
 
-def detect(loop) -> Recurrence:
+def detect(loop, apart: bool = False) -> Recurrence:
+    """The recurrence h = a*h + b (+ M h) of a loop's step, or Decline. `apart`: the drive's matrix
+    products are `apply_matrix` nodes (computed before the region), not contractions the
+    assembler ties to the state's axes."""
     if loop.n_carry != 1:
         names = ", ".join(str(v) for v in loop.carry_outputs())
         raise Decline(f"the loop carries {loop.n_carry} values ({names}); ssmc handles one state")
@@ -110,7 +133,7 @@ def detect(loop) -> Recurrence:
         if bad:
             raise Decline(f"{_describe(n)} reads both the previous and the new state")
     b = _Builder(body, _fake_mode(loop.body.graph) or _fake_mode_outer(loop))
-    lin = _Linear(b, prev, path, sshape)
+    lin = _Linear(b, prev, path, sshape, apart)
     a_val, b_val = lin.of(new)
     m, mdim = None, None
     if isinstance(a_val, _Red):
@@ -136,6 +159,13 @@ def compose(w, m):
     may also be a term of the transition on its own, its rows on the state's last axis, while
     here its rows are summed over)."""
     return torch.matmul(w, m)
+
+
+def apply_matrix(w, v):
+    """W' (laid out (*state, k)) applied to v along the state's last dim. Outside ssmc's op
+    vocabulary like `compose`: computed before the region (for every step at once where v changes
+    from step to step), so the assembler does not tie v's dims to the transition's columns."""
+    return torch.matmul(w, v.unsqueeze(-1)).squeeze(-1)
 
 
 def compose_along(w, m, dim):
@@ -243,8 +273,8 @@ class _Linear:
     """(a, b) with node == a * prev + b; None stands for zero. `a` is an elementwise
     coefficient, or a `_Mat` once the state went through a matrix product."""
 
-    def __init__(self, builder, prev, path, sshape):
-        self.b, self.prev, self.path, self.sshape = builder, prev, path, sshape
+    def __init__(self, builder, prev, path, sshape, apart=False):
+        self.b, self.prev, self.path, self.sshape, self.apart = builder, prev, path, sshape, apart
         self.memo = {}
         self.stack = []
 
@@ -805,9 +835,12 @@ class _Linear:
                 m = self.mul(wt, self._call(torch.unsqueeze, d1, -2))
             if m1 is not None:     # a second matrix product in the step: W' composed with it
                 m = self.add(m, self._call(compose, wt, m1))
-            bm = None if b1 is None else self._call(torch.matmul, wt, self._call(torch.unsqueeze, b1, -1))
-            if bm is not None:
-                bm = self._call(torch.squeeze, bm, -1)
+            if b1 is None:
+                bm = None
+            elif self.apart:
+                bm = self._call(apply_matrix, wt, b1)
+            else:
+                bm = self._call(torch.squeeze, self._call(torch.matmul, wt, self._call(torch.unsqueeze, b1, -1)), -1)
             return (_Mat(None, m, len(self.sshape) - 1) if m is not None else None), bm
         if c.kind != "ew":
             raise Decline(f"the state goes through {_describe(n)} ({c.kind}), which is not elementwise-linear")

@@ -292,7 +292,7 @@ def _depth(sigs) -> int:
     return 1
 
 
-MAX_DEPTH = 4      # a step may read values computed up to this many steps back (h, h_prev = ..., h)
+MAX_DEPTH = 8      # a step may read values computed up to this many steps back (h, h_prev = ..., h)
 
 
 # -- finding unrolled loops -----------------------------------------------------------------

@@ -983,17 +983,51 @@ def test_declines_name_what_does_not_repeat():
             ys.append(h)
         return torch.stack(ys, 1)
 
-    def five_back(x, a):
-        h = h1 = h2 = h3 = h4 = torch.zeros_like(x[:, 0])
+    def nine_back(x, a):
+        hs = [torch.zeros_like(x[:, 0])] * 9
         ys = []
         for t in range(x.shape[1]):
-            h, h1, h2, h3, h4 = a * h + 0.1 * h4 + x[:, t], h, h1, h2, h3
+            h = a * hs[0] + 0.1 * hs[8] + x[:, t]
+            hs = [h] + hs[:-1]
             ys.append(h)
         return torch.stack(ys, 1)
     g = torch.Generator().manual_seed(31)
-    ins = (torch.randn(2, 12, 3, generator=g), torch.rand(3, generator=g))
+    ins = (torch.randn(2, 14, 3, generator=g), torch.rand(3, generator=g))
     declined(parity, ins, "the steps do not repeat the same operations")
-    declined(five_back, ins, "a step reads a value from 5 steps back")
+    declined(nine_back, ins, "a step reads a value from 9 steps back")
+
+
+def _five_back(x, a):
+    h = h1 = h2 = h3 = h4 = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h, h1, h2, h3, h4 = a * h + 0.1 * h4 + x[:, t], h, h1, h2, h3
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _ar6_from_the_outputs(x, a):
+    """An AR(6) filter reading its own earlier outputs from the list, the first steps with fewer
+    terms (a Python branch on t)."""
+    ys = []
+    for t in range(x.shape[1]):
+        y = x[:, t]
+        for k in range(1, 7):
+            if t - k >= 0:
+                y = y + 0.3 * a[k - 1] * ys[t - k]
+        ys.append(y)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_five_back, _ar6_from_the_outputs])
+def test_values_from_up_to_eight_steps_back(fn):
+    """Values from five and six steps back (once declined at four): carried as delayed copies,
+    stacked into one state with a companion transition; values and gradients equal to float64."""
+    g = torch.Generator().manual_seed(33)
+    ins = (torch.randn(2, 16, 3, generator=g), torch.rand(6, generator=g) if fn is _ar6_from_the_outputs
+           else torch.rand(3, generator=g))
+    check(fn, ins)
+    grads_match(fn, ins)
 
 
 def _copy_into_index(x, a):
