@@ -360,7 +360,8 @@ def decompose_composites(graph: fx.Graph) -> int:
     through transposes (``(A @ h.T).T``) or by ``torch.mv`` is an einsum; an einsum that sums over
     nothing (``"bdn,bdn->bdn"``, ``"bd,bn->bdn"``) is the product of its operands' views; and
     ``x.expand_as(h)`` (``view_as``, ``reshape_as``) takes h's static shape, not h, so that the
-    state's shape read there is no use of the state. Only the loop's own body
+    state's shape read there is no use of the state; ``torch.linalg.solve(A, B)`` is
+    ``inv(A) @ B`` (`_solve_as_matmul`). Only the loop's own body
     is rewritten: a loop that is then declined runs the captured graph as it was. Returns the
     nodes rewritten."""
     b = _Builder(graph, _fake_mode(graph))
@@ -378,6 +379,13 @@ def decompose_composites(graph: fx.Graph) -> int:
             n.replace_all_uses_with(r)
             _erase_dead(graph, n)
             count += 1
+            continue
+        if n.op == "call_function" and n.target is torch.linalg.solve:
+            r = _solve_as_matmul(b, n)
+            if r is not None:
+                n.replace_all_uses_with(r)
+                graph.erase_node(n)
+                count += 1
             continue
         if n.op == "call_function" and n.target in _LINEAR:
             r = _linear_as_matmul(b, n)
@@ -519,6 +527,35 @@ def _linear_as_matmul(b: _Builder, n: fx.Node) -> fx.Node | None:
         return None
     r = b.call(n, torch.matmul, (x, b.call(n, torch.transpose, (w, 0, 1))))
     return r if bias is None else b.call(n, torch.add, (r, bias))
+
+
+def _solve_as_matmul(b: _Builder, n: fx.Node) -> fx.Node | None:
+    """``torch.linalg.solve(A, B)`` as ``inv(A) @ B`` (``B @ inv(A)`` with ``left=False``; a batch
+    of vectors B (one dim fewer than A) through a size-1 dim): linear in B, so that an implicit
+    step ``h = solve(I - dt A, h + dt B x)`` is a matrix product of the state, the inverse made
+    once before the region when A does not change. None for other arguments."""
+    names = ("A", "B")
+    args = dict(zip(names, n.args), **{k: v for k, v in n.kwargs.items() if k in names})
+    left = n.kwargs.get("left", True)
+    a, rhs = args.get("A"), args.get("B")
+    if set(n.kwargs) - {"A", "B", "left"} or len(n.args) > 2 or not isinstance(a, fx.Node) \
+            or not isinstance(rhs, fx.Node) or not isinstance(left, bool):
+        return None
+    na, nb = len(shape(a) or ()), len(shape(rhs) or ())
+    if na < 2:
+        return None
+    inv = b.call(n, torch.linalg.inv, (a,))
+    if not left:
+        return b.call(n, torch.matmul, (rhs, inv)) if nb >= 2 else None
+    if nb == na - 1:             # vectors: solve treats B as a batch of them
+        col = b.call(n, torch.unsqueeze, (rhs, -1))
+        sq = b.call(n, torch.squeeze, (b.call(n, torch.matmul, (inv, col)), -1))
+        r = _matvec_as_einsum(b, sq)
+        if r is None:
+            return sq
+        _erase_dead(sq.graph, sq)
+        return r
+    return b.call(n, torch.matmul, (inv, rhs))
 
 
 def _einsum_as_product(b: _Builder, n: fx.Node) -> fx.Node | None:
