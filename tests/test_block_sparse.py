@@ -894,6 +894,58 @@ def test_matrix_products_through_another_number_of_rows(fn):
     grads_match(fn, ins)
 
 
+def _chunked_delta_rule(q, w, u, kd, decay):
+    """The chunk loop of a chunked (gated) delta rule, its per-chunk terms given: a chunk's new
+    values v = u - w S map the (dk, dv) state through C rows; the output q S + v; the state
+    decays and takes kd^T v (back to dk rows)."""
+    b, nh, N, C, dk = w.shape
+    S = q.new_zeros(b, nh, dk, u.shape[-1])
+    outs = []
+    for i in range(N):
+        v_new = u[:, :, i] - w[:, :, i] @ S
+        outs.append(q[:, :, i] @ S + v_new)
+        S = S * decay[:, :, i, None, None] + kd[:, :, i].transpose(-1, -2) @ v_new
+    return torch.stack(outs, 2), S
+
+
+def test_chunk_loop_of_a_chunked_delta_rule():
+    """The state multiplied along its first matrix dim through C rows and back (as in HF's
+    `torch_chunk_gated_delta_rule` chunk loop, which ran as written): one block_sparse region,
+    a dk x dk transition per chunk; values and gradients equal float64 eager."""
+    g = torch.Generator().manual_seed(67)
+    b, nh, N, C, dk, dv = 2, 2, 5, 3, 4, 3
+    ins = (torch.randn(b, nh, N, C, dk, generator=g), 0.3 * torch.randn(b, nh, N, C, dk, generator=g),
+           torch.randn(b, nh, N, C, dv, generator=g), 0.3 * torch.randn(b, nh, N, C, dk, generator=g),
+           torch.rand(b, nh, N, generator=g))
+    info = check(_chunked_delta_rule, ins)
+    assert info.strategy == "block_sparse", str(info)
+    grads_match(_chunked_delta_rule, ins)
+
+
+@pytest.mark.parametrize("module,name", [("qwen3_next", "torch_chunk_gated_delta_rule"),
+                                         ("kimi_linear", "chunk_kimi_delta_attention")])
+def test_hf_chunked_delta_rules(module, name):
+    """HF transformers' own chunked delta rules (where installed): their chunk loop is one region;
+    values and gradients equal float64 eager."""
+    pytest.importorskip("transformers")
+    import importlib
+    try:
+        f = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers has no {module}.{name}")
+
+    def fn(q, k, v, g, beta):
+        return f(q, k, v, g, beta, chunk_size=4, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    gen = torch.Generator().manual_seed(71)
+    b, L, h, dk, dv = 2, 16, 2, 4, 3
+    gshape = (b, L, h, dk) if module == "kimi_linear" else (b, L, h)
+    ins = (torch.randn(b, L, h, dk, generator=gen), torch.randn(b, L, h, dk, generator=gen),
+           torch.randn(b, L, h, dv, generator=gen), -torch.rand(*gshape, generator=gen), torch.rand(b, L, h, generator=gen))
+    info = check(fn, ins)
+    assert info.strategy == "block_sparse", str(info)
+    grads_match(fn, ins, tol=1e-4)
+
+
 def _rk4_row(x, A, dt):
     """A classic Runge-Kutta step of h' = h A^T + u (u held over the step): the input enters the
     state directly (k1) and through the matrix (k2..k4)."""
