@@ -30,7 +30,8 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ssmc.capture import (_Builder, _expand_index, _fake_mode, _is_int, _unit_slice, copies_as_writes, decompose_composites,
+from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, _maybe_view, _scatter_of, _unit_slice,
+                          copies_as_writes, decompose_composites,
                           diagonal_products, erase_unused, find_reads, functionalize_updates, stack_list_inputs,
                           transformed, unstack)
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
@@ -231,6 +232,8 @@ class _Segment:
         if n.op == "call_function" and n.target is operator.setitem:
             buf, idx, val = n.args
             idx = idx if isinstance(idx, tuple) else (idx,)
+            if ref(buf)[0] == "L":         # a buffer of the step's own: its indices are constants
+                return ("setitem", ref(buf), _freeze(idx, ref), _freeze(val, ref))
             idx = tuple(("T", i - self.step * k) if _is_int(i) else
                         ("TS", _unit_slice(i) - self.step * k) if _unit_slice(i) is not None else
                         _freeze(i, ref) for i in idx)
@@ -915,7 +918,11 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
         if n.op == "call_function" and n.target is operator.setitem:
             buf, idx, val = n.args
             if seg.inside(buf) if isinstance(buf, fx.Node) else True:
-                raise _NotALoop("writes into a tensor made inside the loop")
+                local = _step_local_write(n, seg, T, body, body_arg)
+                if local is None:
+                    raise _NotALoop("writes into a tensor made inside the loop")
+                env[buf] = local           # later reads of the buffer in the step see the write
+                continue
             if stride > 1:
                 raise _NotALoop(f"writes `{buf.name}[...] = ...` every {stride} indices")
             full = _expand_index(idx, len(shape(buf)))
@@ -1077,6 +1084,29 @@ def _table_type(n: fx.Node, vals) -> dict:
     elif dt.is_complex:
         dt = torch.float64 if dt == torch.complex128 else torch.float32
     return {"dtype": dt, "device": t.device}
+
+
+def _step_local_write(n: fx.Node, seg, T: int, body: fx.Graph, body_arg):
+    """``buf[..., j] = v`` into a buffer the same step allocates (a per-chunk matrix filled
+    column by column by an inner loop), as its out-of-place ``select_scatter`` (or
+    ``slice_scatter``) in the body; None where that could change a result: the buffer is not a
+    fresh allocation of this step, a view of it is taken, or the index is not one int or slice
+    along one dim."""
+    buf, _, val = n.args
+    if not isinstance(buf, fx.Node) or seg.it(seg.pos[buf]) != T or not _fresh(buf):
+        return None
+    if any(u.target is not operator.setitem and _maybe_view(u) or
+           u.target is operator.setitem and u.args[0] is not buf for u in buf.users):
+        return None
+    got = _scatter_of(n)
+    if got is None:
+        return None
+    fn, extra, want = got
+    b = _Builder(body, _fake_mode(body))
+    v = body_arg(val) if isinstance(val, fx.Node) else val
+    src = b.call(None, torch.full, (want, v), {"dtype": value_of(buf).dtype}) if not isinstance(v, fx.Node) else \
+        b.call(None, torch.broadcast_to, (b.call(None, torch.Tensor.to, (v, value_of(buf).dtype)), want))
+    return b.call(None, fn, (body_arg(buf), src, *extra))
 
 
 def _written(n: fx.Node):

@@ -40,11 +40,43 @@ def _sub_graph(loop, wanted: list, cut: dict):
     return fx.GraphModule(loop.body, g), takes
 
 
+def _vmap_safe(mod: fx.GraphModule) -> fx.GraphModule:
+    """`mod` with ``select_scatter(x, v, d, i)`` written as ``slice_scatter(x, v.unsqueeze(d), d,
+    i, i + 1)``: the same values, but under torch.func.vmap select_scatter's gradient is wrong
+    (torch 2.13: every input of a vmapped ``select_scatter(zeros, v, 0, 1)`` gets a wrong
+    gradient; slice_scatter's is right; `tests/test_forms.py::test_slot_write_gradients`)."""
+    g = mod.graph
+    changed = False
+    for n in list(g.nodes):
+        fn = n.op == "call_function" and n.target is torch.select_scatter
+        meth = n.op == "call_method" and n.target == "select_scatter"
+        if not (fn or meth) or n.kwargs or len(n.args) != 4:
+            continue
+        x, v, d, i = n.args
+        if not isinstance(i, int) or not isinstance(d, int):
+            continue
+        if i < 0:                  # counted from the end: the size makes it a start
+            size = shape(x)[d] if isinstance(x, fx.Node) and shape(x) is not None else None
+            if not isinstance(size, int):
+                continue
+            i %= size
+        with g.inserting_before(n):
+            u = g.call_function(torch.unsqueeze, (v, d))
+            r = g.call_function(torch.slice_scatter, (x, u, d, i, i + 1))
+        r.meta.update(n.meta)
+        n.replace_all_uses_with(r)
+        g.erase_node(n)
+        changed = True
+    if changed:
+        mod.recompile()
+    return mod
+
+
 class _Vmapped:
     """A step function applied to all steps at once (torch.func.vmap over time)."""
 
     def __init__(self, fn, in_dims):
-        self.fn, self.in_dims = fn, tuple(in_dims)
+        self.fn, self.in_dims = _vmap_safe(fn) if isinstance(fn, fx.GraphModule) else fn, tuple(in_dims)
         self.__name__ = "ssmc_vmap_steps"
 
     def __call__(self, *args):

@@ -345,6 +345,74 @@ def test_result_from_the_previous_state_fed_into_the_update(fn):
     grads_match(fn, ins)
 
 
+def _step_slot_write(x, a):
+    """A step-made tensor written at one slot (``u[:, 1] = 2 x``), state-free: computed for all
+    steps before the region."""
+    h = x.new_zeros(x.shape[0], 3)
+    ys = []
+    for t in range(x.shape[1]):
+        u = x.new_zeros(x.shape[0], 3)
+        u[:, 1] = x[:, t] * 2.0
+        h = a * h + u
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def test_slot_write_gradients():
+    """The slot write becomes a select_scatter, which runs under torch.func.vmap over the steps;
+    vmap gives select_scatter a wrong gradient (torch 2.13), so the vmapped steps use the
+    slice_scatter of a size-1 slice (`ssmc.lower._vmap_safe`). Values and gradients equal float64
+    (the gradient of x was off by a relative 2.0 before)."""
+    g = torch.Generator().manual_seed(41)
+    ins = (torch.randn(2, 7, generator=g), torch.rand(3, generator=g))
+    check(_step_slot_write, ins)
+    grads_match(_step_slot_write, ins)
+
+
+def _buffer_filled_by_an_inner_loop(q, k, v):
+    """A chunk loop whose step fills a fresh (C, C) matrix column by column (``A[..., j] = ...``,
+    an inner loop over the chunk), then reads it: the chunk-level state S is a recurrence."""
+    b, N, C, d = q.shape
+    S = q.new_zeros(b, d, v.shape[-1])
+    o = torch.zeros_like(v)
+    for i in range(N):
+        A = q.new_zeros(b, C, C)
+        for j in range(C):
+            A[..., j] = (q[:, i] * k[:, i, j, None, :]).sum(-1)
+        o[:, i] = A.tril() @ v[:, i] + q[:, i] @ S
+        S = 0.9 * S + k[:, i].transpose(-1, -2) @ v[:, i]
+    return o, S
+
+
+def _buffer_viewed_in_the_step(q, k, v):
+    """The same with a view of the buffer taken before it is written: runs as written."""
+    b, N, C, d = q.shape
+    S = q.new_zeros(b, d, v.shape[-1])
+    o = torch.zeros_like(v)
+    for i in range(N):
+        A = q.new_zeros(b, C, C)
+        first = A[..., 0]
+        for j in range(C):
+            A[..., j] = (q[:, i] * k[:, i, j, None, :]).sum(-1)
+        o[:, i] = A.tril() @ v[:, i] + q[:, i] @ S + first[..., None]
+        S = 0.9 * S + k[:, i].transpose(-1, -2) @ v[:, i]
+    return o, S
+
+
+def test_buffer_filled_in_the_step():
+    """Writes into a tensor the step itself allocates (declined before: "writes into a tensor
+    made inside the loop") are the step's out-of-place scatters: one region, values and
+    gradients equal float64; with a view of the buffer taken, the loop runs as written."""
+    g = torch.Generator().manual_seed(43)
+    ins = (torch.randn(2, 5, 3, 4, generator=g), torch.randn(2, 5, 3, 4, generator=g), torch.randn(2, 5, 3, 2, generator=g))
+    check(_buffer_filled_by_an_inner_loop, ins)
+    grads_match(_buffer_filled_by_an_inner_loop, ins)
+    out, rep = ssmc_run(_buffer_viewed_in_the_step, ins)
+    assert not rep.regions, str(rep)
+    for o, r in zip(as_tuple(out), reference(_buffer_viewed_in_the_step, ins)):
+        assert rel_err(o, r) < 1e-6
+
+
 def test_declined_reverse_loop_leaves_the_graph_as_captured():
     """The flipped reads made for a reverse loop go again when the loop is declined."""
     def fn(x, a):
