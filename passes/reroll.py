@@ -317,12 +317,19 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     covered = [(pos[a], pos[b] + 1) for a, b in spans]
     taken = {n for lp in loops for n in lp.erase}
+    # a few steps of a tensor a loop reads (its first steps, peeled: an AR filter's start), or
+    # element reads of a tensor a loop's step uses whole (a[k] of a coefficient vector): a note
+    sources = {r.source for lp in loops for r in lp.reads}
+    whole = {v for lp in loops for v in lp.invariants if isinstance(v, fx.Node)}
     said = set()
-    for a0, src, msg, members in failed:    # reads inside a loop found later (an inner loop
+    for a0, src, msg, members, L in failed:    # reads inside a loop found later (an inner loop
         # unrolled within each step), or taken into one, or of a loop's own stacked steps, are not news
         if not any(lo <= pos.get(a0, -1) < hi for lo, hi in covered) and not any(n in taken for n in members) \
                 and src not in taken and msg not in said:
             said.add(msg)
+            if src in whole or src in sources and L <= MAX_DEPTH + 1:
+                ctx.note(f"reroll: {msg} (steps around a loop that reads {src.name}; they run as written)")
+                continue
             ctx.fallbacks.append((src.name, msg))
             log.info("ssmc: %s", msg)
     return loops
@@ -378,7 +385,7 @@ def _find_round(gm, loops, spans, failed) -> None:
             src = nodes[key[0]]
             msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
             if key[2] == 1:
-                failed.append((nodes[a0], src, msg, [n for ns in fams[key].values() for n in ns]))
+                failed.append((nodes[a0], src, msg, [n for ns in fams[key].values() for n in ns], L))
             else:        # equal slices (q, k, v cut from one tensor) are often no loop at all
                 log.debug("ssmc: slices of width %d: %s", key[2], msg)
             continue
