@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, _maybe_view, _scatter_of, _unit_slice,
                           copies_as_writes, decompose_composites,
-                          diagonal_products, erase_unused, find_reads, functionalize_updates, stack_list_inputs,
+                          diagonal_products, erase_unused, find_reads, forward_stored_values, functionalize_updates, stack_list_inputs,
                           transformed, unstack)
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.loop import Loop, Read, Result
@@ -54,6 +54,9 @@ class Reroll(Pass):
         n = copies_as_writes(ctx.gm)
         if n:
             ctx.note(f"reroll: {n} copy_ into a view of one index rewritten as writes (out[:, t] = y)")
+        n = forward_stored_values(ctx.gm)
+        if n:
+            ctx.note(f"reroll: {n} read(s) of a slot written earlier (y[:, t - 1]) take the value written")
         n = functionalize_updates(ctx.gm)
         if n:
             ctx.note(f"reroll: {n} in-place update(s) of tensors the graph allocates rewritten as new values")

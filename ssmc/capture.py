@@ -581,6 +581,71 @@ def _einsum_as_product(b: _Builder, n: fx.Node) -> fx.Node | None:
     return r
 
 
+def forward_stored_values(gm: fx.GraphModule) -> int:
+    """A read of a slot the graph wrote earlier (``y[:, t] = a[:, t] * y[:, t - 1] + x[:, t]``: a
+    recurrence kept in its output buffer) is the value written, so that the step-to-step data
+    flow is in the graph and the buffer is only the loop's output; the writes stay. Only where
+    that cannot change a result: the buffer is a fresh allocation whose uses are writes and reads
+    at one int index along one dim (`one_dim_index`) and uses after its last write; the value
+    written has the slot's shape and dtype; the read is used only by ops that neither view nor
+    change it, all before the slot is written again. A slot read before any write, of a buffer
+    made by ``zeros``, is ``zeros_like`` of it. Returns the reads forwarded."""
+    from .ops import mutated
+    g = gm.graph
+    nodes = list(g.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    count = 0
+    for buf in nodes:
+        if not _fresh(buf) or not is_tensor(buf) or not any(u.target is operator.setitem for u in buf.users):
+            continue
+        bv = value(buf)
+        slots, writes, reads = {}, [], []
+        last_write = max(pos[u] for u in buf.users if u.target is operator.setitem)
+        ok = True
+        for u in sorted(buf.users, key=pos.get):
+            is_write = u.op == "call_function" and u.target is operator.setitem and u.args[0] is buf
+            is_read = u.op == "call_function" and u.target is operator.getitem and u.args[0] is buf
+            if is_write or is_read:
+                got = one_dim_index(u.args[1], bv.dim())
+                if got is None or not isinstance(got[1], int) or not isinstance(bv.shape[got[0]], int):
+                    ok = False
+                    break
+                slots[u] = (got[0], got[1] % bv.shape[got[0]])
+                (writes if is_write else reads).append(u)
+            elif pos[u] < last_write or _maybe_view(u) or mutated(u) is not None:
+                ok = False
+                break
+        if not ok or len({d for d, _ in slots.values()}) != 1:
+            continue
+        for r in reads:
+            before = [w for w in writes if pos[w] < pos[r] and slots[w] == slots[r]]
+            after = [pos[w] for w in writes if pos[w] > pos[r] and slots[w] == slots[r]]
+            if not before:     # a slot never written: zeros where the buffer was made of them
+                if buf.target in (torch.zeros, torch.zeros_like) or buf.target == "new_zeros":
+                    if not any(_maybe_view(u) or mutated(u) is not None or u.target is operator.setitem
+                               or (after and pos[u] > min(after)) for u in r.users):
+                        with g.inserting_after(r):
+                            z = g.call_function(torch.zeros_like, (r,))
+                        z.meta["example_value"] = r.meta.get("example_value")
+                        r.replace_all_uses_with(z)
+                        z.args = (r,)
+                        count += 1
+                continue
+            v = before[-1].args[2]
+            if not isinstance(v, fx.Node) or not is_tensor(v) or value(v).dtype != bv.dtype \
+                    or tuple(value(v).shape) != tuple(value(r).shape):
+                continue
+            if any(_maybe_view(u) or mutated(u) is not None or u.target is operator.setitem
+                   or (after and pos[u] > min(after)) for u in r.users):
+                continue
+            r.replace_all_uses_with(v)
+            g.erase_node(r)
+            count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def copies_as_writes(gm: fx.GraphModule) -> int:
     """``out[:, t].copy_(y)``, ``out.select(1, t).copy_(y)``, ``out.narrow(1, t, 1).copy_(y)``:
     a copy into a view of one index of a tensor, the view used for nothing else, becomes the

@@ -413,6 +413,68 @@ def test_buffer_filled_in_the_step():
         assert rel_err(o, r) < 1e-6
 
 
+def _recurrence_in_its_buffer(a, x):
+    """The recurrence kept in its output buffer: y[:, t] = a[:, t] * y[:, t - 1] + x[:, t]."""
+    y = torch.empty_like(x)
+    y[:, 0] = x[:, 0]
+    for t in range(1, x.shape[1]):
+        y[:, t] = a[:, t] * y[:, t - 1] + x[:, t]
+    return y
+
+
+def _recurrence_in_its_buffer_ahead(a, x):
+    """Written one slot ahead into a zeroed buffer (fla's chunked RWKV-6 reference does this)."""
+    y = torch.zeros_like(x)
+    for t in range(x.shape[1] - 1):
+        y[:, t + 1] = y[:, t] * a[:, t] + x[:, t]
+    return y
+
+
+def _functional_twin(fn):
+    def twin(a, x):
+        ys = [x[:, 0]] if fn is _recurrence_in_its_buffer else [torch.zeros_like(x[:, 0])]
+        for t in range(1, x.shape[1]):
+            ys.append(a[:, t] * ys[-1] + x[:, t] if fn is _recurrence_in_its_buffer else ys[-1] * a[:, t - 1] + x[:, t - 1])
+        return torch.stack(ys, 1)
+    return twin
+
+
+@pytest.mark.parametrize("fn", [_recurrence_in_its_buffer, _recurrence_in_its_buffer_ahead])
+def test_recurrence_kept_in_its_output_buffer(fn):
+    """A read of the slot the previous step wrote is that step's value (the writes stay): one
+    region (it ran as written: "the loop carries 0 values"), values equal to float64 eager and
+    gradients to the same recurrence written with a list (eager's own backward of this form
+    fails: the read views a slot that is written again)."""
+    g = torch.Generator().manual_seed(49)
+    ins = (torch.rand(2, 9, 3, generator=g), torch.randn(2, 9, 3, generator=g))
+    check(fn, ins)
+    xs = [x.clone().requires_grad_() for x in ins]
+    got = torch.autograd.grad(ssmc_run(fn, xs)[0].sum(), xs)
+    x64 = [x.double().requires_grad_() for x in ins]
+    want = torch.autograd.grad(_functional_twin(fn)(*x64).sum(), x64)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_slot_read_after_it_is_written_again_is_not_forwarded():
+    """A slot read, then written again, then the read used: the read is the old value (a view
+    sees the new one in eager), so it is left as a read of the buffer; values equal eager."""
+    def fn(a, x):
+        y = torch.zeros_like(x)
+        outs = []
+        for t in range(1, x.shape[1]):
+            y[:, t] = x[:, t]
+            prev = y[:, t]
+            y[:, t] = a[:, t] * prev
+            outs.append(prev * 2.0)
+        return torch.stack(outs, 1), y
+    g = torch.Generator().manual_seed(51)
+    ins = (torch.rand(2, 6, 3, generator=g), torch.randn(2, 6, 3, generator=g))
+    out, rep = ssmc_run(fn, ins)
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert rel_err(o, r) < 1e-6, str(rep)
+
+
 def test_declined_reverse_loop_leaves_the_graph_as_captured():
     """The flipped reads made for a reverse loop go again when the loop is declined."""
     def fn(x, a):
