@@ -589,12 +589,13 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
     at one int index along one dim (`one_dim_index`) and uses after its last write; the value
     written has the slot's shape and dtype; the read is used only by ops that neither view nor
     change it, all before the slot is written again. A slot read before any write, of a buffer
-    made by ``zeros``, is ``zeros_like`` of it. Returns the reads forwarded."""
+    made by ``zeros``, is ``new_zeros`` of the slot's shape, made with the buffer. Returns the reads forwarded."""
     from .ops import mutated
     g = gm.graph
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     count = 0
+    zeros: dict = {}
     for buf in nodes:
         if not _fresh(buf) or not is_tensor(buf) or not any(u.target is operator.setitem for u in buf.users):
             continue
@@ -621,15 +622,19 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
             before = [w for w in writes if pos[w] < pos[r] and slots[w] == slots[r]]
             after = [pos[w] for w in writes if pos[w] > pos[r] and slots[w] == slots[r]]
             if not before:     # a slot never written: zeros where the buffer was made of them
-                if buf.target in (torch.zeros, torch.zeros_like) or buf.target == "new_zeros":
-                    if not any(_maybe_view(u) or mutated(u) is not None or u.target is operator.setitem
-                               or (after and pos[u] > min(after)) for u in r.users):
-                        with g.inserting_after(r):
-                            z = g.call_function(torch.zeros_like, (r,))
+                size = tuple(value(r).shape)
+                if (buf.target in (torch.zeros, torch.zeros_like) or buf.target == "new_zeros") \
+                        and all(isinstance(k, int) for k in size) \
+                        and not any(_maybe_view(u) or mutated(u) is not None or u.target is operator.setitem
+                                    or (after and pos[u] > min(after)) for u in r.users):
+                    z = zeros.get((buf, slots[r]))
+                    if z is None:                         # one per slot, made with the buffer
+                        with g.inserting_after(buf):
+                            z = zeros[(buf, slots[r])] = g.call_method("new_zeros", (buf, size))
                         z.meta["example_value"] = r.meta.get("example_value")
-                        r.replace_all_uses_with(z)
-                        z.args = (r,)
-                        count += 1
+                    r.replace_all_uses_with(z)
+                    g.erase_node(r)
+                    count += 1
                 continue
             v = before[-1].args[2]
             if not isinstance(v, fx.Node) or not is_tensor(v) or value(v).dtype != bv.dtype \
