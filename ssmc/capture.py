@@ -640,6 +640,8 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
             if not isinstance(v, fx.Node) or not is_tensor(v) or value(v).dtype != bv.dtype \
                     or tuple(value(v).shape) != tuple(value(r).shape):
                 continue
+            if _changed_in_place(v, mutated):      # the copy written would differ from v later
+                continue
             if any(_maybe_view(u) or mutated(u) is not None or u.target is operator.setitem
                    or (after and pos[u] > min(after)) for u in r.users):
                 continue
@@ -649,6 +651,23 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+def _changed_in_place(v: fx.Node, mutated) -> bool:
+    """Whether any tensor sharing memory with v (v's view bases, and every view of those) is
+    changed in place anywhere in the graph."""
+    root = v
+    while _maybe_view(root) and root.args and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    alias, todo = set(), [root]
+    while todo:
+        n = todo.pop()
+        if n in alias:
+            continue
+        alias.add(n)
+        todo.extend(u for u in n.users if _maybe_view(u) and u.args and u.args[0] is n)
+    return any(mutated(u) in alias or u.target is operator.setitem and u.args[0] in alias
+               for a in alias for u in a.users)
 
 
 def copies_as_writes(gm: fx.GraphModule) -> int:
