@@ -380,15 +380,8 @@ def decompose_composites(graph: fx.Graph) -> int:
             _erase_dead(graph, n)
             count += 1
             continue
-        if n.op == "call_function" and n.target is torch.linalg.solve:
-            r = _solve_as_matmul(b, n)
-            if r is not None:
-                n.replace_all_uses_with(r)
-                graph.erase_node(n)
-                count += 1
-            continue
-        if n.op == "call_function" and n.target in _LINEAR:
-            r = _linear_as_matmul(b, n)
+        if n.op == "call_function" and n.target in _AS_MATMUL:
+            r = _AS_MATMUL[n.target](b, n)
             if r is not None:
                 n.replace_all_uses_with(r)
                 graph.erase_node(n)
@@ -556,6 +549,9 @@ def _solve_as_matmul(b: _Builder, n: fx.Node) -> fx.Node | None:
         _erase_dead(sq.graph, sq)
         return r
     return b.call(n, torch.matmul, (inv, rhs))
+
+
+_AS_MATMUL = {torch.linalg.solve: _solve_as_matmul, **{f: _linear_as_matmul for f in _LINEAR}}
 
 
 def _einsum_as_product(b: _Builder, n: fx.Node) -> fx.Node | None:
