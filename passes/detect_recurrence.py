@@ -89,6 +89,8 @@ def detect(loop, apart: bool = False) -> Recurrence:
     """The recurrence h = a*h + b (+ M h) of a loop's step, or Decline. `apart`: the drive's matrix
     products are `apply_matrix` nodes (computed before the region), not contractions the
     assembler ties to the state's axes."""
+    if loop.n_carry == 0:
+        raise Decline("no value passes from one step to the next (a map over the steps, not a recurrence)")
     if loop.n_carry != 1:
         names = ", ".join(str(v) for v in loop.carry_outputs())
         raise Decline(f"the loop carries {loop.n_carry} values ({names}); ssmc handles one state")

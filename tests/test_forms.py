@@ -442,7 +442,7 @@ def _functional_twin(fn):
 @pytest.mark.parametrize("fn", [_recurrence_in_its_buffer, _recurrence_in_its_buffer_ahead])
 def test_recurrence_kept_in_its_output_buffer(fn):
     """A read of the slot the previous step wrote is that step's value (the writes stay): one
-    region (it ran as written: "the loop carries 0 values"), values equal to float64 eager and
+    region (it ran as written: no value passed from step to step but through the buffer), values equal to float64 eager and
     gradients to the same recurrence written with a list (eager's own backward of this form
     fails: the read views a slot that is written again)."""
     g = torch.Generator().manual_seed(49)
@@ -1197,6 +1197,18 @@ def test_declines_name_what_does_not_repeat():
     ins = (torch.randn(2, 14, 3, generator=g), torch.rand(3, generator=g))
     declined(parity, ins, "the steps do not repeat the same operations")
     declined(nine_back, ins, "a step reads a value from 9 steps back")
+
+
+def test_a_map_over_the_steps_says_so():
+    """A loop whose steps pass nothing to the next one is no recurrence: it runs as written, and
+    the reason says that (not "the loop carries 0 values")."""
+    def fn(x, w):
+        ys = []
+        for t in range(x.shape[1]):
+            ys.append(torch.tanh(x[:, t] * w + 1.0))
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(59)
+    declined(fn, (torch.randn(2, 6, 3, generator=g), torch.randn(3, generator=g)), "no value passes from one step to the next")
 
 
 def _five_back(x, a):
