@@ -585,7 +585,8 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
     at one int index along one dim (`one_dim_index`) and uses after its last write; the value
     written has the slot's shape and dtype; the read is used only by ops that neither view nor
     change it, all before the slot is written again. A slot read before any write, of a buffer
-    made by ``zeros``, is ``new_zeros`` of the slot's shape, made with the buffer. Returns the reads forwarded."""
+    made by ``zeros``, is ``new_zeros`` of the slot's shape, made with the buffer. Returns the
+    reads forwarded."""
     from .ops import mutated
     g = gm.graph
     nodes = list(g.nodes)
