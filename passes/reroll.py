@@ -31,9 +31,8 @@ import torch
 import torch.fx as fx
 
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, _maybe_view, _scatter_of, _unit_slice,
-                          copies_as_writes, decompose_composites,
-                          diagonal_products, erase_unused, find_reads, forward_stored_values, functionalize_updates, stack_list_inputs,
-                          transformed, unstack)
+                          copies_as_writes, decompose_composites, diagonal_products, erase_unused, find_reads,
+                          forward_stored_values, functionalize_updates, stack_list_inputs, transformed, unstack)
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import impure, is_tensor, mutated, reaches, shape, value as value_of
