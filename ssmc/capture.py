@@ -618,12 +618,13 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
         for r in reads:
             before = [w for w in writes if pos[w] < pos[r] and slots[w] == slots[r]]
             after = [pos[w] for w in writes if pos[w] > pos[r] and slots[w] == slots[r]]
+            if any(_maybe_view(u) or mutated(u) is not None or u.target is operator.setitem
+                   or (after and pos[u] > min(after)) for u in r.users):
+                continue       # the read is viewed, changed, or used after its slot is written again
             if not before:     # a slot never written: zeros where the buffer was made of them
                 size = tuple(value(r).shape)
                 if (buf.target in (torch.zeros, torch.zeros_like) or buf.target == "new_zeros") \
-                        and all(isinstance(k, int) for k in size) \
-                        and not any(_maybe_view(u) or mutated(u) is not None or u.target is operator.setitem
-                                    or (after and pos[u] > min(after)) for u in r.users):
+                        and all(isinstance(k, int) for k in size):
                     z = zeros.get((buf, slots[r]))
                     if z is None:                         # one per slot, made with the buffer
                         with g.inserting_after(buf):
@@ -638,9 +639,6 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
                     or tuple(value(v).shape) != tuple(value(r).shape):
                 continue
             if _changed_in_place(v, mutated):      # the copy written would differ from v later
-                continue
-            if any(_maybe_view(u) or mutated(u) is not None or u.target is operator.setitem
-                   or (after and pos[u] > min(after)) for u in r.users):
                 continue
             r.replace_all_uses_with(v)
             g.erase_node(r)
@@ -886,30 +884,29 @@ def diagonal_of(n, outer: dict | None = None):
     return None
 
 
-_MATRIX_PRODUCTS = {"matmul", "mm", "bmm"}
-
-
 def diagonal_products(lp) -> int:
     """Products with a diagonal matrix in a loop's step body, written as the elementwise products
-    they are: ``diag(v) @ X`` is ``v[..., None] * X`` and ``X @ diag(v)`` is ``X * v[..., None, :]``
-    (``v * X`` for a vector X; `diagonal_of` lists the diagonal matrices known), and a
-    two-operand einsum with one is the einsum of v with the matrix's column letter renamed to
-    its row letter. The state's transition then stays elementwise (one multiply per element)
-    instead of an n x n matrix (block_sparse) or, for a diagonal that changes every step,
-    (L, n, n) matrices made before the loop. A diagonal matrix built outside the loop enters as
-    a new loop invariant, its vector. Returns the products rewritten."""
+    they are: a two-operand contraction (``@``, ``matmul``, ``mm``, ``bmm``, ``einsum``; its
+    letters as `ssmc.ops.canonical` reads them) with one (`diagonal_of` lists the diagonal
+    matrices known) is the einsum of its vector with the matrix's column letter renamed to its
+    row letter (``diag(v) @ X`` is ``einsum("i,ij->ij", v, X)``), which sums over nothing and
+    becomes a product (`_einsum_as_product`). The state's transition then stays elementwise (one
+    multiply per element) instead of an n x n matrix (block_sparse) or, for a diagonal that
+    changes every step, (L, n, n) matrices made before the loop. A diagonal matrix built outside
+    the loop enters as a new loop invariant, its vector. Returns the products rewritten."""
+    from .ops import _contract, canonical
     graph = lp.body.graph
     b = _Builder(graph, _fake_mode(graph))
     outer = dict(zip(lp.invariant_nodes(), lp.invariants))
     added: dict = {}
 
-    def here(v, anchor):
+    def here(v):
+        """v as a body value: a diagonal made outside the loop enters as a new invariant."""
         if not (isinstance(v, tuple) and v[0] == "outer"):
             return v
         v = v[1]
         if v not in added:
-            last = lp.placeholders()[-1]
-            with graph.inserting_after(last):
+            with graph.inserting_after(lp.placeholders()[-1]):
                 ph = graph.placeholder(f"diag_{len(lp.invariants)}")
             ph.meta["example_value"] = value(v)
             lp.invariants.append(v)
@@ -920,23 +917,12 @@ def diagonal_products(lp) -> int:
     for n in list(graph.nodes):
         if n.op not in ("call_function", "call_method") or not is_tensor(n):
             continue
-        name = _name(n)
-        r = None
-        if (n.op == "call_method" or getattr(torch, name, None) is n.target or n.target is operator.matmul) \
-                and (name in _MATRIX_PRODUCTS or n.target is operator.matmul) and len(n.args) == 2 and not n.kwargs:
-            x, y = n.args
-            for left, (d, other) in ((True, (x, y)), (False, (y, x))):
-                v = diagonal_of(d, outer)
-                if v is None or not _vector(other):
-                    continue
-                v = here(v, n)
-                if len(shape(other)) == 1:
-                    r = b.call(n, torch.mul, (v, other))
-                else:
-                    r = b.call(n, torch.mul, (b.call(n, torch.unsqueeze, (v, -1 if left else -2)), other))
-                break
-        elif n.op == "call_function" and n.target is torch.einsum:
-            r = _diagonal_einsum(b, n, outer, here)
+        c = canonical(n)
+        if c is None and n.op == "call_method" and n.target in ("mm", "bmm") and len(n.args) == 2:
+            c = _contract(n, "matmul")
+        if c is None or c.kind != "contract" or len(c.args) != 2 or n.kwargs:
+            continue
+        r = _diagonal_contraction(b, n, c, outer, here)
         if r is None:
             continue
         if tuple(shape(r)) != tuple(shape(n)) or value(r).dtype != value(n).dtype:
@@ -948,23 +934,13 @@ def diagonal_products(lp) -> int:
     return count
 
 
-def _diagonal_einsum(b: _Builder, n: fx.Node, outer: dict, here) -> fx.Node | None:
-    args = list(n.args)
-    if len(args) == 2 and isinstance(args[1], (list, tuple)):
-        args = [args[0], *args[1]]
-    if len(args) != 3 or not isinstance(args[0], str) or n.kwargs:
-        return None
-    spec = args[0].replace(" ", "")
-    if "..." in spec or "->" not in spec:
-        return None
-    ins, out = spec.split("->")
-    subs = ins.split(",")
-    if len(subs) != 2:
-        return None
+def _diagonal_contraction(b: _Builder, n: fx.Node, c, outer: dict, here) -> fx.Node | None:
+    """The einsum of `diagonal_products` for contraction `c` (canonical form of n), or None."""
+    subs, out = list(c.params["subs"]), c.params["out"]
     for k in (0, 1):
-        s, d = subs[k], args[1 + k]
-        v = diagonal_of(d, outer)
-        if v is None or len(s) < 2 or s[-1] == s[-2]:
+        s = subs[k]
+        v = diagonal_of(c.args[k], outer)
+        if v is None or not isinstance(c.args[1 - k], fx.Node) or len(s) < 2 or s[-1] == s[-2]:
             continue
         row, col = s[-2], s[-1]
         if row in s[:-2] or col in s[:-2]:
@@ -976,9 +952,8 @@ def _diagonal_einsum(b: _Builder, n: fx.Node, outer: dict, here) -> fx.Node | No
         vs = s[:-2] + row
         if len(shape(v[1] if isinstance(v, tuple) else v)) != len(vs):
             continue
-        ops = [here(v, n), args[2 - k]]
-        new_subs = [vs, other] if k == 0 else [other, vs]
-        if k == 1:
-            ops = ops[::-1]
+        new_subs, ops = [None, None], [None, None]
+        new_subs[k], ops[k] = vs, here(v)
+        new_subs[1 - k], ops[1 - k] = other, c.args[1 - k]
         return b.call(n, torch.einsum, (f"{new_subs[0]},{new_subs[1]}->{new_out}", *ops))
     return None
