@@ -30,6 +30,7 @@ class Options:
     validate: bool = True         # shape-check the rewritten graph with fake tensors
     deterministic: bool = False   # backward kernels: no atomics (partial sums + a torch sum)
     autotune: str = "prune"       # prune: skip the rest of a variant family whose first config is slow; all
+    rest_max_nodes: int = 3000    # rest "auto": a graph with a loop running as written and more nodes runs eagerly
 
     def with_(self, **kw) -> "Options":
         return dataclasses.replace(self, **kw)
@@ -71,6 +72,9 @@ def make_options(options: Mapping[str, Any] | Options | None = None, **kw) -> Op
         raise ValueError(f"ssmc: option autotune={merged['autotune']!r} must be one of {_AUTOTUNES}")
     if merged.get("rest", "auto") not in _RESTS:
         raise ValueError(f"ssmc: option rest={merged['rest']!r} must be one of {_RESTS}")
+    m = merged.get("rest_max_nodes", 3000)
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ValueError(f"ssmc: option rest_max_nodes={m!r} must be an int >= 0 (0: no limit)")
     if not isinstance(merged["target"], str):
         raise ValueError(f"ssmc: option target must be a string, got {merged['target']!r}")
     return Options(**merged)

@@ -374,3 +374,48 @@ def test_a_rewrite_that_breaks_the_graph_with_no_region_left_falls_back(monkeypa
     out = torch.compile(elman, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=rep))(x, a)
     assert rel_err(out, elman(x.double(), a.double())) < 1e-6
     assert not rep.regions and any("internal error, graph runs as captured" in why for _, why in rep.fallbacks), str(rep)
+
+
+def _tanh_loop(x, a):
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.tanh(a * h + x[:, t])      # not linear: the loop runs as written
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("steps, opts, rest", [(200, {"rest_max_nodes": 500}, "eager"),
+                                                (200, {"rest_max_nodes": 0}, "inductor"),
+                                                (200, {"rest_max_nodes": 500, "rest": "inductor"}, "inductor"),
+                                                (20, {"rest_max_nodes": 500}, "inductor")])
+def test_long_loop_running_as_written_skips_inductor(monkeypatch, steps, opts, rest):
+    """rest="auto" where it means Inductor (a GPU, simulated): a graph still holding a loop that
+    runs as written and over rest_max_nodes nodes runs eagerly, with the reason in the report;
+    a smaller graph, rest_max_nodes=0 or rest="inductor" asked for still goes to Inductor."""
+    from ssmc import backend as Bk
+    from ssmc.options import Options
+    monkeypatch.setattr(Options, "rest_for", lambda self, device: "inductor" if self.rest == "auto" else self.rest)
+    compiled = []
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx",
+                        lambda gm, ins, **kw: compiled.append(len(gm.graph.nodes)) or gm.forward)
+    torch._dynamo.reset()
+    x, a = torch.randn(2, steps, 3), torch.rand(3)
+    out = torch.compile(_tanh_loop, backend="ssmc", options=opts)(x, a)
+    assert rel_err(out, _tanh_loop(x, a)) == 0
+    g = Bk.LAST_REPORT.graphs[-1]
+    assert g.fallbacks and not g.regions
+    assert g.rest == rest
+    assert bool(compiled) == (rest == "inductor")
+    said = [m for m in g.log if "rest_max_nodes" in m]
+    assert bool(said) == (rest == "eager")
+    if said:
+        assert f"{g.nodes_out} nodes" in said[0] and "{'rest': 'inductor'}" in said[0]
+
+
+def test_rest_max_nodes_is_checked():
+    from ssmc.options import make_options
+    for bad in (-1, 2.5, "many", True):
+        with pytest.raises(ValueError, match="rest_max_nodes"):
+            make_options({"rest_max_nodes": bad})
+    assert make_options({"rest_max_nodes": 0}).rest_max_nodes == 0
