@@ -97,6 +97,10 @@ class Reroll(Pass):
             ctx.note("reroll: no loop here: no tensor is read at consecutive indices (x[:, t], "
                      "select, unbind, narrow, index_select; or every k-th) by steps that repeat, and "
                      "no scan node")
+            if _parallel_scan_form(ctx.gm):
+                ctx.note("reroll: the graph computes a scan in parallel form (a cumsum of log-decays under a "
+                         "triangular mask, then exp: a chunked SSD or a decay-masked attention); ssmc captures "
+                         "loops and scan nodes, not this form, so it runs as written")
         for i, lp in enumerate(sorted(loops, key=lambda lp: _order(ctx.gm, lp))):
             lp.name = f"loop{i}"
             if decompose_composites(lp.body.graph):
@@ -110,6 +114,34 @@ class Reroll(Pass):
                              "taken as elementwise products")
             ctx.candidates.append(Candidate(loop=lp, notes=notes))
         return bool(loops)
+
+
+def _op_name(n: fx.Node) -> str:
+    if n.op == "call_method":
+        return n.target
+    return getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+
+
+def _parallel_scan_form(gm: fx.GraphModule, depth: int = 8) -> bool:
+    """Whether an `exp` reads a `cumsum` through a triangular mask (`tril`/`triu` or a
+    `masked_fill` by one) within `depth` nodes: the segment sums of a chunked SSD or of a
+    decay-masked attention, a scan written without a loop (for the report only)."""
+    masks = {"tril", "triu", "masked_fill", "masked_fill_", "where"}
+    for n in gm.graph.nodes:
+        if _op_name(n) not in ("exp", "exp_"):
+            continue
+        seen, todo, masked = set(), [(n, 0)], False
+        while todo:
+            m, d = todo.pop()
+            if m in seen or d > depth:
+                continue
+            seen.add(m)
+            name = _op_name(m)
+            masked |= name in masks
+            if name == "cumsum" and masked:
+                return True
+            todo += [(a, d + 1) for a in m.all_input_nodes]
+    return False
 
 
 def _made_notes(lp: Loop) -> list[str]:

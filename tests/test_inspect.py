@@ -32,6 +32,49 @@ def test_explain_shows_fallback_reason():
     assert "fallback" in str(rep)
 
 
+def _chunked_decay_scan(x, loga, k, q, chunk: int = 4):
+    """h_t = exp(loga_t) h_{t-1} + k_t x_t^T, y_t = q_t h_t, without a time loop: within a chunk
+    by a decay matrix from cumulative sums under a triangular mask, across chunks by the same
+    on the chunks' totals (x: (b, T, p), loga: (b, T), k, q: (b, T, n))."""
+    b, T, p = x.shape
+    c = T // chunk
+    xc, kc, qc = (v.reshape(b, c, chunk, v.shape[-1]) for v in (x, k, q))
+    la = loga.reshape(b, c, chunk)
+
+    def decay(v):                                    # [..., i, j] = exp(v[j+1] + ... + v[i]), i >= j
+        n = v.shape[-1]
+        low = torch.ones(n, n, dtype=torch.bool).tril(-1)
+        s = v[..., :, None].expand(*v.shape, n).masked_fill(~low, 0).cumsum(-2)
+        return s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).exp()
+
+    within = torch.einsum("bcin,bcjn,bcij,bcjp->bcip", qc, kc, decay(la), xc)
+    cum = la.cumsum(-1)
+    ends = torch.einsum("bcjn,bcj,bcjp->bcnp", kc, (cum[..., -1:] - cum).exp(), xc)
+    starts = torch.einsum("bzc,bcnp->bznp", decay(torch.nn.functional.pad(cum[..., -1], (1, 0)))[:, :-1, :-1],
+                          torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1))
+    across = torch.einsum("bcin,bcnp,bci->bcip", qc, starts, cum.exp())
+    return (within + across).reshape(b, T, p)
+
+
+def test_explain_names_a_scan_in_parallel_form():
+    """A chunked scan written without a loop (segment sums) runs as written, and the report
+    says what it is rather than only that no loop was found."""
+    g = torch.Generator().manual_seed(53)
+    b, T, p, n = 2, 8, 3, 2
+    x, k, q = (torch.randn(b, T, m, generator=g, dtype=torch.float64) for m in (p, n, n))
+    loga = -torch.rand(b, T, generator=g, dtype=torch.float64)
+    h, ys = torch.zeros(b, n, p, dtype=torch.float64), []
+    for t in range(T):                                # the same recurrence as a loop
+        h = loga[:, t, None, None].exp() * h + k[:, t, :, None] * x[:, t, None, :]
+        ys.append(torch.einsum("bn,bnp->bp", q[:, t], h))
+    assert (_chunked_decay_scan(x, loga, k, q) - torch.stack(ys, 1)).abs().max() < 1e-12
+    rep = ssmc.explain(_chunked_decay_scan, x, loga, k, q)
+    assert not rep.regions
+    assert "scan in parallel form" in str(rep) and "runs as written" in str(rep)
+    plain = ssmc.explain(lambda x: x.cumsum(1).exp(), x)       # a cumsum alone is no such form
+    assert "parallel form" not in str(plain)
+
+
 def test_explain_points_at_graph_breaks():
     """A loop with `.item()` in each step: Dynamo runs it eagerly or in pieces; no region, and
     the report says why ssmc saw no loop."""
