@@ -945,3 +945,19 @@ def test_reverse_time_and_output_before_update(interp):
     x, dt, A, B, C, D, z, _ = P.mamba1_inputs(L=9, d=6, n=5, seed=31)
     check(P.reversed_loop("list"), (x, dt.abs(), A, B, C, D, z))
     check(P.output_before_update("stack"), P.output_before_update_inputs(L=9, seed=32))
+
+
+def test_interpreter_self_check(monkeypatch):
+    """Under TRITON_INTERPRET=1 the target first runs a one-line kernel looping over an int
+    argument; where the interpreter cannot (Triton 3.6 with NumPy 2.4), Triton declines every
+    region with that reason instead of failing each kernel at run time."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    T.interpreter_problem.cache_clear()
+    try:
+        assert T.interpreter_problem() is None        # this environment's interpreter runs it
+    finally:
+        T.interpreter_problem.cache_clear()
+    region = next(iter(ssmc.explain(P.mamba1("stack"), *P.mamba1_inputs(seed=3)).regions)).ir
+    assert T.TritonTarget().supports(region, "chunked_scan", None, "cpu") is True
+    monkeypatch.setattr(T, "interpreter_problem", lambda: "the interpreter is broken here")
+    assert T.TritonTarget().supports(region, "chunked_scan", None, "cpu") == "the interpreter is broken here"

@@ -76,6 +76,32 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter cannot run ssmc's kernels in this environment, or None. Every
+    ssmc kernel loops over an int argument (the length); a one-line kernel doing that runs once.
+    (Triton 3.6's interpreter with NumPy 2.4 fails there: `int()` of a one-element array.)"""
+    import numpy as np
+    import triton.language as tl
+
+    @triton.jit
+    def _loop_over_an_int(out_ptr, n):
+        acc = 0
+        for i in range(0, n):
+            acc += i
+        tl.store(out_ptr, acc)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        _loop_over_an_int[(1,)](out, 4)
+    except Exception as e:
+        return (f"Triton {_TRITON_VERSION}'s interpreter cannot run a loop over an int argument with NumPy "
+                f"{np.__version__} ({type(e).__name__}: {str(e)[:120]}); a newer Triton or an older NumPy runs it")
+    if int(out.item()) != 6:
+        return f"Triton {_TRITON_VERSION}'s interpreter gave {int(out.item())} for 0+1+2+3 in a test kernel"
+    return None
+
+
 # -- plan ------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -1260,6 +1286,9 @@ class TritonTarget:
         elif device_type == "cpu":
             if not interpreting():
                 return "Triton kernels run on CUDA GPUs; on CPU only under TRITON_INTERPRET=1"
+            broken = interpreter_problem()
+            if broken:
+                return broken
         else:
             return f"no Triton kernels for device {device_type!r}"
         if strategy not in STRATEGIES:
