@@ -33,6 +33,7 @@ import torch.fx as fx
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, _maybe_view, _scatter_of, _unit_slice,
                           copies_as_writes, decompose_composites, diagonal_products, erase_unused, find_reads,
                           forward_stored_values, functionalize_updates, stack_list_inputs, transformed, unstack)
+from ssmc.gauge import gauge_states
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import impure, is_tensor, mutated, reaches, shape, value as value_of
@@ -112,6 +113,10 @@ class Reroll(Pass):
                 lp.body.recompile()
                 notes.append(f"{lp.name}: {diag} product(s) with a diagonal matrix (torch.diag, diag_embed, eye * v) "
                              "taken as elementwise products")
+            gauged = gauge_states(ctx.gm, lp)
+            if gauged:
+                notes.append(f"{lp.name}: running maxima {gauged} (m = max(m + a, b), a and b from the step's inputs) "
+                             "computed for all steps before the loop (cumsum and cummax, float64); read, not carried")
             ctx.candidates.append(Candidate(loop=lp, notes=notes))
         return bool(loops)
 

@@ -74,7 +74,7 @@ class SplitStates(Pass):
                 continue
             group = Split(cand.loop.name, [], list(cand.loop.erase), bridges)
             for lp in loops:
-                member = Candidate(loop=lp, split=group)
+                member = Candidate(loop=lp, split=group, notes=list(cand.notes))
                 member.notes.append(f"split from {group.name} (it carries {len(loops)} states): {text[lp.name]}")
                 group.members.append(member)
             out.extend(group.members)
@@ -443,4 +443,4 @@ def _piece(gm, lp: Loop, i: int, needed: set, own: list, bridges: list, stand_in
     g.eliminate_dead_code()
     return Loop(name, fx.GraphModule(gm, g), lp.length, [lp.carry_init[i]], reads, invariants,
                 results, [], anchor=lp.anchor, origin=lp.origin, foreign=lp.foreign,
-                made=[stand_in[b] for b in bridges])
+                made=[*lp.made, *(stand_in[b] for b in bridges)])

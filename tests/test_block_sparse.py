@@ -707,13 +707,18 @@ def test_gpu_cuda_block_sparse_pipelines():
         kern.force_groups = None
 
 
-def test_grad_of_transposed_input_under_inductor(monkeypatch):
+def test_grad_of_transposed_input_under_inductor():
     """The region reads W = (A * mask).T, a transposed view. The backward op's real outputs must
     have the strides its fake kernel gave Inductor (the H200 run of the GPU test above failed
     Inductor's assert_size_stride on dA: fake (1, 64), real (64, 1)); the rest of the graph runs
     through Inductor here, as on a GPU."""
-    import torch._inductor.config as ic
-    monkeypatch.setattr(ic, "force_disable_caches", True)    # a cached graph keeps an old fake's strides
+    # a cached graph keeps an old fake's strides (a context, not monkeypatch: torch 2.11's config
+    # loses this alias of torch.compiler.config's option when monkeypatch restores it)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _transposed_input_grads()
+
+
+def _transposed_input_grads():
     g = torch.Generator().manual_seed(12)
     mask = P.block_mask(8, 8, 0.25, g)
     ins = P.euler_inputs(2, 16, 8, 64, mask, g)

@@ -1,0 +1,190 @@
+"""Running maxima that only stabilise a recurrence, computed before its loop.
+
+Recurrences with exponential weights keep a running maximum `m` to stay in floating-point
+range (RWKV-4's wkv, the mLSTM's stabiliser):
+
+    q = max(m + w, k_t)                       # m_t = max(m_{t-1} + alpha_t, beta_t)
+    num = exp(m + w - q) * num + exp(k_t - q) * v_t
+    m = q
+
+`max` is not linear, so such a loop ran as written. But `m` reads nothing but itself and the
+step's inputs, and its recurrence is linear in the (max, +) semiring, so all its steps follow at
+once:
+
+    m_t = A_t + max(m_0, max_{s <= t} (beta_s - A_s)),   A_t = alpha_1 + ... + alpha_t
+
+(`cumsum` and `cummax`, in float64). `gauge_states` computes them before the loop and makes `m`
+two per-step reads (its value before and after each step) instead of a carried value; what is
+left of the step (`num` above) is then linear and becomes a region. The values are the loop's own
+running maxima (not a rescaling), so results, the final `m` included, match the loop's.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .ops import canonical, value
+
+_MAXIMA = {torch.maximum, torch.max, torch.fmax}
+
+
+def max_plus_scan(alpha, beta, m0, length: int, alpha_steps: bool, beta_steps: bool, shape, dtype):
+    """(m_{t-1}, m_t) for t = 1..length, stacked along dim 0, of m_t = max(m_{t-1} + alpha_t,
+    beta_t) from m0. `alpha`/`beta` have the steps along dim 0 where `*_steps` (else they are
+    the same every step); either may be a Python number. Summed in float64, returned as `dtype`,
+    `shape` a step."""
+    def steps(v, along):                          # (length, *shape), float64
+        v = torch.as_tensor(v, dtype=torch.float64, device=m0.device).double()
+        if not along:
+            return v.broadcast_to(shape).unsqueeze(0).expand(length, *shape)
+        return v.reshape(length, *[1] * (len(shape) + 1 - v.dim()), *v.shape[1:]).broadcast_to((length, *shape))
+    a, b = steps(alpha, alpha_steps), steps(beta, beta_steps)
+    A = torch.cumsum(a, 0)
+    best = torch.cummax(b - A, 0).values
+    m = (A + torch.maximum(best, m0.double())).to(dtype)
+    m = m.broadcast_to((length, *shape)).contiguous()
+    return torch.cat([m0.to(dtype).broadcast_to(shape).unsqueeze(0), m[:-1]], 0), m
+
+
+def _ancestors(n: fx.Node) -> set:
+    seen, todo = set(), [n]
+    while todo:
+        x = todo.pop()
+        if x not in seen:
+            seen.add(x)
+            todo += x.all_input_nodes
+    return seen
+
+
+def _split_max(n: fx.Node):
+    """(a, b) of a two-operand maximum, else None."""
+    if n.op == "call_function" and n.target in _MAXIMA and len(n.args) == 2 and not n.kwargs:
+        a, b = n.args
+    elif n.op == "call_method" and n.target in ("maximum", "max", "fmax") and len(n.args) == 2 and not n.kwargs:
+        a, b = n.args
+    else:
+        return None
+    return (a, b) if isinstance(a, fx.Node) and isinstance(b, fx.Node) else None
+
+
+def _plus(n, m: fx.Node):
+    """alpha where n is m + alpha, alpha + m or m - c (alpha a node or a number), else None."""
+    if not isinstance(n, fx.Node):
+        return None
+    c = canonical(n)
+    if c is None or c.kind != "ew" or len(c.args) != 2 or c.params.get("alpha", 1) != 1:
+        return None
+    x, y = c.args
+    if c.op == "add":
+        return y if x is m else x if y is m else None
+    if c.op == "sub" and x is m and not isinstance(y, fx.Node) and isinstance(y, (int, float)):
+        return -y
+    return None
+
+
+def gauge_states(gm: fx.GraphModule, lp) -> list[str]:
+    """Make each carried value of `lp` whose update is ``max(m + alpha, beta)`` (alpha and beta
+    computed from the step's reads and invariants only) two reads of sequences computed before
+    the loop (`max_plus_scan`). Returns the names of the values taken out of the carry."""
+    from .capture import _Builder, _fake_mode
+    from .lower import _Vmapped
+    if lp.length is None or any(r.width != 1 for r in lp.reads):
+        return []
+    done = []
+    while True:
+        carries, outs = lp.carry_nodes(), lp.carry_outputs()
+        found = None
+        for k, (m, q) in enumerate(zip(carries, outs)):
+            parts = _split_max(q) if isinstance(q, fx.Node) else None
+            if parts is None or not isinstance(lp.carry_init[k], fx.Node):
+                continue
+            for a, b in (parts, parts[::-1]):
+                alpha = _plus(a, m)
+                if alpha is None:
+                    continue
+                free = [v for v in (alpha, b) if isinstance(v, fx.Node)]
+                if any(c in _ancestors(v) for v in free for c in carries):
+                    continue
+                found = (k, m, q, alpha, b)
+                break
+            if found:
+                break
+        if not found:
+            return done
+        k, m, q, alpha, beta = found
+        _take_out(gm, lp, k, m, q, alpha, beta, _Builder(gm.graph, _fake_mode(gm.graph)), _Vmapped)
+        done.append(m.name)
+
+
+def _take_out(gm, lp, k, m, q, alpha, beta, b, vmapped) -> None:
+    body = lp.body.graph
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def call(target, args):
+        """Insert right after the latest of args (later passes may move the loop's anchor
+        earlier, never before its inputs)."""
+        ins = []
+        fx.node.map_arg(args, ins.append)
+        last = max(ins, key=order.__getitem__, default=None)
+        n = b.call(last.next if last is not None else lp.anchor, target, args)
+        order[n] = order[last] + 0.5 if last is not None else -1
+        lp.made.append(n)
+        return n
+
+    reads, invs = lp.read_nodes(), lp.invariant_nodes()
+    L = lp.length
+    # alpha and beta for all steps: the body nodes they need, vmapped over the reads' time dim
+    nodes = [v for v in (alpha, beta) if isinstance(v, fx.Node)]
+    need = set().union(*(_ancestors(v) for v in nodes)) if nodes else set()
+    sub = fx.Graph()
+    env, args, dims = {}, [], []
+    for ph in lp.placeholders():
+        if ph not in need:
+            continue
+        env[ph] = sub.placeholder(ph.name)
+        env[ph].meta = dict(ph.meta)
+        if ph in reads:
+            r = lp.reads[reads.index(ph)]
+            src = r.source
+            if not (r.start == 0 and value(src).shape[r.dim] == L):
+                src = call(torch.narrow, (src, r.dim, r.start, L))
+            args.append(src)
+            dims.append(r.dim)
+        else:
+            args.append(lp.invariants[invs.index(ph)])
+            dims.append(None)
+    for n in body.nodes:
+        if n in need and n.op != "placeholder":
+            env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(tuple(env[v] for v in nodes))
+    seqs = []
+    if nodes:
+        both = call(vmapped(fx.GraphModule(lp.body, sub), dims), tuple(args))
+        seqs = [call(operator.getitem, (both, i)) for i in range(len(nodes))]
+    stepped = any(d is not None for d in dims)
+    it = iter(seqs)
+    a_val = next(it) if isinstance(alpha, fx.Node) else alpha
+    b_val = next(it) if isinstance(beta, fx.Node) else beta
+    pair = call(max_plus_scan, (a_val, b_val, lp.carry_init[k], L,
+                                             stepped and isinstance(alpha, fx.Node),
+                                             stepped and isinstance(beta, fx.Node),
+                                             tuple(value(m).shape), value(m).dtype))
+    prev, new = call(operator.getitem, (pair, 0)), call(operator.getitem, (pair, 1))
+    # in the body: m is read (its value before the step), its new value too; no longer carried
+    first_inv = invs[0] if invs else next(n for n in body.nodes if n.op != "placeholder")
+    first_inv.prepend(m)
+    with body.inserting_before(first_inv):
+        q_read = body.placeholder(f"{m.name}_next")
+    q_read.meta = dict(m.meta)
+    q.replace_all_uses_with(q_read)
+    out = next(n for n in body.nodes if n.op == "output")
+    vals = list(out.args[0])
+    del vals[k]
+    out.args = (tuple(vals),)
+    body.eliminate_dead_code()
+    lp.carry_init.pop(k)
+    from .loop import Read
+    lp.reads += [Read(prev, 0), Read(new, 0)]
+    lp.body.recompile()

@@ -1,0 +1,199 @@
+"""Recurrences kept in range by a running maximum (ssmc.gauge): the maximum is computed for all
+steps before the loop, and the rest of the step becomes a region."""
+import pytest
+import torch
+
+from conftest import TOL, as_tuple, declined, grads_match, reference, rel_err, ssmc_run
+from ssmc.gauge import max_plus_scan
+
+
+def _wkv(w, u, k, v, state=None):
+    """An RWKV-4 style weighted average of the values: sum_s exp(w (t-1-s) + k_s) v_s over the
+    past plus a bonus exp(u + k_t) v_t for the current step, divided by the same sum of weights;
+    a running maximum `big` of the exponents keeps every exp <= 1. Returns (y, (num, den, big))."""
+    b, L, d = k.shape
+    if state is None:
+        num, den = k.new_zeros(b, d), k.new_zeros(b, d)
+        big = k.new_full((b, d), -1e38)
+    else:
+        num, den, big = state
+    decay = -torch.exp(w)
+    y = torch.empty_like(v)
+    for t in range(L):
+        kt, vt = k[:, t], v[:, t]
+        top = torch.maximum(big, u + kt)                      # the output's own maximum
+        old, cur = torch.exp(big - top), torch.exp(u + kt - top)
+        y[:, t] = (old * num + cur * vt) / (old * den + cur)
+        nxt = torch.maximum(big + decay, kt)                  # the state's maximum
+        old, cur = torch.exp(big + decay - nxt), torch.exp(kt - nxt)
+        num = old * num + cur * vt
+        den = old * den + cur
+        big = nxt
+    return y, (num, den, big)
+
+
+def _wkv_out(w, u, k, v):
+    y, (num, den, big) = _wkv(w, u, k, v)
+    return y, num, den, big
+
+
+def _mlstm(q, k, v, i_pre, f_pre):
+    """A matrix-memory LSTM cell with exponential input gates, stabilised by the running maximum
+    `m` of the log gates (q, k, v: (b, h, L, e); gates: (b, h, L))."""
+    b, h, L, e = q.shape
+    C, n = q.new_zeros(b, h, e, e), q.new_zeros(b, h, e)
+    m = q.new_zeros(b, h)
+    outs = []
+    for t in range(L):
+        log_f = torch.nn.functional.logsigmoid(f_pre[:, :, t])
+        m_new = torch.maximum(log_f + m, i_pre[:, :, t])
+        ig, fg = torch.exp(i_pre[:, :, t] - m_new), torch.exp(log_f + m - m_new)
+        C = fg[..., None, None] * C + ig[..., None, None] * (v[:, :, t, :, None] * k[:, :, t, None, :])
+        n = fg[..., None] * n + ig[..., None] * k[:, :, t]
+        num = torch.einsum("bhij,bhj->bhi", C, q[:, :, t])
+        den = torch.maximum((n * q[:, :, t]).sum(-1).abs(), torch.exp(-m_new))
+        outs.append(num / den[..., None])
+        m = m_new
+    return torch.stack(outs, 2)
+
+
+def _peak_hold(x, release):
+    """An envelope follower: the peak decays by `release` a step unless the input is higher."""
+    p = torch.full_like(x[:, 0], float("-inf"))
+    ps = []
+    for t in range(x.shape[1]):
+        p = torch.maximum(p - release, x[:, t].abs())
+        ps.append(p)
+    return torch.stack(ps, 1)
+
+
+def _wkv_inputs(seed, L=9, scale=2.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    b, d = 2, 5
+    return (torch.randn(d, generator=g).to(dtype), torch.randn(d, generator=g).to(dtype),
+            (scale * torch.randn(b, L, d, generator=g)).to(dtype), torch.randn(b, L, d, generator=g).to(dtype))
+
+
+def _mlstm_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, h, L, e = 2, 2, 8, 3
+    return (torch.randn(b, h, L, e, generator=g), torch.randn(b, h, L, e, generator=g) / 2,
+            torch.randn(b, h, L, e, generator=g), 3 * torch.randn(b, h, L, generator=g),
+            torch.randn(b, h, L, generator=g) + 2)
+
+
+def _check(fn, ins, tol=None):
+    out, rep = ssmc_run(fn, ins)
+    assert rep.regions and not rep.fallbacks, str(rep)
+    assert any("running maxima" in n for r in rep.regions for n in r.notes), str(rep)
+    for o, r in zip(as_tuple(out), reference(fn, ins)):
+        assert o.shape == r.shape and rel_err(o, r) <= (tol or TOL[ins[-1].dtype]), str(rep)
+    return rep
+
+
+@pytest.mark.parametrize("fn", [lambda *a: _wkv(*a)[0], _wkv_out])
+def test_wkv_with_its_running_maximum(fn):
+    """The state's and the output's maxima: the first becomes two reads, the second is then
+    computed from inputs; num and den are linear regions. The final state (num, den, big) is the
+    loop's own, big included."""
+    ins = _wkv_inputs(1)
+    _check(fn, ins)
+    grads_match(fn, ins)
+
+
+def test_wkv_in_float64_and_with_an_initial_state():
+    ins = _wkv_inputs(2, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    st = (torch.randn(2, 5, generator=g, dtype=torch.float64), torch.rand(2, 5, generator=g, dtype=torch.float64),
+          torch.randn(2, 5, generator=g, dtype=torch.float64))
+
+    def fn(w, u, k, v, num, den, big):
+        y, s = _wkv(w, u, k, v, (num, den, big))
+        return (y, *s)
+    _check(fn, (*ins, *st))
+
+
+def test_wkv_stays_in_range_with_large_keys():
+    """Keys of +-100 overflow exp in float32 without the maximum: the captured loop keeps it, so
+    its outputs are as close to float64 as eager's own. The final num and den are scaled by
+    exp(-big) for a `big` summed in float64, not step by step in float32 as the loop does, so
+    they differ by float32 roundings of |big| ~ 100 (their ratio, all later outputs read, does
+    not: both carry the same factors)."""
+    ins = _wkv_inputs(4, L=40, scale=50.0)
+    out, rep = ssmc_run(_wkv_out, ins)
+    assert rep.regions, str(rep)
+    ref, own = reference(_wkv_out, ins), _wkv_out(*ins)
+    for o in out:
+        assert torch.isfinite(o).all()
+    y, num, den, big = out
+    assert rel_err(y, ref[0]) <= max(20 * rel_err(own[0], ref[0]), 1e-5)
+    assert rel_err(num / den, ref[1] / ref[2]) <= max(20 * rel_err(own[1] / own[2], ref[1] / ref[2]), 1e-5)
+    assert rel_err(big, ref[3]) <= 1e-6
+    assert rel_err(num, ref[1]) < 2e-4 and rel_err(den, ref[2]) < 2e-4
+
+
+def test_mlstm_stabilised():
+    ins = _mlstm_inputs(5)
+    _check(_mlstm, ins)
+    grads_match(_mlstm, ins, tol=1e-4)
+
+
+def test_a_running_maximum_alone():
+    """A peak hold (m = max(m - r, |x_t|)) is all maximum: once it is computed before the loop
+    nothing passes from step to step, so there is no region and the loop runs as written."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 11, 3, generator=g)
+    def fn(x):
+        return _peak_hold(x, 0.3)
+    out, rep = ssmc_run(fn, (x,))
+    assert rel_err(out, reference(fn, (x,))[0]) < 1e-6, str(rep)
+    assert not rep.regions and any("a map over the steps" in why for _, why in rep.fallbacks), str(rep)
+
+
+def test_maxima_that_are_no_such_recurrence_run_as_written():
+    """m = max(a m, x) (a product, not a sum) and m = max(m + s, x) with s another state are not
+    (max, +) recurrences of the inputs: the loops run as written, with the reason."""
+    g = torch.Generator().manual_seed(7)
+    x, a = torch.randn(2, 6, 3, generator=g), torch.rand(3, generator=g)
+
+    def scaled(x, a):
+        m = torch.zeros_like(x[:, 0])
+        ms = []
+        for t in range(x.shape[1]):
+            m = torch.maximum(a * m, x[:, t])
+            ms.append(m)
+        return torch.stack(ms, 1)
+
+    def coupled(x, a):
+        m, s = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0])
+        ms = []
+        for t in range(x.shape[1]):
+            s = a * s + x[:, t]
+            m = torch.maximum(m + s, x[:, t])
+            ms.append(m)
+        return torch.stack(ms, 1)
+    declined(scaled, (x, a), "maximum")
+    declined(coupled, (x, a), "maximum")
+
+
+def test_max_plus_scan_against_its_loop():
+    g = torch.Generator().manual_seed(8)
+    L = 13
+    alpha = torch.randn(L, 4, generator=g, dtype=torch.float64)
+    beta = torch.randn(L, 3, 4, generator=g, dtype=torch.float64)
+    beta[4, 1] = float("-inf")
+    for m0 in (torch.randn(3, 4, generator=g, dtype=torch.float64), torch.full((3, 4), float("-inf"), dtype=torch.float64)):
+        prev, new = max_plus_scan(alpha, beta, m0, L, True, True, (3, 4), torch.float64)
+        m, want = m0, []
+        for t in range(L):
+            m = torch.maximum(m + alpha[t], beta[t])
+            want.append(m)
+        want = torch.stack(want)
+        assert torch.allclose(new, want, atol=1e-12, rtol=0)
+        assert torch.equal(prev[0], m0) and torch.equal(prev[1:], new[:-1])
+    prev, new = max_plus_scan(-0.5, beta[:, 0], torch.zeros(4, dtype=torch.float64), L, False, True, (4,), torch.float32)
+    m, want = torch.zeros(4, dtype=torch.float64), []
+    for t in range(L):
+        m = torch.maximum(m - 0.5, beta[t, 0])
+        want.append(m)
+    assert new.dtype == torch.float32 and torch.allclose(new.double(), torch.stack(want), atol=1e-6, rtol=0)
