@@ -197,3 +197,23 @@ def test_max_plus_scan_against_its_loop():
         m = torch.maximum(m - 0.5, beta[t, 0])
         want.append(m)
     assert new.dtype == torch.float32 and torch.allclose(new.double(), torch.stack(want), atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["wkv", "mlstm"])
+def test_running_maxima_on_the_gpu(which):
+    """On CUDA (generated kernels, the rest through Inductor): values and gradients against
+    float64 eager on the CPU."""
+    fn, ins = (_wkv_out, _wkv_inputs(9, L=64)) if which == "wkv" else (_mlstm, _mlstm_inputs(10))
+    xs = [x.cuda().requires_grad_() for x in ins]
+    out, rep = ssmc_run(fn, xs)
+    assert rep.regions and all(r.target != "torch" for r in rep.regions), str(rep)
+    x64 = [x.double().requires_grad_() for x in ins]
+    ref = as_tuple(fn(*x64))
+    out = as_tuple(out)
+    for o, r in zip(out, ref):
+        assert rel_err(o.cpu(), r) < 1e-4, str(rep)
+    got = torch.autograd.grad(sum(o.sum() for o in out), xs)
+    want = torch.autograd.grad(sum(r.sum() for r in ref), x64)
+    for a, b in zip(got, want):
+        assert rel_err(a.cpu(), b) < 1e-3, str(rep)
