@@ -58,8 +58,22 @@ def _ancestors(n: fx.Node) -> set:
     return seen
 
 
+def _same(n):
+    """n without identities and casts to its own dtype (``.to(torch.float32)`` of a float32)."""
+    while isinstance(n, fx.Node):
+        c = canonical(n)
+        if c is None or not (c.kind == "identity" or (c.kind == "ew" and c.op == "cast")) or not c.tensor_args():
+            return n
+        src = c.tensor_args()[0]
+        if getattr(value(src), "dtype", None) != getattr(value(n), "dtype", None):
+            return n
+        n = src
+    return n
+
+
 def _split_max(n: fx.Node):
     """(a, b) of a two-operand maximum, else None."""
+    n = _same(n)
     if n.op == "call_function" and n.target in _MAXIMA and len(n.args) == 2 and not n.kwargs:
         a, b = n.args
     elif n.op == "call_method" and n.target in ("maximum", "max", "fmax") and len(n.args) == 2 and not n.kwargs:
@@ -76,7 +90,7 @@ def _plus(n, m: fx.Node):
     c = canonical(n)
     if c is None or c.kind != "ew" or len(c.args) != 2 or c.params.get("alpha", 1) != 1:
         return None
-    x, y = c.args
+    x, y = (_same(a) for a in c.args)
     if c.op == "add":
         return y if x is m else x if y is m else None
     if c.op == "sub" and x is m and not isinstance(y, fx.Node) and isinstance(y, (int, float)):
@@ -178,6 +192,7 @@ def _take_out(gm, lp, k, m, q, alpha, beta, b, vmapped) -> None:
     with body.inserting_before(first_inv):
         q_read = body.placeholder(f"{m.name}_next")
     q_read.meta = dict(m.meta)
+    _same(q).replace_all_uses_with(q_read)       # the maximum itself (q may be a cast of it)
     q.replace_all_uses_with(q_read)
     out = next(n for n in body.nodes if n.op == "output")
     vals = list(out.args[0])

@@ -57,6 +57,26 @@ def _mlstm(q, k, v, i_pre, f_pre):
     return torch.stack(outs, 2)
 
 
+def _mlstm_cast_state(q, k, v, i_pre, f_pre):
+    """The same cell written with its states cast to float32 on the way in and out of each step
+    and ``torch.max(a, b)``, the maximum kept as a (b, h, 1) column."""
+    b, h, L, e = q.shape
+    C, n, m = q.new_zeros(b, h, e, e), q.new_zeros(b, h, e), q.new_zeros(b, h, 1)
+    outs = []
+    for t in range(L):
+        C0, n0, m0 = C.to(torch.float32), n.to(torch.float32), m.to(torch.float32)
+        log_f = torch.nn.functional.logsigmoid(f_pre[:, :, t, None])
+        m1 = torch.max(log_f + m0, i_pre[:, :, t, None])
+        fg, ig = torch.exp(log_f + m0 - m1), torch.exp(i_pre[:, :, t, None] - m1)
+        C1 = fg[..., None] * C0 + ig[..., None] * (k[:, :, t, :, None] @ v[:, :, t, None, :])
+        n1 = fg * n0 + ig * k[:, :, t]
+        num = (q[:, :, t, None, :] @ C1).squeeze(2)
+        den = torch.maximum((q[:, :, t, None, :] @ n1[..., None]).squeeze(2).abs(), torch.exp(-m1)) + 1e-6
+        outs.append(num / den)
+        C, n, m = C1.to(torch.float32), n1.to(torch.float32), m1.to(torch.float32)
+    return torch.stack(outs, 2), m
+
+
 def _peak_hold(x, release):
     """An envelope follower: the peak decays by `release` a step unless the input is higher."""
     p = torch.full_like(x[:, 0], float("-inf"))
@@ -136,6 +156,10 @@ def test_mlstm_stabilised():
     ins = _mlstm_inputs(5)
     _check(_mlstm, ins)
     grads_match(_mlstm, ins, tol=1e-4)
+
+
+def test_mlstm_with_casts_and_a_column_maximum():
+    _check(_mlstm_cast_state, _mlstm_inputs(11))
 
 
 def test_a_running_maximum_alone():
