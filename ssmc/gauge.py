@@ -17,6 +17,9 @@ once:
 two per-step reads (its value before and after each step) instead of a carried value; what is
 left of the step (`num` above) is then linear and becomes a region. The values are the loop's own
 running maxima (not a rescaling), so results, the final `m` included, match the loop's.
+
+A running log-sum-exp `m = logaddexp(m + alpha_t, beta_t)` (a recurrence kept in log space) is
+the same in the (logaddexp, +) semiring: `logcumsumexp` takes the place of `cummax`.
 """
 from __future__ import annotations
 
@@ -27,14 +30,16 @@ import torch.fx as fx
 
 from .ops import canonical, value
 
-_MAXIMA = {torch.maximum, torch.max, torch.fmax}
+_SUMS = {torch.maximum: "max", torch.max: "max", torch.logaddexp: "logaddexp"}     # the semiring's "sum"
+_SUM_METHODS = {"maximum": "max", "max": "max", "logaddexp": "logaddexp"}
 
 
-def max_plus_scan(alpha, beta, m0, length: int, alpha_steps: bool, beta_steps: bool, shape, dtype):
+def max_plus_scan(alpha, beta, m0, length: int, alpha_steps: bool, beta_steps: bool, shape, dtype,
+                  kind: str = "max"):
     """(m_{t-1}, m_t) for t = 1..length, stacked along dim 0, of m_t = max(m_{t-1} + alpha_t,
-    beta_t) from m0. `alpha`/`beta` have the steps along dim 0 where `*_steps` (else they are
-    the same every step); either may be a Python number. Summed in float64, returned as `dtype`,
-    `shape` a step."""
+    beta_t) from m0 (kind "logaddexp": logaddexp instead of max, with logcumsumexp for cummax).
+    `alpha`/`beta` have the steps along dim 0 where `*_steps` (else they are the same every
+    step); either may be a Python number. Summed in float64, returned as `dtype`, `shape` a step."""
     def steps(v, along):                          # (length, *shape), float64
         v = torch.as_tensor(v, dtype=torch.float64, device=m0.device).double()
         if not along:
@@ -42,8 +47,11 @@ def max_plus_scan(alpha, beta, m0, length: int, alpha_steps: bool, beta_steps: b
         return v.reshape(length, *[1] * (len(shape) + 1 - v.dim()), *v.shape[1:]).broadcast_to((length, *shape))
     a, b = steps(alpha, alpha_steps), steps(beta, beta_steps)
     A = torch.cumsum(a, 0)
-    best = torch.cummax(b - A, 0).values
-    m = (A + torch.maximum(best, m0.double())).to(dtype)
+    if kind == "max":
+        m = A + torch.maximum(torch.cummax(b - A, 0).values, m0.double())
+    else:
+        m = A + torch.logaddexp(torch.logcumsumexp(b - A, 0), m0.double())
+    m = m.to(dtype)
     m = m.broadcast_to((length, *shape)).contiguous()
     return torch.cat([m0.to(dtype).broadcast_to(shape).unsqueeze(0), m[:-1]], 0), m
 
@@ -71,16 +79,16 @@ def _same(n):
     return n
 
 
-def _split_max(n: fx.Node):
-    """(a, b) of a two-operand maximum, else None."""
+def _split_sum(n: fx.Node):
+    """(kind, a, b) of a two-operand maximum or logaddexp, else None."""
     n = _same(n)
-    if n.op == "call_function" and n.target in _MAXIMA and len(n.args) == 2 and not n.kwargs:
-        a, b = n.args
-    elif n.op == "call_method" and n.target in ("maximum", "max", "fmax") and len(n.args) == 2 and not n.kwargs:
-        a, b = n.args
+    if n.op == "call_function" and n.target in _SUMS and len(n.args) == 2 and not n.kwargs:
+        kind, (a, b) = _SUMS[n.target], n.args
+    elif n.op == "call_method" and n.target in _SUM_METHODS and len(n.args) == 2 and not n.kwargs:
+        kind, (a, b) = _SUM_METHODS[n.target], n.args
     else:
         return None
-    return (a, b) if isinstance(a, fx.Node) and isinstance(b, fx.Node) else None
+    return (kind, a, b) if isinstance(a, fx.Node) and isinstance(b, fx.Node) else None
 
 
 def _plus(n, m: fx.Node):
@@ -99,7 +107,8 @@ def _plus(n, m: fx.Node):
 
 
 def gauge_states(gm: fx.GraphModule, lp) -> list[str]:
-    """Make each carried value of `lp` whose update is ``max(m + alpha, beta)`` (alpha and beta
+    """Make each carried value of `lp` whose update is ``max(m + alpha, beta)`` or
+    ``logaddexp(m + alpha, beta)`` (alpha and beta
     computed from the step's reads and invariants only) two reads of sequences computed before
     the loop (`max_plus_scan`). Returns the names of the values taken out of the carry."""
     from .capture import _Builder, _fake_mode
@@ -111,9 +120,10 @@ def gauge_states(gm: fx.GraphModule, lp) -> list[str]:
         carries, outs = lp.carry_nodes(), lp.carry_outputs()
         found = None
         for k, (m, q) in enumerate(zip(carries, outs)):
-            parts = _split_max(q) if isinstance(q, fx.Node) else None
-            if parts is None or not isinstance(lp.carry_init[k], fx.Node):
+            split = _split_sum(q) if isinstance(q, fx.Node) else None
+            if split is None or not isinstance(lp.carry_init[k], fx.Node):
                 continue
+            kind, *parts = split
             for a, b in (parts, parts[::-1]):
                 alpha = _plus(a, m)
                 if alpha is None:
@@ -121,18 +131,18 @@ def gauge_states(gm: fx.GraphModule, lp) -> list[str]:
                 free = [v for v in (alpha, b) if isinstance(v, fx.Node)]
                 if any(c in _ancestors(v) for v in free for c in carries):
                     continue
-                found = (k, m, q, alpha, b)
+                found = (k, m, q, alpha, b, kind)
                 break
             if found:
                 break
         if not found:
             return done
-        k, m, q, alpha, beta = found
-        _take_out(gm, lp, k, m, q, alpha, beta, _Builder(gm.graph, _fake_mode(gm.graph)), _Vmapped)
+        k, m, q, alpha, beta, kind = found
+        _take_out(gm, lp, k, m, q, alpha, beta, kind, _Builder(gm.graph, _fake_mode(gm.graph)), _Vmapped)
         done.append(m.name)
 
 
-def _take_out(gm, lp, k, m, q, alpha, beta, b, vmapped) -> None:
+def _take_out(gm, lp, k, m, q, alpha, beta, kind, b, vmapped) -> None:
     body = lp.body.graph
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
@@ -184,7 +194,7 @@ def _take_out(gm, lp, k, m, q, alpha, beta, b, vmapped) -> None:
     pair = call(max_plus_scan, (a_val, b_val, lp.carry_init[k], L,
                                              stepped and isinstance(alpha, fx.Node),
                                              stepped and isinstance(beta, fx.Node),
-                                             tuple(value(m).shape), value(m).dtype))
+                                             tuple(value(m).shape), value(m).dtype, kind))
     prev, new = call(operator.getitem, (pair, 0)), call(operator.getitem, (pair, 1))
     # in the body: m is read (its value before the step), its new value too; no longer carried
     first_inv = invs[0] if invs else next(n for n in body.nodes if n.op != "placeholder")

@@ -174,6 +174,33 @@ def test_a_running_maximum_alone():
     assert not rep.regions and any("a map over the steps" in why for _, why in rep.fallbacks), str(rep)
 
 
+def _log_space(x, log_a, v):
+    """A decayed softmax average of v kept in log space: lz_t = log(sum_s a^(t-s) exp(x_s)) by
+    logaddexp, and avg_t = sum_s a^(t-s) exp(x_s - lz_t) v_s, rescaled every step."""
+    lz = torch.full_like(x[:, 0], float("-inf"))
+    avg = torch.zeros_like(v[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        lz_new = torch.logaddexp(log_a[:, t] + lz, x[:, t])
+        avg = torch.exp(log_a[:, t] + lz - lz_new) * avg + torch.exp(x[:, t] - lz_new) * v[:, t]
+        lz = lz_new
+        ys.append(avg)
+    return torch.stack(ys, 1), lz
+
+
+def test_a_running_log_sum_exp():
+    """The (logaddexp, +) recurrence is computed before the loop too (logcumsumexp); what it
+    rescales is a region."""
+    g = torch.Generator().manual_seed(12)
+    ins = (3 * torch.randn(2, 9, 3, generator=g), -torch.rand(2, 9, 3, generator=g), torch.randn(2, 9, 3, generator=g))
+    _check(_log_space, ins)
+    grads_match(_log_space, ins)
+    x, log_a = ins[0].double(), ins[1].double()
+    prev, new = max_plus_scan(log_a.transpose(0, 1), x.transpose(0, 1), torch.full((2, 3), float("-inf"),
+                              dtype=torch.float64), 9, True, True, (2, 3), torch.float64, "logaddexp")
+    assert rel_err(new[-1], reference(_log_space, ins)[1]) < 1e-12
+
+
 def test_maxima_that_are_no_such_recurrence_run_as_written():
     """m = max(a m, x) (a product, not a sum) and m = max(m + s, x) with s another state are not
     (max, +) recurrences of the inputs: the loops run as written, with the reason."""
