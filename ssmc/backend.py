@@ -127,6 +127,33 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
     return gm.forward
 
 
+def _lowered_as_map(gm, c, live, greport: GraphReport) -> bool:
+    """A loop declined because nothing passes from one step to the next (a map over the steps)
+    runs as one vmapped call of its step instead of its unrolled steps (`lower.lower_map`),
+    unless another loop's region reads what it replaces. Says so in the report."""
+    lp = c.loop
+    if lp.n_carry or c.split is not None:
+        return False
+    mine = set(lp.erase) | {n for r in lp.results for n in r.replace}
+    theirs = set()
+    for o in live:
+        ol = o.loop
+        theirs |= {r.source for r in ol.reads} | {n for n in ol.invariants if isinstance(n, fx.Node)}
+        theirs |= {n for n in ol.carry_init if isinstance(n, fx.Node)} | {ol.anchor} | set(ol.erase)
+    if mine & theirs:
+        return False
+    from .lower import lower_map
+    try:
+        lower_map(gm, lp, keep={n for o in live for n in o.loop.made})
+    except Exception as e:
+        log.debug("ssmc: %s not lowered as a map: %s", c.name, e)
+        return False
+    greport.log.extend(c.notes)
+    greport.log.append(f"{c.name}: nothing passes from one step to the next (a map over the steps): its step "
+                       f"runs once, vmapped over the {lp.length} steps, instead of unrolled")
+    return True
+
+
 def _rest_for_unrolled_loops(greport: GraphReport, opts: Options) -> None:
     """With ``rest="auto"``, a graph that still holds a loop running as written (a fallback) and
     more than ``opts.rest_max_nodes`` nodes runs eagerly instead of through Inductor, whose compile
@@ -270,6 +297,8 @@ def _compile(gm, example_inputs, opts: Options, device, arch, greport: GraphRepo
             c.decline(bad.declined_by, f"{bad.name}, another state of {c.split.name}, was declined: {bad.declined}")
     live = [c for c in ctx.candidates if c.declined is None]
     for c in ctx.candidates:
+        if c.declined and _lowered_as_map(gm, c, live, greport):
+            continue
         if c.declined:
             greport.fallbacks.append((c.name, f"{c.declined_by}: {c.declined} (the loop runs as written)"))
             erase_unused(gm, c.loop.made)

@@ -5,6 +5,7 @@ rerouted: stacked outputs, ``out[:, t] = y`` buffers, final states, scan outputs
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -314,3 +315,51 @@ def lower_group(gm: fx.GraphModule, calls: list, key: str, n_out: int) -> None:
         g.erase_node(c)
     g.lint()
     gm.recompile()
+
+
+class _MapPlan:
+    boundary: tuple = ()
+
+
+def lower_map(gm: fx.GraphModule, lp, keep=frozenset()) -> None:
+    """A loop that passes nothing from one step to the next (a map over the steps): each result
+    becomes the step function vmapped over the steps' reads, one call instead of L unrolled
+    steps. Results collected by stack, cat or a scan, or the last step's value, whose shape and
+    dtype the vmapped call reproduces (checked on fake tensors first); anything else raises
+    ValueError and leaves the graph as it was."""
+    if lp.n_carry or lp.gathers or lp.complex_results or lp.anchor is None:
+        raise ValueError("not a plain map over the steps")
+    for r in lp.results:
+        if not (r.kind == "last" or r.sink in ("stack", "cat", "scan")) or r.prefix or r.suffix or len(r.replace) != 1:
+            raise ValueError(f"a result collected by {r.sink or r.kind}")
+    low = Lowering.__new__(Lowering)
+    low.gm, low.g, low.loop, low.plan, low.keep = gm, gm.graph, lp, _MapPlan(), keep
+    before = set(gm.graph.nodes)
+    try:
+        with gm.graph.inserting_before(lp.anchor):
+            vals = [low._post(r, v, []) for r, v in zip(lp.results, lp.result_values())]
+        _fake_check(gm, [n for n in gm.graph.nodes if n not in before])
+        for r, v in zip(lp.results, vals):
+            want, got = value(r.replace[0]), value(v)
+            if tuple(want.shape) != tuple(got.shape) or want.dtype != got.dtype:
+                raise ValueError(f"the vmapped steps give {tuple(got.shape)} {got.dtype}, the loop "
+                                 f"{tuple(want.shape)} {want.dtype}")
+    except Exception:
+        for n in reversed([n for n in gm.graph.nodes if n not in before]):
+            gm.graph.erase_node(n)
+        raise
+    for r, v in zip(lp.results, vals):
+        low._reroute(r, v)
+    finish_lowering(gm, lp.erase, keep)
+
+
+def _fake_check(gm: fx.GraphModule, nodes) -> None:
+    """Example values for new nodes, computed on the graph's fake tensors (raises where a node
+    cannot run on them)."""
+    from .capture import _fake_mode
+    mode = _fake_mode(gm.graph)
+    for n in nodes:
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
+        fn = getattr(args[0], n.target) if n.op == "call_method" else n.target
+        with mode if mode is not None else contextlib.nullcontext():
+            n.meta["example_value"] = fn(*args[1:], **kwargs) if n.op == "call_method" else fn(*args, **kwargs)

@@ -1199,16 +1199,41 @@ def test_declines_name_what_does_not_repeat():
     declined(nine_back, ins, "a step reads a value from 9 steps back")
 
 
-def test_a_map_over_the_steps_says_so():
-    """A loop whose steps pass nothing to the next one is no recurrence: it runs as written, and
-    the reason says that (not "the loop carries 0 values")."""
-    def fn(x, w):
+def test_a_map_over_the_steps_runs_vmapped():
+    """A loop whose steps pass nothing to the next one is no recurrence and gets no region: its
+    step runs once, vmapped over the steps, instead of unrolled (the report says so). Collected
+    by stack, by cat or as the last step's value; collected into a buffer, it runs as written and
+    the reason says why (not "the loop carries 0 values")."""
+    def stacked(x, w):
         ys = []
         for t in range(x.shape[1]):
             ys.append(torch.tanh(x[:, t] * w + 1.0))
         return torch.stack(ys, 1)
+
+    def cat_and_last(x, w):
+        ys = []
+        for t in range(x.shape[1]):
+            y = torch.sigmoid(x[:, t]) * w
+            ys.append(y[:, None])
+        return torch.cat(ys, 1), y
+
+    def into_a_buffer(x, w):
+        out = torch.empty_like(x)
+        for t in range(x.shape[1]):
+            out[:, t] = torch.tanh(x[:, t] * w + 1.0)
+        return out
     g = torch.Generator().manual_seed(59)
-    declined(fn, (torch.randn(2, 6, 3, generator=g), torch.randn(3, generator=g)), "no value passes from one step to the next")
+    ins = (torch.randn(2, 6, 3, generator=g), torch.randn(3, generator=g))
+    for fn in (stacked, cat_and_last):
+        out, rep = ssmc_run(fn, ins)
+        (graph,) = rep.graphs
+        assert not rep.regions and not rep.fallbacks, str(rep)
+        assert any("a map over the steps" in m and "vmapped over the 6 steps" in m for m in graph.log), str(rep)
+        assert graph.nodes_out < graph.nodes_in / 2, str(rep)
+        for o, r in zip(as_tuple(out), reference(fn, ins)):
+            assert o.shape == r.shape and rel_err(o, r) < 1e-6
+        grads_match(fn, ins)
+    declined(into_a_buffer, ins, "no value passes from one step to the next")
 
 
 def _five_back(x, a):
