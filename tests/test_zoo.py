@@ -150,7 +150,8 @@ def _ema_layer_norm(x, w):
 
 
 def _mlstm_stabilized(q, k, v, ig, fg):
-    """xLSTM's mLSTM with its running-max stabiliser: the max is not linear (declined)."""
+    """xLSTM's mLSTM with its running-max stabiliser: the maximum is computed before the loop
+    (ssmc.gauge), then memory and normaliser are two linear states."""
     C = q.new_zeros(q.shape[0], q.shape[2], v.shape[2])
     nrm, m = q.new_zeros(q.shape[0], q.shape[2]), q.new_zeros(q.shape[0], 1)
     hs = []
@@ -288,7 +289,7 @@ ZOO = {
     "lru": (_lru, ("block_sparse",)),
     "hgrn2": (_hgrn2, ("chunked_scan",)),
     "ema_layer_norm": (_ema_layer_norm, ("chunked_scan",)),
-    "mlstm_stabilized": (_mlstm_stabilized, "split_states: the state m_new_1 goes through `maximum`"),
+    "mlstm_stabilized": (_mlstm_stabilized, ("chunked_scan", "chunked_scan")),   # the maximum first (gauge)
     "elman": (_elman, "detect_recurrence: the state goes through `tanh`"),
     "vmapped": (_vmapped, "reads inside torch.vmap"),
     "shift_register": (_shift_register, ("block_sparse",)),     # the shift: a constant 0/1 matrix
