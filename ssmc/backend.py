@@ -132,7 +132,8 @@ def _lowered_as_map(gm, c, live, greport: GraphReport) -> bool:
     runs as one vmapped call of its step instead of its unrolled steps (`lower.lower_map`),
     unless another loop's region reads what it replaces. Says so in the report."""
     lp = c.loop
-    if lp.n_carry or c.split is not None:
+    if lp.n_carry or c.split is not None or c.declined_by != "detect_recurrence" or \
+            any(impure(n) for n in lp.body.graph.nodes if n.op in ("call_function", "call_method")):
         return False
     mine = set(lp.erase) | {n for r in lp.results for n in r.replace}
     theirs = set()
