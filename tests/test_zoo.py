@@ -167,6 +167,25 @@ def _mlstm_stabilized(q, k, v, ig, fg):
     return torch.stack(hs, 1)
 
 
+def _wkv4(k, v, decay, bonus):
+    """RWKV-4's time mixing as its RNN mode writes it: (aa, bb) a weighted sum of the past values
+    and of their weights, pp their running maximum exponent (the maximum first, ssmc.gauge)."""
+    aa, bb = torch.zeros_like(k[:, 0]), torch.zeros_like(k[:, 0])
+    pp = torch.full_like(k[:, 0], -1e30)
+    w = -torch.exp(decay)
+    out = []
+    for t in range(k.shape[1]):
+        ww = bonus + k[:, t]
+        p = torch.maximum(pp, ww)
+        e1, e2 = torch.exp(pp - p), torch.exp(ww - p)
+        out.append((e1 * aa + e2 * v[:, t]) / (e1 * bb + e2))
+        ww = pp + w
+        p = torch.maximum(ww, k[:, t])
+        e1, e2 = torch.exp(ww - p), torch.exp(k[:, t] - p)
+        aa, bb, pp = e1 * aa + e2 * v[:, t], e1 * bb + e2, p
+    return torch.stack(out, 1)
+
+
 def _elman(x, W, a):
     """The state through tanh: no linear recurrence (declined)."""
     h = torch.zeros_like(x[:, 0])
@@ -270,6 +289,8 @@ def _inputs(name, s, g):
         return (r(b, L, d), u(d))
     if name == "elman":
         return (r(b, L, d), 0.1 * r(d, d), u(d))
+    if name == "wkv4":
+        return (3 * r(b, L, d), r(b, L, d), r(d), r(d))
     raise KeyError(name)
 
 
@@ -291,6 +312,7 @@ ZOO = {
     "ema_layer_norm": (_ema_layer_norm, ("chunked_scan",)),
     "mlstm_stabilized": (_mlstm_stabilized, ("chunked_scan", "chunked_scan")),   # the maximum first (gauge)
     "elman": (_elman, "detect_recurrence: the state goes through `tanh`"),
+    "wkv4": (_wkv4, ("chunked_scan", "chunked_scan")),             # the maximum first (gauge)
     "vmapped": (_vmapped, "reads inside torch.vmap"),
     "shift_register": (_shift_register, ("block_sparse",)),     # the shift: a constant 0/1 matrix
     "shift_by_pad": (_shift_by_pad, ("block_sparse",)),
