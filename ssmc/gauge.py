@@ -34,25 +34,30 @@ _SUMS = {torch.maximum: "max", torch.max: "max", torch.logaddexp: "logaddexp"}  
 _SUM_METHODS = {"maximum": "max", "max": "max", "logaddexp": "logaddexp"}
 
 
-def max_plus_scan(alpha, beta, m0, length: int, alpha_steps: bool, beta_steps: bool, shape, dtype,
-                  kind: str = "max"):
+def max_plus_scan(alpha, beta, m0, length: int, alpha_steps: bool, beta_steps: bool, dtype, kind: str = "max"):
     """(m_{t-1}, m_t) for t = 1..length, stacked along dim 0, of m_t = max(m_{t-1} + alpha_t,
     beta_t) from m0 (kind "logaddexp": logaddexp instead of max, with logcumsumexp for cummax).
     `alpha`/`beta` have the steps along dim 0 where `*_steps` (else they are the same every
-    step); either may be a Python number. Summed in float64, returned as `dtype`, `shape` a step."""
-    def steps(v, along):                          # (length, *shape), float64
-        v = torch.as_tensor(v, dtype=torch.float64, device=m0.device).double()
+    step); either may be a Python number. Summed in float64, returned as `dtype`, each step of
+    the shape m0, alpha_t and beta_t broadcast to (sizes are read here, not fixed in the graph:
+    Dynamo may make them symbolic)."""
+    a = torch.as_tensor(alpha, dtype=torch.float64, device=m0.device)
+    b = torch.as_tensor(beta, dtype=torch.float64, device=m0.device)
+    length = a.shape[0] if alpha_steps else b.shape[0] if beta_steps else length
+    a_t, b_t = (a[0] if alpha_steps else a), (b[0] if beta_steps else b)
+    shape = torch.broadcast_shapes(m0.shape, a_t.shape, b_t.shape)
+
+    def steps(v, along):                          # (length, *shape)
         if not along:
             return v.broadcast_to(shape).unsqueeze(0).expand(length, *shape)
         return v.reshape(length, *[1] * (len(shape) + 1 - v.dim()), *v.shape[1:]).broadcast_to((length, *shape))
-    a, b = steps(alpha, alpha_steps), steps(beta, beta_steps)
+    a, b = steps(a, alpha_steps), steps(b, beta_steps)
     A = torch.cumsum(a, 0)
     if kind == "max":
         m = A + torch.maximum(torch.cummax(b - A, 0).values, m0.double())
     else:
         m = A + torch.logaddexp(torch.logcumsumexp(b - A, 0), m0.double())
-    m = m.to(dtype)
-    m = m.broadcast_to((length, *shape)).contiguous()
+    m = m.to(dtype).contiguous()
     return torch.cat([m0.to(dtype).broadcast_to(shape).unsqueeze(0), m[:-1]], 0), m
 
 
@@ -194,7 +199,7 @@ def _take_out(gm, lp, k, m, q, alpha, beta, kind, b, vmapped) -> None:
     pair = call(max_plus_scan, (a_val, b_val, lp.carry_init[k], L,
                                              stepped and isinstance(alpha, fx.Node),
                                              stepped and isinstance(beta, fx.Node),
-                                             tuple(value(m).shape), value(m).dtype, kind))
+                                             value(m).dtype, kind))
     prev, new = call(operator.getitem, (pair, 0)), call(operator.getitem, (pair, 1))
     # in the body: m is read (its value before the step), its new value too; no longer carried
     first_inv = invs[0] if invs else next(n for n in body.nodes if n.op != "placeholder")
