@@ -126,8 +126,8 @@ def unstack(gm: fx.GraphModule, st: StackedList) -> None:
 
 def erase_unused(gm: fx.GraphModule, nodes) -> None:
     """Erase outer nodes a pass made for a loop that then runs as written (or is not kept)."""
-    for n in reversed(nodes):
-        if n.graph is gm.graph and not n.users:
+    for n in reversed(nodes):      # (a split loop's pieces share the loop's nodes: erased once)
+        if n.graph is gm.graph and not n.users and not getattr(n, "_erased", False):
             gm.graph.erase_node(n)
     if nodes:
         gm.recompile()

@@ -225,8 +225,22 @@ def test_maxima_that_are_no_such_recurrence_run_as_written():
             m = torch.maximum(m + s, x[:, t])
             ms.append(m)
         return torch.stack(ms, 1)
+    def then_nonlinear(x, a):
+        """The maximum is taken out and the loop split; its second state is not linear, so both
+        pieces run as written and the nodes made for them (the maxima) are erased again."""
+        num, s = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0])
+        big = torch.full_like(x[:, 0], -1e30)
+        ys = []
+        for t in range(x.shape[1]):
+            nxt = torch.maximum(big - 0.5, x[:, t])
+            num = torch.exp(big - 0.5 - nxt) * num + torch.exp(x[:, t] - nxt) * a
+            s = torch.tanh(s) + num
+            big = nxt
+            ys.append(num + s)
+        return torch.stack(ys, 1)
     declined(scaled, (x, a), "maximum")
     declined(coupled, (x, a), "maximum")
+    declined(then_nonlinear, (x, a), "tanh", untouched=True)
 
 
 def test_max_plus_scan_against_its_loop():
