@@ -149,16 +149,15 @@ def gauge_states(gm: fx.GraphModule, lp) -> list[str]:
 
 def _take_out(gm, lp, k, m, q, alpha, beta, kind, b, vmapped) -> None:
     body = lp.body.graph
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     def call(target, args):
         """Insert right after the latest of args (later passes may move the loop's anchor
         earlier, never before its inputs)."""
         ins = []
         fx.node.map_arg(args, ins.append)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)} if ins else {}
         last = max(ins, key=order.__getitem__, default=None)
         n = b.call(last.next if last is not None else lp.anchor, target, args)
-        order[n] = order[last] + 0.5 if last is not None else -1
         lp.made.append(n)
         return n
 
