@@ -997,7 +997,7 @@ def test_runge_kutta_step(fn, interp):
 
 def _implicit_column(x, A, dt):
     """Backward Euler, h = (I - dt A)^-1 (h + dt x), by torch.linalg.solve on (b, n, 1) columns."""
-    M = torch.eye(A.shape[0]) - dt * A
+    M = torch.eye(A.shape[0], device=A.device) - dt * A
     h = x.new_zeros(x.shape[0], A.shape[0], 1)
     ys = []
     for t in range(x.shape[1]):
@@ -1011,7 +1011,7 @@ def _implicit_row(x, A, dt):
     h = x.new_zeros(x.shape[0], A.shape[0])
     ys = []
     for t in range(x.shape[1]):
-        h = torch.linalg.solve(torch.eye(A.shape[0]) - dt * A, h + dt * x[:, t], left=False)
+        h = torch.linalg.solve(torch.eye(A.shape[0], device=A.device) - dt * A, h + dt * x[:, t], left=False)
         ys.append(h)
     return torch.stack(ys, 1)
 

@@ -952,7 +952,7 @@ def _diag_embed_per_step(x, lam, W):
 
 def _eye_times_vector(x, lam, W):
     """torch.eye(n) * lam by einsum, and F.linear with a diagonal weight."""
-    A = torch.eye(lam.shape[0]) * torch.sigmoid(lam)
+    A = torch.eye(lam.shape[0], device=lam.device) * torch.sigmoid(lam)
     h = torch.zeros_like(x[:, 0])
     ys = []
     for t in range(x.shape[1]):

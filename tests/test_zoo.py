@@ -309,7 +309,7 @@ ZOO = {
     "resets": (_resets, ("chunked_scan",)),
     "lru": (_lru, ("block_sparse",)),
     "hgrn2": (_hgrn2, ("chunked_scan",)),
-    "ema_layer_norm": (_ema_layer_norm, ("chunked_scan",)),
+    "ema_layer_norm": (_ema_layer_norm, ("chunked_scan|chunked_ssd",)),   # by size (an LTI decay)
     "mlstm_stabilized": (_mlstm_stabilized, ("chunked_scan", "chunked_scan")),   # the maximum first (gauge)
     "elman": (_elman, "detect_recurrence: the state goes through `tanh`"),
     "wkv4": (_wkv4, ("chunked_scan", "chunked_scan")),             # the maximum first (gauge)
