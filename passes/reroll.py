@@ -30,9 +30,10 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, _maybe_view, _scatter_of, _unit_slice,
-                          copies_as_writes, decompose_composites, diagonal_products, erase_unused, find_reads,
-                          forward_stored_values, functionalize_updates, stack_list_inputs, transformed, unstack)
+from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, _maybe_view, _name, _scatter_of,
+                          _unit_slice, copies_as_writes, decompose_composites, diagonal_products, erase_unused,
+                          find_reads, forward_stored_values, functionalize_updates, stack_list_inputs, transformed,
+                          unstack)
 from ssmc.gauge import gauge_states
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.loop import Loop, Read, Result
@@ -121,19 +122,13 @@ class Reroll(Pass):
         return bool(loops)
 
 
-def _op_name(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return n.target
-    return getattr(n.target, "__name__", "") if n.op == "call_function" else ""
-
-
 def _parallel_scan_form(gm: fx.GraphModule, depth: int = 8) -> bool:
     """Whether an `exp` reads a `cumsum` through a triangular mask (`tril`/`triu` or a
     `masked_fill` by one) within `depth` nodes: the segment sums of a chunked SSD or of a
     decay-masked attention, a scan written without a loop (for the report only)."""
     masks = {"tril", "triu", "masked_fill", "masked_fill_", "where"}
     for n in gm.graph.nodes:
-        if _op_name(n) not in ("exp", "exp_"):
+        if n.op not in ("call_function", "call_method") or _name(n) not in ("exp", "exp_"):
             continue
         seen, todo, masked = set(), [(n, 0)], False
         while todo:
@@ -141,7 +136,7 @@ def _parallel_scan_form(gm: fx.GraphModule, depth: int = 8) -> bool:
             if m in seen or d > depth:
                 continue
             seen.add(m)
-            name = _op_name(m)
+            name = _name(m)
             masked |= name in masks
             if name == "cumsum" and masked:
                 return True

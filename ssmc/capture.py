@@ -10,6 +10,7 @@ changed, so this is one cheap pass over the nodes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 
@@ -49,12 +50,16 @@ class _Builder:
         else:
             with self.graph.inserting_before(anchor):
                 n = self.graph.call_function(target, tuple(args), kwargs or {})
-        vals = fx.node.map_arg((tuple(args), kwargs or {}), lambda a: value(a))
-        if self.mode is not None:
-            with self.mode:
-                n.meta["example_value"] = target(*vals[0], **vals[1])
-        else:
-            n.meta["example_value"] = target(*vals[0], **vals[1])
+        return self.example(n)
+
+    def example(self, n: fx.Node) -> fx.Node:
+        """Fill in n's example value (a call_function or call_method node) from its arguments'."""
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: value(a))
+        fn = n.target if n.op == "call_function" else getattr(args[0], n.target)
+        if n.op != "call_function":
+            args = args[1:]
+        with self.mode if self.mode is not None else contextlib.nullcontext():
+            n.meta["example_value"] = fn(*args, **kwargs)
         return n
 
 

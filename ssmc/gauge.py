@@ -28,7 +28,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from .ops import canonical, value
+from .capture import _Builder, _fake_mode
+from .lower import _sub_graph, _Vmapped
+from .ops import canonical, reaches, value
 
 _SUMS = {torch.maximum: "max", torch.max: "max", torch.logaddexp: "logaddexp"}     # the semiring's "sum"
 _SUM_METHODS = {"maximum": "max", "max": "max", "logaddexp": "logaddexp"}
@@ -59,16 +61,6 @@ def max_plus_scan(alpha, beta, m0, length: int, alpha_steps: bool, beta_steps: b
         m = A + torch.logaddexp(torch.logcumsumexp(b - A, 0), m0.double())
     m = m.to(dtype).contiguous()
     return torch.cat([m0.to(dtype).broadcast_to(shape).unsqueeze(0), m[:-1]], 0), m
-
-
-def _ancestors(n: fx.Node) -> set:
-    seen, todo = set(), [n]
-    while todo:
-        x = todo.pop()
-        if x not in seen:
-            seen.add(x)
-            todo += x.all_input_nodes
-    return seen
 
 
 def _same(n):
@@ -113,11 +105,9 @@ def _plus(n, m: fx.Node):
 
 def gauge_states(gm: fx.GraphModule, lp) -> list[str]:
     """Make each carried value of `lp` whose update is ``max(m + alpha, beta)`` or
-    ``logaddexp(m + alpha, beta)`` (alpha and beta
-    computed from the step's reads and invariants only) two reads of sequences computed before
-    the loop (`max_plus_scan`). Returns the names of the values taken out of the carry."""
-    from .capture import _Builder, _fake_mode
-    from .lower import _Vmapped
+    ``logaddexp(m + alpha, beta)`` (alpha and beta computed from the step's reads and invariants
+    only) two reads of sequences computed before the loop (`max_plus_scan`). Returns the names
+    of the values taken out of the carry."""
     if lp.length is None or any(r.width != 1 for r in lp.reads):
         return []
     done = []
@@ -133,8 +123,7 @@ def gauge_states(gm: fx.GraphModule, lp) -> list[str]:
                 alpha = _plus(a, m)
                 if alpha is None:
                     continue
-                free = [v for v in (alpha, b) if isinstance(v, fx.Node)]
-                if any(c in _ancestors(v) for v in free for c in carries):
+                if reaches([alpha, b], set(carries)):
                     continue
                 found = (k, m, q, alpha, b, kind)
                 break
@@ -143,12 +132,13 @@ def gauge_states(gm: fx.GraphModule, lp) -> list[str]:
         if not found:
             return done
         k, m, q, alpha, beta, kind = found
-        _take_out(gm, lp, k, m, q, alpha, beta, kind, _Builder(gm.graph, _fake_mode(gm.graph)), _Vmapped)
+        _take_out(gm, lp, k, m, q, alpha, beta, kind)
         done.append(m.name)
 
 
-def _take_out(gm, lp, k, m, q, alpha, beta, kind, b, vmapped) -> None:
+def _take_out(gm, lp, k, m, q, alpha, beta, kind) -> None:
     body = lp.body.graph
+    b = _Builder(gm.graph, _fake_mode(gm.graph))
 
     def call(target, args):
         """Insert right after the latest of args (later passes may move the loop's anchor
@@ -165,14 +155,9 @@ def _take_out(gm, lp, k, m, q, alpha, beta, kind, b, vmapped) -> None:
     L = lp.length
     # alpha and beta for all steps: the body nodes they need, vmapped over the reads' time dim
     nodes = [v for v in (alpha, beta) if isinstance(v, fx.Node)]
-    need = set().union(*(_ancestors(v) for v in nodes)) if nodes else set()
-    sub = fx.Graph()
-    env, args, dims = {}, [], []
-    for ph in lp.placeholders():
-        if ph not in need:
-            continue
-        env[ph] = sub.placeholder(ph.name)
-        env[ph].meta = dict(ph.meta)
+    mod, takes = _sub_graph(lp, nodes, {})
+    args, dims = [], []
+    for ph in takes:
         if ph in reads:
             r = lp.reads[reads.index(ph)]
             src = r.source
@@ -183,13 +168,9 @@ def _take_out(gm, lp, k, m, q, alpha, beta, kind, b, vmapped) -> None:
         else:
             args.append(lp.invariants[invs.index(ph)])
             dims.append(None)
-    for n in body.nodes:
-        if n in need and n.op != "placeholder":
-            env[n] = sub.node_copy(n, lambda a: env[a])
-    sub.output(tuple(env[v] for v in nodes))
     seqs = []
     if nodes:
-        both = call(vmapped(fx.GraphModule(lp.body, sub), dims), tuple(args))
+        both = call(_Vmapped(mod, dims), tuple(args))
         seqs = [call(operator.getitem, (both, i)) for i in range(len(nodes))]
     stepped = any(d is not None for d in dims)
     it = iter(seqs)

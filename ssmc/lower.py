@@ -5,7 +5,6 @@ rerouted: stacked outputs, ``out[:, t] = y`` buffers, final states, scan outputs
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 
 import torch
@@ -356,10 +355,7 @@ def lower_map(gm: fx.GraphModule, lp, keep=frozenset()) -> None:
 def _fake_check(gm: fx.GraphModule, nodes) -> None:
     """Example values for new nodes, computed on the graph's fake tensors (raises where a node
     cannot run on them)."""
-    from .capture import _fake_mode
-    mode = _fake_mode(gm.graph)
+    from .capture import _Builder, _fake_mode
+    b = _Builder(gm.graph, _fake_mode(gm.graph))
     for n in nodes:
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
-        fn = getattr(args[0], n.target) if n.op == "call_method" else n.target
-        with mode if mode is not None else contextlib.nullcontext():
-            n.meta["example_value"] = fn(*args[1:], **kwargs) if n.op == "call_method" else fn(*args, **kwargs)
+        b.example(n)
