@@ -36,6 +36,7 @@ from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, 
                           unstack)
 from ssmc.gauge import gauge_states
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
+from ssmc.parallel_form import find_forms, has_parallel_scan, loop_from_form
 from ssmc.loop import Loop, Read, Result
 from ssmc.ops import impure, is_tensor, mutated, reaches, shape, value as value_of
 
@@ -76,6 +77,7 @@ class Reroll(Pass):
         except Exception as e:      # the search is best effort: the rest of the graph goes on
             log.debug("ssmc: inlined scan search failed", exc_info=True)
             ctx.fallbacks.append(("inlined associative_scan", f"search failed: {type(e).__name__}: {e}"))
+        loops += _parallel_forms(ctx)
         for n in symbolic_trees(ctx.gm.graph)[:1]:
             ctx.fallbacks.append((n.name, "associative_scan (generic, inlined) not taken: its length is "
                                   "symbolic (Dynamo recompiled for another length), the tree runs as captured"))
@@ -99,7 +101,7 @@ class Reroll(Pass):
             ctx.note("reroll: no loop here: no tensor is read at consecutive indices (x[:, t], "
                      "select, unbind, narrow, index_select; or every k-th) by steps that repeat, and "
                      "no scan node")
-            if _parallel_scan_form(ctx.gm):
+            if has_parallel_scan(ctx.gm.graph):
                 ctx.note("reroll: the graph computes a scan in parallel form (a cumsum of log-decays under a "
                          "triangular mask, then exp: a chunked SSD or a decay-masked attention); ssmc captures "
                          "loops and scan nodes, not this form, so it runs as written")
@@ -122,26 +124,22 @@ class Reroll(Pass):
         return bool(loops)
 
 
-def _parallel_scan_form(gm: fx.GraphModule, depth: int = 8) -> bool:
-    """Whether an `exp` reads a `cumsum` through a triangular mask (`tril`/`triu` or a
-    `masked_fill` by one) within `depth` nodes: the segment sums of a chunked SSD or of a
-    decay-masked attention, a scan written without a loop (for the report only)."""
-    masks = {"tril", "triu", "masked_fill", "masked_fill_", "where"}
-    for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_method") or _name(n) not in ("exp", "exp_"):
-            continue
-        seen, todo, masked = set(), [(n, 0)], False
-        while todo:
-            m, d = todo.pop()
-            if m in seen or d > depth:
-                continue
-            seen.add(m)
-            name = _name(m)
-            masked |= name in masks
-            if name == "cumsum" and masked:
-                return True
-            todo += [(a, d + 1) for a in m.all_input_nodes]
-    return False
+def _parallel_forms(ctx) -> list[Loop]:
+    """Chunked SSDs written without a loop (ssmc.parallel_form), each proven by evaluation."""
+    try:
+        found = find_forms(ctx.gm.graph)
+    except Exception as e:      # the search is best effort: the rest of the graph goes on
+        log.debug("ssmc: parallel form search failed", exc_info=True)
+        ctx.fallbacks.append(("parallel form", f"search failed: {type(e).__name__}: {e}"))
+        return []
+    loops = [loop_from_form(ctx.gm, f) for f, _ in found if f is not None]
+    if not loops:
+        ctx.fallbacks += [("parallel form", why) for f, why in found if f is None]
+    for lp in loops:
+        a, x, B, C = (r.source.name for r in lp.reads)
+        ctx.note(f"reroll: a chunked SSD in parallel form (exp of segment sums) proven equal, by a random "
+                 f"evaluation at its sizes, to the scan h = exp({a}) h + {x} {B}^T, y = h {C}; taken as that loop")
+    return loops
 
 
 def _made_notes(lp: Loop) -> list[str]:

@@ -32,6 +32,13 @@ def test_explain_shows_fallback_reason():
     assert "fallback" in str(rep)
 
 
+def decay(v):                                         # [..., i, j] = exp(v[j+1] + ... + v[i]), i >= j
+    n = v.shape[-1]
+    low = torch.ones(n, n, dtype=torch.bool).tril(-1)
+    s = v[..., :, None].expand(*v.shape, n).masked_fill(~low, 0).cumsum(-2)
+    return s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).exp()
+
+
 def _chunked_decay_scan(x, loga, k, q, chunk: int = 4):
     """h_t = exp(loga_t) h_{t-1} + k_t x_t^T, y_t = q_t h_t, without a time loop: within a chunk
     by a decay matrix from cumulative sums under a triangular mask, across chunks by the same
@@ -41,11 +48,6 @@ def _chunked_decay_scan(x, loga, k, q, chunk: int = 4):
     xc, kc, qc = (v.reshape(b, c, chunk, v.shape[-1]) for v in (x, k, q))
     la = loga.reshape(b, c, chunk)
 
-    def decay(v):                                    # [..., i, j] = exp(v[j+1] + ... + v[i]), i >= j
-        n = v.shape[-1]
-        low = torch.ones(n, n, dtype=torch.bool).tril(-1)
-        s = v[..., :, None].expand(*v.shape, n).masked_fill(~low, 0).cumsum(-2)
-        return s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).exp()
 
     within = torch.einsum("bcin,bcjn,bcij,bcjp->bcip", qc, kc, decay(la), xc)
     cum = la.cumsum(-1)
@@ -57,8 +59,9 @@ def _chunked_decay_scan(x, loga, k, q, chunk: int = 4):
 
 
 def test_explain_names_a_scan_in_parallel_form():
-    """A chunked scan written without a loop (segment sums) runs as written, and the report
-    says what it is rather than only that no loop was found."""
+    """A chunked scan written without a loop (segment sums) is taken as the scan it computes
+    (ssmc.parallel_form); the same decays as one masked attention over all steps (no chunks)
+    run as written, and the report says what they are rather than only that no loop was found."""
     g = torch.Generator().manual_seed(53)
     b, T, p, n = 2, 8, 3, 2
     x, k, q = (torch.randn(b, T, m, generator=g, dtype=torch.float64) for m in (p, n, n))
@@ -67,10 +70,21 @@ def test_explain_names_a_scan_in_parallel_form():
     for t in range(T):                                # the same recurrence as a loop
         h = loga[:, t, None, None].exp() * h + k[:, t, :, None] * x[:, t, None, :]
         ys.append(torch.einsum("bn,bnp->bp", q[:, t], h))
-    assert (_chunked_decay_scan(x, loga, k, q) - torch.stack(ys, 1)).abs().max() < 1e-12
+    want = torch.stack(ys, 1)
+    assert (_chunked_decay_scan(x, loga, k, q) - want).abs().max() < 1e-12
     rep = ssmc.explain(_chunked_decay_scan, x, loga, k, q)
+    assert len(rep.regions) == 1 and "chunked SSD in parallel form" in str(rep), str(rep)
+    torch._dynamo.reset()
+    got = torch.compile(_chunked_decay_scan, backend="ssmc")(x, loga, k, q)
+    assert (got - want).abs().max() < 1e-12
+
+    def attention(x, loga, k, q):                     # decay-masked attention: no chunks to find
+        return torch.einsum("bin,bjn,bij,bjp->bip", q, k, decay(loga), x)
+
+    assert (attention(x, loga, k, q) - want).abs().max() < 1e-12
+    rep = ssmc.explain(attention, x, loga, k, q)
     assert not rep.regions
-    assert "scan in parallel form" in str(rep) and "runs as written" in str(rep)
+    assert "scan in parallel form" in str(rep) and "runs as written" in str(rep), str(rep)
     plain = ssmc.explain(lambda x: x.cumsum(1).exp(), x)       # a cumsum alone is no such form
     assert "parallel form" not in str(plain)
 

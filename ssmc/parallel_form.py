@@ -1,0 +1,272 @@
+"""Scans written without a loop: the chunked SSD in its parallel form, as HF transformers'
+Mamba2 family and the "minimal SSD" listings compute it.
+
+Such code cuts the sequence into chunks (``x.reshape(b, -1, chunk, ...)``), builds the decays
+within a chunk as ``exp`` of masked segment sums of the log-decays, runs the states across
+chunks, and merges the chunks back (``y.reshape(b, -1, ...)``). What it computes is the scan
+
+    h_t = exp(a_t) * h_{t-1} + x_t (outer) B_t,     y_t = h_t . C_t,     h_0 = 0
+
+over the chunked length. This module finds the pieces, and proves the claim the way one proves
+two analytic functions equal: it evaluates the graph's nodes between the chunk splits and the
+merge on random inputs at the graph's own sizes and compares with the scan (float64, a sample of
+rows). Which input plays which role (a, x, B, C) is found the same way, among those whose
+shapes fit. What holds becomes a `Loop` of that step, which the passes after `reroll` compile like
+any written loop; what does not is left as written, with the reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+import torch.fx as fx
+
+from .capture import _Builder, _fake_mode, _name
+from .loop import Loop, Read, Result
+from .ops import impure, shape, value
+
+_VIEWS = {"reshape", "view", "_unsafe_view"}
+_MASKS = {"tril", "triu", "masked_fill", "masked_fill_", "where"}
+
+
+class NotTaken(ValueError):
+    """A parallel form found but not taken; the message says why."""
+
+
+def _segment_sums(graph: fx.Graph, depth: int = 8) -> list[fx.Node]:
+    """`exp` nodes reading a `cumsum` through a triangular mask within `depth` nodes."""
+    found = []
+    for n in graph.nodes:
+        if n.op not in ("call_function", "call_method") or _name(n) not in ("exp", "exp_"):
+            continue
+        seen, todo, masked = set(), [(n, 0)], False
+        while todo:
+            m, d = todo.pop()
+            if m in seen or d > depth:
+                continue
+            seen.add(m)
+            masked |= _name(m) in _MASKS
+            if _name(m) == "cumsum" and masked:
+                found.append(n)
+                break
+            todo += [(a, d + 1) for a in m.all_input_nodes]
+    return found
+
+
+def has_parallel_scan(graph: fx.Graph) -> bool:
+    """Whether the graph has the segment sums of a scan in parallel form (for the report)."""
+    return bool(_segment_sums(graph))
+
+
+def _is_view(n: fx.Node) -> bool:
+    return n.op in ("call_function", "call_method") and _name(n) in _VIEWS and len(shape(n.args[0])) > 0
+
+
+def _split_dim(src: tuple, out: tuple, cs: int) -> int | None:
+    """The dim of `src` that `out` cuts into (chunks, cs), the others unchanged."""
+    if len(out) != len(src) + 1:
+        return None
+    for i in range(len(src)):
+        if (src[:i] == out[:i] and src[i + 1:] == out[i + 2:] and out[i + 1] == cs
+                and out[i] * cs == src[i] and out[i] > 0):
+            return i
+    return None
+
+
+def _ancestors(nodes) -> set:
+    seen, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return seen
+
+
+def _descendants(nodes) -> set:
+    seen, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += list(n.users)
+    return seen
+
+
+def _constant(n: fx.Node, memo: dict) -> bool:
+    """Computed from no input of the graph (masks from torch.ones, aranges, fills)."""
+    if n not in memo:
+        memo[n] = False
+        memo[n] = (n.op in ("call_function", "call_method") and not impure(n)
+                   and all(_constant(a, memo) for a in n.all_input_nodes))
+    return memo[n]
+
+
+class _Form:
+    """One candidate: the chunked inputs, the merged output, and the nodes between."""
+
+    def __init__(self, graph, cs, sources, out, out_dim):
+        self.graph, self.cs, self.sources, self.out, self.out_dim = graph, cs, sources, out, out_dim
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        src = set(sources)
+        inner = (_descendants(src) & _ancestors([out])) - _ancestors(src)
+        self.nodes = sorted(inner, key=order.__getitem__)
+        memo: dict = {}
+        for n in self.nodes:
+            for a in n.all_input_nodes:
+                if a in inner or a in src:
+                    continue
+                if not _constant(a, memo):
+                    raise NotTaken(f"{n.name} reads {a.name}, which is neither a chunked input nor a constant "
+                                   "(an initial state or another input)")
+        # values computed from its inside alone and used after it (HF's `new_states[:, -1]` for
+        # the cache): each must be the final state, which the evaluation checks with the roles
+        grown = set(inner) - {out}
+        for n in graph.nodes:
+            if (n not in inner and n.op in ("call_function", "call_method") and not impure(n)
+                    and any(a in grown for a in n.all_input_nodes)
+                    and all(a in grown or _constant(a, memo) for a in n.all_input_nodes)):
+                grown.add(n)
+        self.derived = sorted(grown - inner, key=order.__getitem__)
+        self.consts = sorted((a for a, c in memo.items() if c), key=order.__getitem__)
+        self.extra = [n for n in sorted(grown, key=order.__getitem__)
+                      if any(u not in grown and u is not out for u in n.users)]
+        self.used = [s for s in sources if any(u in inner for u in s.users)]
+        later = [u for n in self.extra for u in n.users if u not in grown and u is not out]
+        self.anchor = min([out, *later], key=order.__getitem__)
+
+    def evaluate(self, values: dict) -> dict:
+        """Every node's value for real `values` of the sources, node by node."""
+        env = dict(values)
+        for n in [*self.consts, *self.nodes, *self.derived]:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            if n.op == "call_function":
+                env[n] = n.target(*args, **kwargs)
+            else:
+                env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+        return env
+
+
+def _scan_rows(a, x, B, C, rows):
+    """The scan's outputs for the flat batch rows `rows` (time first, float64, on the CPU)."""
+    a, x, B, C = (t[:, rows].double().cpu() for t in (a, x, B, C))
+    h = torch.zeros(len(rows), x.shape[-1], B.shape[-1], dtype=torch.float64)
+    ys = []
+    for t in range(a.shape[0]):
+        h = torch.exp(a[t])[:, None, None] * h + x[t][:, :, None] * B[t][:, None, :]
+        ys.append((h * C[t][:, None, :]).sum(-1))
+    return torch.stack(ys), h
+
+
+def _close(got, want) -> bool:
+    return bool((got - want).norm() <= 1e-4 * want.norm())
+
+
+def _roles(form: _Form, dims: dict, T: int):
+    """(a, x, B, C) among the sources, proven by evaluation; NotTaken if none fits."""
+    S = {s: tuple(d for i, d in enumerate(shape(s)) if i != dims[s]) for s in form.used}
+    y_shape = tuple(d for i, d in enumerate(shape(form.out)) if i != form.out_dim)
+    dev = value(form.out).device
+    tried = 0
+    for a in form.used:
+        batch, rest = S[a], [s for s in form.used if s is not a]
+        fits = [(x, B, C) for x, B, C in itertools.permutations(rest)
+                if len(rest) == 3 and y_shape[:-1] == batch and S[x] == y_shape
+                and S[B][:-1] == batch and S[C] == S[B]]
+        if not fits:
+            continue
+        gen = torch.Generator().manual_seed(0)
+        # log-decays of about -2 over the whole length: every chunk's state reaches the next ones
+        vals = {s: (-torch.rand(shape(s), generator=gen, dtype=torch.float64) * (4.0 / T) if s is a else
+                    torch.randn(shape(s), generator=gen, dtype=torch.float64)) for s in form.used}
+        try:
+            env = form.evaluate({s: v.to(dev) for s, v in vals.items()})
+        except Exception as e:      # noqa: BLE001 - the graph's own error, reported
+            raise NotTaken(f"evaluating it failed: {type(e).__name__}: {e}") from e
+        got = env[form.out]
+        n_rows = got.numel() // (T * y_shape[-1])
+        got = got.movedim(form.out_dim, 0).reshape(T, n_rows, -1).double().cpu()
+        rows = torch.randperm(n_rows, generator=gen)[:8]
+        for x, B, C in fits:
+            ts = [vals[s].movedim(dims[s], 0) for s in (a, x, B, C)]
+            want, last = _scan_rows(*(t.reshape(T, n_rows, *t.shape[1 + len(batch):]) for t in ts), rows)
+            tried += 1
+            if _close(got[:, rows], want):
+                for e in form.extra:
+                    v = env[e]
+                    if tuple(v.shape) != (*batch, *last.shape[1:]) or \
+                            not _close(v.reshape(n_rows, *last.shape[1:])[rows].double().cpu(), last):
+                        raise NotTaken(f"{e.name} is used after it and is not its final state")
+                return a, x, B, C
+    if tried:
+        raise NotTaken("it is not the scan h = exp(a) h + x B^T, y = h C for any assignment of its inputs "
+                       f"({tried} tried against a random evaluation)")
+    raise NotTaken("its inputs' shapes fit no (a, x, B, C) of the scan (a: batch dims, x and y: batch + p, "
+                   "B and C: batch + n)")
+
+
+def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
+    """Candidates (form, "") and the reasons forms were found but not taken (None, reason)."""
+    out = []
+    sizes = sorted({shape(e)[-1] for e in _segment_sums(graph) if len(shape(e)) >= 2})
+    for cs in sizes:
+        sources, dims = [], {}
+        for n in graph.nodes:
+            if _is_view(n):
+                d = _split_dim(shape(n.args[0]), shape(n), cs)
+                if d is not None and n.args[0] not in dims:
+                    sources.append(n.args[0])
+                    dims[n.args[0]] = d
+        if not sources:
+            continue
+        lengths = {shape(s)[dims[s]] for s in sources}
+        below = _descendants(sources)
+        merges = []
+        for n in graph.nodes:
+            if n in below and _is_view(n) and n not in dims:
+                d = _split_dim(shape(n), shape(n.args[0]), cs)
+                if d is not None and shape(n)[d] in lengths:
+                    merges.append((n, d))
+        for m, d in merges:
+            T = shape(m)[d]
+            above = _ancestors([m])
+            srcs = [s for s in sources if shape(s)[dims[s]] == T and s in above]
+            try:
+                form = _Form(graph, cs, srcs, m, d)
+                if not any(e in form.nodes for e in _segment_sums(graph)):
+                    continue
+                form.roles = _roles(form, dims, T)
+                form.dims, form.length = dims, T
+                out.append((form, ""))
+            except NotTaken as e:
+                out.append((None, f"{m.name}: a chunked scan in parallel form (chunks of {cs}) not taken: {e}"))
+    return out
+
+
+def loop_from_form(gm: fx.GraphModule, form: _Form) -> Loop:
+    """The step h = exp(a) h + x B^T, y = h C over the form's chunked inputs."""
+    a, x, B, C = form.roles
+    body = fx.Graph()
+    b = _Builder(body, _fake_mode(gm.graph))
+    h = body.placeholder("carry_0")
+    reads = [body.placeholder(f"read_{i}") for i in range(4)]
+    with b.mode if b.mode is not None else contextlib.nullcontext():
+        for ph, src in zip(reads, (a, x, B, C)):
+            ph.meta["example_value"] = torch.select(value(src), form.dims[src], 0)
+        xv, Bv = reads[1].meta["example_value"], reads[2].meta["example_value"]
+        h.meta["example_value"] = xv[..., :, None] * Bv[..., None, :]
+    ra, rx, rB, rC = reads
+    dA = b.call(None, torch.exp, (ra,))
+    dA = b.call(None, torch.unsqueeze, (b.call(None, torch.unsqueeze, (dA, -1)), -1))
+    xB = b.call(None, torch.mul, (b.call(None, torch.unsqueeze, (rx, -1)), b.call(None, torch.unsqueeze, (rB, -2))))
+    new = b.call(None, torch.add, (b.call(None, torch.mul, (dA, h)), xB))
+    y = b.call(None, torch.sum, (b.call(None, torch.mul, (new, b.call(None, torch.unsqueeze, (rC, -2)))), -1))
+    body.output((new, y, *([new] if form.extra else [])))
+    results = [Result("steps", "stack", form.out_dim, [form.out])]
+    if form.extra:                     # the final state, however many nodes hold it
+        results.append(Result("last", replace=list(form.extra)))
+    return Loop("", fx.GraphModule(gm, body), form.length, [None],
+                [Read(s, form.dims[s], 0) for s in (a, x, B, C)], [], results,
+                erase=[form.out], anchor=form.anchor, origin="chunked SSD in parallel form")
+

@@ -1,0 +1,178 @@
+"""Chunked SSDs written without a loop (ssmc.parallel_form): found, proven by evaluation, and
+compiled as the scan they compute; forms that are not that scan run as written."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ssmc
+from ssmc.parallel_form import find_forms
+
+NEG = float("-inf")
+
+
+def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False):
+    """y_t = sum_s C_t.B_s exp(a_s+1 + ... + a_t) x_s computed chunk by chunk, with no loop:
+    x (b, L, h, p), a (b, L, h) or (b, h, L) log-decays, B and C (b, L, h, n)."""
+    b, L, h, p = x.shape
+    pad = (-L) % cs
+    T = L + pad
+    x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+    if a_time_last:
+        ac = F.pad(a, (0, pad)).reshape(b, h, T // cs, cs)
+    else:
+        ac = F.pad(a, (0, 0, 0, pad)).reshape(b, T // cs, cs, h).permute(0, 3, 1, 2)
+    xc, Bc, Cc = (t.reshape(b, T // cs, cs, h, -1) for t in (x, B, C))
+    acum = ac.cumsum(-1)                                              # b h c l
+    causal = torch.ones(cs, cs, dtype=torch.bool, device=x.device).tril()
+    within = torch.exp((acum[..., :, None] - acum[..., None, :]).masked_fill(~causal, NEG))
+    y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, within, xc)
+    to_end = torch.exp(acum[..., -1:] - acum)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, to_end, xc)
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], 1)
+    ccum = F.pad(acum[..., -1], (1, 0)).cumsum(-1)                     # b h c+1
+    n_c = ccum.shape[-1]
+    cmask = torch.ones(n_c, n_c, dtype=torch.bool, device=x.device).tril()
+    across = torch.exp((ccum[..., :, None] - ccum[..., None, :]).masked_fill(~cmask, NEG))
+    new = torch.einsum("bhzc,bchpn->bzhpn", across, states)
+    if not drop_inter:
+        y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, new[:, :-1], torch.exp(acum))
+    y = y.reshape(b, T, h, p)[:, :L]
+    return (y, new[:, -1]) if final else y
+
+
+def naive(x, a, B, C, a_time_last=False):
+    """The same scan as a loop, float64."""
+    h = torch.zeros(*x.shape[:1], x.shape[2], x.shape[3], B.shape[3], dtype=torch.float64)
+    ys = []
+    for t in range(x.shape[1]):
+        at = a[:, :, t] if a_time_last else a[:, t]
+        h = torch.exp(at)[..., None, None] * h + x[:, t, :, :, None] * B[:, t, :, None, :]
+        ys.append((h * C[:, t, :, None, :]).sum(-1))
+    return torch.stack(ys, 1), h
+
+
+def inputs(b=2, L=20, h=3, p=4, n=5, dtype=torch.float64, a_time_last=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, L, h, p, generator=g, dtype=dtype)
+    a = -torch.rand(b, h, L, generator=g, dtype=dtype) if a_time_last else -torch.rand(b, L, h, generator=g, dtype=dtype)
+    B = torch.randn(b, L, h, n, generator=g, dtype=dtype)
+    C = torch.randn(b, L, h, n, generator=g, dtype=dtype)
+    return x, a, B, C
+
+
+def _regions(fn, *args):
+    torch._dynamo.reset()
+    rep = ssmc.explain(fn, *args)
+    return rep, str(rep)
+
+
+@pytest.mark.parametrize("L,cs", [(20, 8), (16, 8), (5, 8), (21, 4)])
+def test_chunked_ssd_is_taken_and_equals_the_loop(L, cs):
+    x, a, B, C = inputs(L=L)
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, cs)     # noqa: E731
+    rep, text = _regions(fn, x, a, B, C)
+    assert "1 region(s)" in text, text
+    assert "chunked SSD in parallel form" in text and "strategy chunked_s" in text, text
+    want, _ = naive(x, a, B, C)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ssmc")(x, a, B, C)
+    assert (got - want).abs().max() < 1e-10 * want.abs().max()
+
+
+def test_final_state_and_gradients():
+    x, a, B, C = (t.requires_grad_() for t in inputs(L=19))
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 8, final=True)     # noqa: E731
+    _, text = _regions(fn, x, a, B, C)
+    assert "1 region(s)" in text and "fallback" not in text.split("\n")[0].replace("0 fallback", ""), text
+    torch._dynamo.reset()
+    y, hT = torch.compile(fn, backend="ssmc")(x, a, B, C)
+    wy, wh = naive(x, a, B, C)
+    assert (y - wy).abs().max() < 1e-10 * wy.abs().max()
+    assert (hT - wh).abs().max() < 1e-10 * wh.abs().max()
+    g = torch.randn_like(wy), torch.randn_like(wh)
+    got = torch.autograd.grad((y * g[0]).sum() + (hT * g[1]).sum(), (x, a, B, C))
+    want = torch.autograd.grad((wy * g[0]).sum() + (wh * g[1]).sum(), (x, a, B, C))
+    for u, v in zip(got, want):
+        assert (u - v).abs().max() < 1e-9 * v.abs().max()
+
+
+def test_decays_laid_out_time_last_and_inputs_in_another_order():
+    x, a, B, C = inputs(L=18, a_time_last=True)
+    fn = lambda C, a, x, B: chunked_ssd(x, a, B, C, 4, a_time_last=True)     # noqa: E731
+    _, text = _regions(fn, C, a, x, B)
+    assert "1 region(s)" in text, text
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ssmc")(C, a, x, B)
+    want, _ = naive(x, a, B, C, a_time_last=True)
+    assert (got - want).abs().max() < 1e-10 * want.abs().max()
+
+
+def test_a_form_that_is_not_the_scan_runs_as_written():
+    """Without the states passed between chunks it is not the scan: the evaluation says so."""
+    x, a, B, C = inputs(L=20)
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 4, drop_inter=True)     # noqa: E731
+    _, text = _regions(fn, x, a, B, C)
+    assert "0 region(s)" in text and "not the scan" in text, text
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ssmc")(x, a, B, C)
+    assert torch.equal(got, fn(x, a, B, C))
+
+
+def test_an_initial_state_from_the_inputs_is_declined_with_the_reason():
+    x, a, B, C = inputs(L=16)
+    h0 = torch.randn(2, 1, 3, 4, 5, dtype=torch.float64)
+
+    def fn(x, a, B, C, h0):
+        b, L, h, p = x.shape
+        cs = 8
+        ac = a.reshape(b, L // cs, cs, h).permute(0, 3, 1, 2)
+        xc, Bc, Cc = (t.reshape(b, L // cs, cs, h, -1) for t in (x, B, C))
+        acum = ac.cumsum(-1)
+        causal = torch.ones(cs, cs, dtype=torch.bool).tril()
+        within = torch.exp((acum[..., :, None] - acum[..., None, :]).masked_fill(~causal, NEG))
+        y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, within, xc)
+        states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, torch.exp(acum[..., -1:] - acum), xc)
+        states = torch.cat([h0, states], 1)
+        ccum = F.pad(acum[..., -1], (1, 0)).cumsum(-1)
+        cmask = torch.ones(3, 3, dtype=torch.bool).tril()
+        new = torch.einsum("bhzc,bchpn->bzhpn", torch.exp((ccum[..., :, None] - ccum[..., None, :])
+                                                          .masked_fill(~cmask, NEG)), states)
+        y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, new[:, :-1], torch.exp(acum))
+        return y.reshape(b, L, h, p)
+
+    _, text = _regions(fn, x, a, B, C, h0)
+    assert "0 region(s)" in text and "neither a chunked input nor a constant" in text, text
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, backend="ssmc")(x, a, B, C, h0), fn(x, a, B, C, h0))
+
+
+def test_find_forms_names_the_roles():
+    x, a, B, C = inputs(L=12)
+    seen = {}
+
+    def backend(gm, ex):
+        seen["forms"] = find_forms(gm.graph)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(lambda x, a, B, C: chunked_ssd(x, a, B, C, 4), backend=backend)(x, a, B, C)
+    forms = [f for f, _ in seen["forms"] if f is not None]
+    assert len(forms) == 1
+    # (a, x, B, C), each the padding of the argument of that name
+    assert [r.all_input_nodes[0].name for r in forms[0].roles] == ["l_a_", "l_x_", "l_b_", "l_c_"]
+
+
+@pytest.mark.gpu
+def test_chunked_ssd_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    x, a, B, C = inputs(b=2, L=300, h=4, p=16, n=16, dtype=torch.float32)
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 64, final=True)     # noqa: E731
+    dev = [t.cuda() for t in (x, a, B, C)]
+    _, text = _regions(fn, *dev)
+    assert "1 region(s)" in text, text
+    torch._dynamo.reset()
+    y, hT = torch.compile(fn, backend="ssmc")(*dev)
+    wy, wh = naive(*(t.double() for t in (x, a, B, C)))
+    assert (y.double().cpu() - wy).abs().max() < 1e-4 * wy.abs().max()
+    assert (hT.double().cpu() - wh).abs().max() < 1e-4 * wh.abs().max()
