@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .capture import _Builder, _fake_mode, _name
 from .loop import Loop, Read, Result
-from .ops import impure, shape, value
+from .ops import _hint, impure, shape, value
 
 _VIEWS = {"reshape", "view", "_unsafe_view"}
 _MASKS = {"tril", "triu", "masked_fill", "masked_fill_", "where"}
@@ -60,7 +60,8 @@ def has_parallel_scan(graph: fx.Graph) -> bool:
 
 
 def _is_view(n: fx.Node) -> bool:
-    return n.op in ("call_function", "call_method") and _name(n) in _VIEWS and len(shape(n.args[0])) > 0
+    return (n.op in ("call_function", "call_method") and _name(n) in _VIEWS and bool(n.args)
+            and isinstance(n.args[0], fx.Node) and len(_hshape(n.args[0])) > 0)
 
 
 def _split_dim(src: tuple, out: tuple, cs: int) -> int | None:
@@ -94,12 +95,27 @@ def _descendants(nodes) -> set:
     return seen
 
 
+def _size_value(n: fx.Node):
+    """A size the graph computes (a SymInt under dynamic shapes, by its traced value), or None."""
+    v = value(n)
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return getattr(v.node, "hint", None)
+    return v if isinstance(v, (int, float, bool)) and not isinstance(v, torch.Tensor) else None
+
+
+def _hshape(n) -> tuple:
+    """The node's shape, symbolic sizes by their traced values."""
+    v = value(n)
+    return _hint(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
 def _constant(n: fx.Node, memo: dict) -> bool:
-    """Computed from no input of the graph (masks from torch.ones, aranges, fills)."""
+    """Computed from no tensor input of the graph (masks from torch.ones, aranges, fills; sizes)."""
     if n not in memo:
         memo[n] = False
-        memo[n] = (n.op in ("call_function", "call_method") and not impure(n)
-                   and all(_constant(a, memo) for a in n.all_input_nodes))
+        memo[n] = _size_value(n) is not None or (
+            n.op in ("call_function", "call_method") and not impure(n)
+            and all(_constant(a, memo) for a in n.all_input_nodes))
     return memo[n]
 
 
@@ -140,6 +156,9 @@ class _Form:
         """Every node's value for real `values` of the sources, node by node."""
         env = dict(values)
         for n in [*self.consts, *self.nodes, *self.derived]:
+            if n in self.consts and _size_value(n) is not None:
+                env[n] = _size_value(n)
+                continue
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
             if n.op == "call_function":
                 env[n] = n.target(*args, **kwargs)
@@ -165,8 +184,8 @@ def _close(got, want) -> bool:
 
 def _roles(form: _Form, dims: dict, T: int):
     """(a, x, B, C) among the sources, proven by evaluation; NotTaken if none fits."""
-    S = {s: tuple(d for i, d in enumerate(shape(s)) if i != dims[s]) for s in form.used}
-    y_shape = tuple(d for i, d in enumerate(shape(form.out)) if i != form.out_dim)
+    S = {s: tuple(d for i, d in enumerate(_hshape(s)) if i != dims[s]) for s in form.used}
+    y_shape = tuple(d for i, d in enumerate(_hshape(form.out)) if i != form.out_dim)
     dev = value(form.out).device
     tried = 0
     for a in form.used:
@@ -178,8 +197,8 @@ def _roles(form: _Form, dims: dict, T: int):
             continue
         gen = torch.Generator().manual_seed(0)
         # log-decays of about -2 over the whole length: every chunk's state reaches the next ones
-        vals = {s: (-torch.rand(shape(s), generator=gen, dtype=torch.float64) * (4.0 / T) if s is a else
-                    torch.randn(shape(s), generator=gen, dtype=torch.float64)) for s in form.used}
+        vals = {s: (-torch.rand(_hshape(s), generator=gen, dtype=torch.float64) * (4.0 / T) if s is a else
+                    torch.randn(_hshape(s), generator=gen, dtype=torch.float64)) for s in form.used}
         try:
             env = form.evaluate({s: v.to(dev) for s, v in vals.items()})
         except Exception as e:      # noqa: BLE001 - the graph's own error, reported
@@ -209,29 +228,29 @@ def _roles(form: _Form, dims: dict, T: int):
 def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
     """Candidates (form, "") and the reasons forms were found but not taken (None, reason)."""
     out = []
-    sizes = sorted({shape(e)[-1] for e in _segment_sums(graph) if len(shape(e)) >= 2})
+    sizes = sorted({_hshape(e)[-1] for e in _segment_sums(graph) if len(_hshape(e)) >= 2})
     for cs in sizes:
         sources, dims = [], {}
         for n in graph.nodes:
             if _is_view(n):
-                d = _split_dim(shape(n.args[0]), shape(n), cs)
+                d = _split_dim(_hshape(n.args[0]), _hshape(n), cs)
                 if d is not None and n.args[0] not in dims:
                     sources.append(n.args[0])
                     dims[n.args[0]] = d
         if not sources:
             continue
-        lengths = {shape(s)[dims[s]] for s in sources}
+        lengths = {_hshape(s)[dims[s]] for s in sources}
         below = _descendants(sources)
         merges = []
         for n in graph.nodes:
             if n in below and _is_view(n) and n not in dims:
-                d = _split_dim(shape(n), shape(n.args[0]), cs)
-                if d is not None and shape(n)[d] in lengths:
+                d = _split_dim(_hshape(n), _hshape(n.args[0]), cs)
+                if d is not None and _hshape(n)[d] in lengths:
                     merges.append((n, d))
         for m, d in merges:
-            T = shape(m)[d]
+            T = _hshape(m)[d]
             above = _ancestors([m])
-            srcs = [s for s in sources if shape(s)[dims[s]] == T and s in above]
+            srcs = [s for s in sources if _hshape(s)[dims[s]] == T and s in above]
             try:
                 form = _Form(graph, cs, srcs, m, d)
                 if not any(e in form.nodes for e in _segment_sums(graph)):
@@ -266,7 +285,8 @@ def loop_from_form(gm: fx.GraphModule, form: _Form) -> Loop:
     results = [Result("steps", "stack", form.out_dim, [form.out])]
     if form.extra:                     # the final state, however many nodes hold it
         results.append(Result("last", replace=list(form.extra)))
-    return Loop("", fx.GraphModule(gm, body), form.length, [None],
+    fixed = all(isinstance(shape(s)[form.dims[s]], int) for s in (a, x, B, C))
+    return Loop("", fx.GraphModule(gm, body), form.length if fixed else None, [None],
                 [Read(s, form.dims[s], 0) for s in (a, x, B, C)], [], results,
                 erase=[form.out], anchor=form.anchor, origin="chunked SSD in parallel form")
 

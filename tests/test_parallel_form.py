@@ -107,6 +107,22 @@ def test_decays_laid_out_time_last_and_inputs_in_another_order():
     assert (got - want).abs().max() < 1e-10 * want.abs().max()
 
 
+def test_symbolic_lengths():
+    """Under dynamic shapes the sizes are symbols: the proof runs at the traced sizes and the
+    region reads its length at run time; each length after the first runs the same graph."""
+    rep = ssmc.Report()
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 8, final=True)     # noqa: E731
+    torch._dynamo.reset()
+    cf = torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=rep), dynamic=True)
+    for L in (20, 29, 37):
+        x, a, B, C = inputs(L=L, seed=L)
+        y, hT = cf(x, a, B, C)
+        wy, wh = naive(x, a, B, C)
+        assert (y - wy).abs().max() < 1e-10 * wy.abs().max()
+        assert (hT - wh).abs().max() < 1e-10 * wh.abs().max()
+    assert len(rep.graphs) == 1 and len(rep.regions) == 1, str(rep)
+
+
 def test_a_form_that_is_not_the_scan_runs_as_written():
     """Without the states passed between chunks it is not the scan: the evaluation says so."""
     x, a, B, C = inputs(L=20)
