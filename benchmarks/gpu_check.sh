@@ -2,7 +2,7 @@
 # One call on the GPU machine: install from the working tree, GPU tests, then the benchmarks.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".carry"])        (.carry: mamba-ssm's sdist)
 # SSMC_GPU_STEPS picks steps (default: all of tests,region,moe,bsp; "fuzz", "ssdseg", "m1tune", "scanmixer", "batch1",
-# "ncu", "m1counters", "decode", "bspprobe", "ssdcore", "zoo", "demo" and "train" only when named; SSMC_BSP_FLAGS=--backward:
+# "ncu", "m1counters", "decode", "bspprobe", "ssdcore", "zoo", "pform", "demo" and "train" only when named; SSMC_BSP_FLAGS=--backward:
 # bsp also times forward+backward); each step has a time limit and writes under $OUT, at most 8 files come back: logs go to
 # one file, results to JSON.
 #   run(command="SSMC_GPU_STEPS=fuzz bash benchmarks/gpu_check.sh")   random programs, tally in
@@ -66,6 +66,11 @@ if [[ $STEPS == *train* ]]; then     # mamba-ssm's backward builds (CPU) while t
   if [[ -n $BUILD ]]; then wait $BUILD; tail -3 "$OUT/mamba_ssm_build.log" >> "$LOG"; fi
   timeout ${SSMC_TRAIN_TIMEOUT:-300} python -m benchmarks.bench_train --out "$OUT/h200_train.json" --baseline ${SSMC_TRAIN_CONFIGS---configs} \
     --workloads "${SSMC_TRAIN_WORKLOADS:-mamba1,mamba2}" --targets "${SSMC_TRAIN_TARGETS:-triton,auto}" ${SSMC_TRAIN_FLAGS:-} >> "$LOG" 2>&1
+fi
+if [[ $STEPS == *pform* ]]; then     # a chunked SSD written without a loop (HF Mamba2's torch path): ssmc, eager, Inductor
+  echo "== tests/test_parallel_form.py" >> "$LOG"
+  timeout ${SSMC_TEST_TIMEOUT:-120} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_parallel_form.py 2>&1 | tail -15 >> "$LOG"
+  timeout ${SSMC_PFORM_TIMEOUT:-300} python -m benchmarks.bench_parallel_form --out "$OUT/pform_gpu.json" >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *ssdcore* ]]; then   # the chunked SSD core's training kernels alone, per tile config
   timeout ${SSMC_SSDCORE_TIMEOUT:-240} python -m benchmarks.probe_ssd_core --out "$OUT/h200_ssd_core.json" >> "$LOG" 2>&1
