@@ -153,9 +153,13 @@ class _Form:
         self.anchor = min([out, *later], key=order.__getitem__)
 
     def evaluate(self, values: dict) -> dict:
-        """Every node's value for real `values` of the sources, node by node."""
+        """The output's and the extras' values for real `values` of the sources, node by node
+        (each value dropped after its last use: the graph's intermediates can be large)."""
+        order = [*self.consts, *self.nodes, *self.derived]
+        keep = {self.out, *self.extra}
+        last = {a: i for i, n in enumerate(order) for a in n.all_input_nodes}
         env = dict(values)
-        for n in [*self.consts, *self.nodes, *self.derived]:
+        for i, n in enumerate(order):
             if n in self.consts and _size_value(n) is not None:
                 env[n] = _size_value(n)
                 continue
@@ -164,6 +168,9 @@ class _Form:
                 env[n] = n.target(*args, **kwargs)
             else:
                 env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+            for a in n.all_input_nodes:
+                if last.get(a) == i and a not in keep and a not in values:
+                    del env[a]
         return env
 
 
