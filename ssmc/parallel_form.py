@@ -129,13 +129,15 @@ class _Form:
         inner = (_descendants(src) & _ancestors([out])) - _ancestors(src)
         self.nodes = sorted(inner, key=order.__getitem__)
         memo: dict = {}
+        self.init = None                # a tensor from outside: at most one, the initial state
         for n in self.nodes:
             for a in n.all_input_nodes:
-                if a in inner or a in src:
+                if a in inner or a in src or _constant(a, memo):
                     continue
-                if not _constant(a, memo):
+                if self.init not in (None, a) or not isinstance(value(a), torch.Tensor):
                     raise NotTaken(f"{n.name} reads {a.name}, which is neither a chunked input nor a constant "
-                                   "(an initial state or another input)")
+                                   f"nor the one initial state{f' ({self.init.name})' if self.init else ''}")
+                self.init = a
         # values computed from its inside alone and used after it (HF's `new_states[:, -1]` for
         # the cache): each must be the final state, which the evaluation checks with the roles
         grown = set(inner) - {out}
@@ -174,15 +176,29 @@ class _Form:
         return env
 
 
-def _scan_rows(a, x, B, C, rows):
-    """The scan's outputs for the flat batch rows `rows` (time first, float64, on the CPU)."""
+def _scan_rows(a, x, B, C, rows, h0=None):
+    """The scan's outputs for the flat batch rows `rows` (time first, float64, on the CPU) and
+    its final state, from the state `h0` (rows, p, n) or zeros."""
     a, x, B, C = (t[:, rows].double().cpu() for t in (a, x, B, C))
-    h = torch.zeros(len(rows), x.shape[-1], B.shape[-1], dtype=torch.float64)
+    h = torch.zeros(len(rows), x.shape[-1], B.shape[-1], dtype=torch.float64) if h0 is None else h0[rows]
     ys = []
     for t in range(a.shape[0]):
         h = torch.exp(a[t])[:, None, None] * h + x[t][:, :, None] * B[t][:, None, :]
         ys.append((h * C[t][:, None, :]).sum(-1))
     return torch.stack(ys), h
+
+
+def _unit_dims(have: tuple, want: tuple) -> list | None:
+    """The dims of size 1 to drop from `have` to get `want`, or None if that does not do it."""
+    drop, j = [], 0
+    for i, d in enumerate(have):
+        if j < len(want) and d == want[j]:
+            j += 1
+        elif d == 1:
+            drop.append(i)
+        else:
+            return None
+    return drop if j == len(want) else None
 
 
 def _close(got, want) -> bool:
@@ -206,6 +222,8 @@ def _roles(form: _Form, dims: dict, T: int):
         # log-decays of about -2 over the whole length: every chunk's state reaches the next ones
         vals = {s: (-torch.rand(_hshape(s), generator=gen, dtype=torch.float64) * (4.0 / T) if s is a else
                     torch.randn(_hshape(s), generator=gen, dtype=torch.float64)) for s in form.used}
+        if form.init is not None:
+            vals[form.init] = torch.randn(_hshape(form.init), generator=gen, dtype=torch.float64)
         try:
             env = form.evaluate({s: v.to(dev) for s, v in vals.items()})
         except Exception as e:      # noqa: BLE001 - the graph's own error, reported
@@ -216,7 +234,13 @@ def _roles(form: _Form, dims: dict, T: int):
         rows = torch.randperm(n_rows, generator=gen)[:8]
         for x, B, C in fits:
             ts = [vals[s].movedim(dims[s], 0) for s in (a, x, B, C)]
-            want, last = _scan_rows(*(t.reshape(T, n_rows, *t.shape[1 + len(batch):]) for t in ts), rows)
+            p, n = S[x][-1], S[B][-1]
+            h0 = None
+            if form.init is not None:       # laid out as the state: batch dims, p, n (units between)
+                if _unit_dims(_hshape(form.init), (*batch, p, n)) is None:
+                    continue
+                h0 = vals[form.init].reshape(n_rows, p, n)
+            want, last = _scan_rows(*(t.reshape(T, n_rows, *t.shape[1 + len(batch):]) for t in ts), rows, h0)
             tried += 1
             if _close(got[:, rows], want):
                 for e in form.extra:
@@ -226,7 +250,8 @@ def _roles(form: _Form, dims: dict, T: int):
                         raise NotTaken(f"{e.name} is used after it and is not its final state")
                 return a, x, B, C
     if tried:
-        raise NotTaken("it is not the scan h = exp(a) h + x B^T, y = h C for any assignment of its inputs "
+        h0 = f" from the state {form.init.name}" if form.init is not None else ""
+        raise NotTaken(f"it is not the scan h = exp(a) h + x B^T, y = h C{h0} for any assignment of its inputs "
                        f"({tried} tried against a random evaluation)")
     raise NotTaken("its inputs' shapes fit no (a, x, B, C) of the scan (a: batch dims, x and y: batch + p, "
                    "B and C: batch + n)")
@@ -293,7 +318,13 @@ def loop_from_form(gm: fx.GraphModule, form: _Form) -> Loop:
     if form.extra:                     # the final state, however many nodes hold it
         results.append(Result("last", replace=list(form.extra)))
     fixed = all(isinstance(shape(s)[form.dims[s]], int) for s in (a, x, B, C))
-    return Loop("", fx.GraphModule(gm, body), form.length if fixed else None, [None],
+    init, made = None, []
+    if form.init is not None:          # the initial state as the carry's shape
+        init = form.init
+        for d in reversed(_unit_dims(_hshape(init), _hint(value(h).shape))):
+            init = _Builder(gm.graph, b.mode).call(form.anchor, torch.squeeze, (init, d))
+            made.append(init)
+    return Loop("", fx.GraphModule(gm, body), form.length if fixed else None, [init],
                 [Read(s, form.dims[s], 0) for s in (a, x, B, C)], [], results,
-                erase=[form.out], anchor=form.anchor, origin="chunked SSD in parallel form")
+                erase=[form.out], anchor=form.anchor, origin="chunked SSD in parallel form", made=made)
 

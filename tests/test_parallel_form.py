@@ -10,9 +10,10 @@ from ssmc.parallel_form import find_forms
 NEG = float("-inf")
 
 
-def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False):
+def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False, h0=None, scale=None):
     """y_t = sum_s C_t.B_s exp(a_s+1 + ... + a_t) x_s computed chunk by chunk, with no loop:
-    x (b, L, h, p), a (b, L, h) or (b, h, L) log-decays, B and C (b, L, h, n)."""
+    x (b, L, h, p), a (b, L, h) or (b, h, L) log-decays, B and C (b, L, h, n); from the state
+    h0 (b, 1, h, p, n) if given; `scale` multiplies the chunked outputs (not a scan's input)."""
     b, L, h, p = x.shape
     pad = (-L) % cs
     T = L + pad
@@ -28,7 +29,7 @@ def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False
     y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, within, xc)
     to_end = torch.exp(acum[..., -1:] - acum)
     states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, to_end, xc)
-    states = torch.cat([torch.zeros_like(states[:, :1]), states], 1)
+    states = torch.cat([torch.zeros_like(states[:, :1]) if h0 is None else h0, states], 1)
     ccum = F.pad(acum[..., -1], (1, 0)).cumsum(-1)                     # b h c+1
     n_c = ccum.shape[-1]
     cmask = torch.ones(n_c, n_c, dtype=torch.bool, device=x.device).tril()
@@ -36,13 +37,15 @@ def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False
     new = torch.einsum("bhzc,bchpn->bzhpn", across, states)
     if not drop_inter:
         y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, new[:, :-1], torch.exp(acum))
+    if scale is not None:
+        y = y * scale
     y = y.reshape(b, T, h, p)[:, :L]
     return (y, new[:, -1]) if final else y
 
 
-def naive(x, a, B, C, a_time_last=False):
+def naive(x, a, B, C, a_time_last=False, h0=None):
     """The same scan as a loop, float64."""
-    h = torch.zeros(*x.shape[:1], x.shape[2], x.shape[3], B.shape[3], dtype=torch.float64)
+    h = torch.zeros(*x.shape[:1], x.shape[2], x.shape[3], B.shape[3], dtype=torch.float64) if h0 is None else h0[:, 0]
     ys = []
     for t in range(x.shape[1]):
         at = a[:, :, t] if a_time_last else a[:, t]
@@ -134,32 +137,34 @@ def test_a_form_that_is_not_the_scan_runs_as_written():
     assert torch.equal(got, fn(x, a, B, C))
 
 
-def test_an_initial_state_from_the_inputs_is_declined_with_the_reason():
+def test_an_initial_state():
+    """HF's prefill after a cached state, minimal SSD's `initial_states`: the one tensor from
+    outside the chunks is the state before the first step (its unit dim squeezed)."""
+    x, a, B, C = (t.requires_grad_() for t in inputs(L=21))
+    h0 = torch.randn(2, 1, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, a, B, C, h0: chunked_ssd(x, a, B, C, 8, final=True, h0=h0)     # noqa: E731
+    _, text = _regions(fn, x, a, B, C, h0)
+    assert "1 region(s)" in text, text
+    torch._dynamo.reset()
+    y, hT = torch.compile(fn, backend="ssmc")(x, a, B, C, h0)
+    wy, wh = naive(x, a, B, C, h0=h0)
+    assert (y - wy).abs().max() < 1e-10 * wy.abs().max()
+    assert (hT - wh).abs().max() < 1e-10 * wh.abs().max()
+    got = torch.autograd.grad(y.sum() + hT.sum(), (x, a, h0))
+    want = torch.autograd.grad(wy.sum() + wh.sum(), (x, a, h0))
+    for u, v in zip(got, want):
+        assert (u - v).abs().max() < 1e-9 * v.abs().max()
+
+
+def test_a_second_tensor_from_outside_is_declined_with_the_reason():
     x, a, B, C = inputs(L=16)
     h0 = torch.randn(2, 1, 3, 4, 5, dtype=torch.float64)
-
-    def fn(x, a, B, C, h0):
-        b, L, h, p = x.shape
-        cs = 8
-        ac = a.reshape(b, L // cs, cs, h).permute(0, 3, 1, 2)
-        xc, Bc, Cc = (t.reshape(b, L // cs, cs, h, -1) for t in (x, B, C))
-        acum = ac.cumsum(-1)
-        causal = torch.ones(cs, cs, dtype=torch.bool).tril()
-        within = torch.exp((acum[..., :, None] - acum[..., None, :]).masked_fill(~causal, NEG))
-        y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, within, xc)
-        states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, torch.exp(acum[..., -1:] - acum), xc)
-        states = torch.cat([h0, states], 1)
-        ccum = F.pad(acum[..., -1], (1, 0)).cumsum(-1)
-        cmask = torch.ones(3, 3, dtype=torch.bool).tril()
-        new = torch.einsum("bhzc,bchpn->bzhpn", torch.exp((ccum[..., :, None] - ccum[..., None, :])
-                                                          .masked_fill(~cmask, NEG)), states)
-        y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, new[:, :-1], torch.exp(acum))
-        return y.reshape(b, L, h, p)
-
-    _, text = _regions(fn, x, a, B, C, h0)
-    assert "0 region(s)" in text and "neither a chunked input nor a constant" in text, text
+    scale = torch.randn(3, 4, dtype=torch.float64)
+    fn = lambda x, a, B, C, h0, s: chunked_ssd(x, a, B, C, 8, h0=h0, scale=s)     # noqa: E731
+    _, text = _regions(fn, x, a, B, C, h0, scale)
+    assert "0 region(s)" in text and "nor the one initial state" in text, text
     torch._dynamo.reset()
-    assert torch.equal(torch.compile(fn, backend="ssmc")(x, a, B, C, h0), fn(x, a, B, C, h0))
+    assert torch.equal(torch.compile(fn, backend="ssmc")(x, a, B, C, h0, scale), fn(x, a, B, C, h0, scale))
 
 
 def test_find_forms_names_the_roles():
