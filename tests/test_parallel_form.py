@@ -10,10 +10,12 @@ from ssmc.parallel_form import find_forms
 NEG = float("-inf")
 
 
-def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False, h0=None, scale=None):
+def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False, h0=None, scale=None,
+                shift=False):
     """y_t = sum_s C_t.B_s exp(a_s+1 + ... + a_t) x_s computed chunk by chunk, with no loop:
     x (b, L, h, p), a (b, L, h) or (b, h, L) log-decays, B and C (b, L, h, n); from the state
-    h0 (b, 1, h, p, n) if given; `scale` multiplies the chunked outputs (not a scan's input)."""
+    h0 (b, 1, h, p, n) if given; `scale` multiplies the chunked outputs (not a scan's input);
+    `shift` decays each input by its own step's decay too within a chunk (a near miss)."""
     b, L, h, p = x.shape
     pad = (-L) % cs
     T = L + pad
@@ -25,7 +27,8 @@ def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False
     xc, Bc, Cc = (t.reshape(b, T // cs, cs, h, -1) for t in (x, B, C))
     acum = ac.cumsum(-1)                                              # b h c l
     causal = torch.ones(cs, cs, dtype=torch.bool, device=x.device).tril()
-    within = torch.exp((acum[..., :, None] - acum[..., None, :]).masked_fill(~causal, NEG))
+    seg = acum[..., :, None] - acum[..., None, :] + (ac[..., None, :] if shift else 0)
+    within = torch.exp(seg.masked_fill(~causal, NEG))
     y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, within, xc)
     to_end = torch.exp(acum[..., -1:] - acum)
     states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, to_end, xc)
@@ -135,6 +138,14 @@ def test_a_form_that_is_not_the_scan_runs_as_written():
     torch._dynamo.reset()
     got = torch.compile(fn, backend="ssmc")(x, a, B, C)
     assert torch.equal(got, fn(x, a, B, C))
+
+
+@pytest.mark.parametrize("L,cs", [(20, 4), (600, 64)])
+def test_a_decay_off_by_one_step_is_not_the_scan(L, cs):
+    x, a, B, C = inputs(L=L, h=2, p=3, n=2)
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, cs, shift=True)     # noqa: E731
+    _, text = _regions(fn, x, a, B, C)
+    assert "0 region(s)" in text and "not the scan" in text, text
 
 
 def test_an_initial_state():
