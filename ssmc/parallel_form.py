@@ -223,7 +223,8 @@ def _roles(form: _Form, dims: dict, T: int):
     dev = value(form.out).device
     # a graph that rounds to half precision inside is compared at that precision (the decays'
     # spread keeps a wrong structure far off, below)
-    half = any(getattr(value(n), "dtype", None) in (torch.float16, torch.bfloat16) for n in form.nodes)
+    half = any(getattr(value(n), "dtype", None) in (torch.float16, torch.bfloat16)
+               for n in [*form.nodes, *form.sources])
     tol = 3e-2 if half else 1e-4
     tried = 0
     for a in form.used:
@@ -238,8 +239,13 @@ def _roles(form: _Form, dims: dict, T: int):
         vals[a] = _decays(_hshape(a), dims[a], T, gen)
         if form.init is not None:
             vals[form.init] = torch.randn(_hshape(form.init), generator=gen, dtype=torch.float64)
+        # float64 where the graph's inputs are; otherwise their own dtype (ops that do not promote
+        # mix them with the graph's constants), the reference reading the same rounded values
+        wide = all(value(s).dtype == torch.float64 for s in vals)
+        typed = {s: v if wide else v.to(value(s).dtype) for s, v in vals.items()}
+        vals = {s: v.double() for s, v in typed.items()}
         try:
-            env = form.evaluate({s: v.to(dev) for s, v in vals.items()})
+            env = form.evaluate({s: v.to(dev) for s, v in typed.items()})
         except Exception as e:      # noqa: BLE001 - the graph's own error, reported
             raise NotTaken(f"evaluating it failed: {type(e).__name__}: {e}") from e
         got = env[form.out]

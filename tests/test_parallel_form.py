@@ -85,6 +85,19 @@ def test_chunked_ssd_is_taken_and_equals_the_loop(L, cs):
     assert (got - want).abs().max() < 1e-10 * want.abs().max()
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_inputs_in_lower_precision(dtype, tol):
+    x, a, B, C = inputs(L=40, h=2, p=8, n=4)
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 16)     # noqa: E731
+    low = [t.to(dtype) for t in (x, a, B, C)]
+    _, text = _regions(fn, *low)
+    assert "1 region(s)" in text, text
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ssmc")(*low).double()
+    want, _ = naive(*(t.double() for t in low))
+    assert (got - want).abs().max() < tol * want.abs().max()
+
+
 def test_final_state_and_gradients():
     x, a, B, C = (t.requires_grad_() for t in inputs(L=19))
     fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 8, final=True)     # noqa: E731
