@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .capture import _Builder, _fake_mode, _name
 from .loop import Loop, Read, Result
-from .ops import _hint, impure, shape, value
+from .ops import _hint, impure, mutated, shape, value
 
 _VIEWS = {"reshape", "view", "_unsafe_view"}
 _MASKS = {"tril", "triu", "masked_fill", "masked_fill_", "where"}
@@ -153,6 +153,11 @@ class _Form:
         self.used = [s for s in sources if any(u in inner for u in s.users)]
         later = [u for n in self.extra for u in n.users if u not in grown and u is not out]
         self.anchor = min([out, *later], key=order.__getitem__)
+        # the region reads its inputs at the anchor: nothing may write in place before that
+        first = order[self.nodes[0]] if self.nodes else order[out]
+        for n in graph.nodes:
+            if first <= order[n] < order[self.anchor] and mutated(n) is not None:
+                raise NotTaken(f"{n.name} writes in place among its nodes")
 
     def evaluate(self, values: dict) -> dict:
         """The output's and the extras' values for real `values` of the sources, node by node
