@@ -153,7 +153,7 @@ class _Form:
         self.used = [s for s in sources if any(u in inner for u in s.users)]
         later = [u for n in self.extra for u in n.users if u not in grown and u is not out]
         self.anchor = min([out, *later], key=order.__getitem__)
-        late = [s for s in [*sources, *([self.init] if self.init is not None else [])]
+        late = [s for s in [*self.used, *([self.init] if self.init is not None else [])]
                 if order[s] > order[self.anchor]]
         if late:
             raise NotTaken(f"its final state is used (by {self.anchor.name}) before {late[0].name} is computed")
