@@ -26,7 +26,7 @@ from .capture import _Builder, _fake_mode, _name
 from .loop import Loop, Read, Result
 from .ops import _hint, impure, mutated, shape, value
 
-_VIEWS = {"reshape", "view", "_unsafe_view"}
+_VIEWS = {"reshape", "view", "_unsafe_view", "unflatten", "flatten"}
 _MASKS = {"tril", "triu", "masked_fill", "masked_fill_", "where"}
 
 

@@ -145,6 +145,33 @@ def test_symbolic_lengths():
     assert len(rep.graphs) == 1 and len(rep.regions) == 1, str(rep)
 
 
+def test_chunks_by_unflatten_and_flatten():
+    x, a, B, C = inputs(L=24)
+
+    def fn(x, a, B, C, cs=8):
+        b, L, h, p = x.shape
+        xc, Bc, Cc = (t.unflatten(1, (L // cs, cs)) for t in (x, B, C))
+        acum = a.unflatten(1, (L // cs, cs)).permute(0, 3, 1, 2).cumsum(-1)          # b h c l
+        causal = torch.ones(cs, cs, dtype=torch.bool).tril()
+        within = torch.exp((acum[..., :, None] - acum[..., None, :]).masked_fill(~causal, NEG))
+        y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, within, xc)
+        states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, torch.exp(acum[..., -1:] - acum), xc)
+        states = torch.cat([torch.zeros_like(states[:, :1]), states], 1)
+        ccum = F.pad(acum[..., -1], (1, 0)).cumsum(-1)
+        cmask = torch.ones(L // cs + 1, L // cs + 1, dtype=torch.bool).tril()
+        across = torch.exp((ccum[..., :, None] - ccum[..., None, :]).masked_fill(~cmask, NEG))
+        new = torch.einsum("bhzc,bchpn->bzhpn", across, states)
+        y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, new[:, :-1], torch.exp(acum))
+        return y.flatten(1, 2)
+
+    _, text = _regions(fn, x, a, B, C)
+    assert "1 region(s)" in text, text
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ssmc")(x, a, B, C)
+    want, _ = naive(x, a, B, C)
+    assert (got - want).abs().max() < 1e-10 * want.abs().max()
+
+
 def test_a_form_that_is_not_the_scan_runs_as_written():
     """Without the states passed between chunks it is not the scan: the evaluation says so."""
     x, a, B, C = inputs(L=20)
