@@ -70,7 +70,7 @@ fi
 if [[ $STEPS == *pform* ]]; then     # a chunked SSD written without a loop (HF Mamba2's torch path): ssmc, eager, Inductor
   echo "== tests/test_parallel_form.py" >> "$LOG"
   timeout ${SSMC_TEST_TIMEOUT:-120} python -m pytest -m gpu -q -p no:cacheprovider -rf tests/test_parallel_form.py 2>&1 | tail -15 >> "$LOG"
-  timeout ${SSMC_PFORM_TIMEOUT:-300} python -m benchmarks.bench_parallel_form --out "$OUT/pform_gpu.json" >> "$LOG" 2>&1
+  timeout ${SSMC_PFORM_TIMEOUT:-300} python -m benchmarks.bench_parallel_form --out "$OUT/pform_gpu.json" ${SSMC_PFORM_FLAGS:-} >> "$LOG" 2>&1
 fi
 if [[ $STEPS == *ssdcore* ]]; then   # the chunked SSD core's training kernels alone, per tile config
   timeout ${SSMC_SSDCORE_TIMEOUT:-240} python -m benchmarks.probe_ssd_core --out "$OUT/h200_ssd_core.json" >> "$LOG" 2>&1
