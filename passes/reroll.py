@@ -38,7 +38,7 @@ from ssmc.gauge import gauge_states
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.parallel_form import find_forms, has_parallel_scan, loop_from_form
 from ssmc.loop import Loop, Read, Result
-from ssmc.ops import impure, is_tensor, mutated, reaches, shape, value as value_of
+from ssmc.ops import ancestors, descendants, impure, is_tensor, mutated, reaches, shape, value as value_of
 
 from .base import Candidate, Pass
 
@@ -550,42 +550,18 @@ def _cat_accumulators(lp: Loop) -> None:
     lp.body.recompile()
 
 
-def _ancestors(nodes, stop=frozenset()) -> set:
-    """The nodes among `nodes` (values of a body: nodes or constants) and all they are made from;
-    the nodes in `stop` are included but not looked through."""
-    anc, todo = set(), [n for n in nodes if isinstance(n, fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n not in anc:
-            anc.add(n)
-            if n not in stop:
-                todo.extend(n.all_input_nodes)
-    return anc
-
-
 def _reads_previous_state(lp: Loop) -> bool:
     """True when a step reads a carried value other than to compute the new carried values
     (``y = C @ h; h = A @ h + B @ x``: the output reads the state before the update), or a
     per-step result is made from a carried value and not from any new one (``u = -K @ x``
     both fed back into the update and returned: a feedback gain, a filter's innovation)."""
-    anc = _ancestors(lp.carry_outputs())
+    anc = ancestors(lp.carry_outputs())
     if any(u not in anc for c in lp.carry_nodes() for u in c.users):
         return True
     new = {v for v in lp.carry_outputs() if isinstance(v, fx.Node)} - set(lp.carry_nodes())
-    old = _descendants(lp.carry_nodes())
-    return any(isinstance(v, fx.Node) and r.kind == "steps" and v in old and not _ancestors([v]) & new
+    old = descendants(lp.carry_nodes())
+    return any(isinstance(v, fx.Node) and r.kind == "steps" and v in old and not ancestors([v]) & new
                for v, r in zip(lp.result_values(), lp.results))
-
-
-def _descendants(nodes) -> set:
-    """The nodes of a body made from any of `nodes`, those included."""
-    out, todo = set(), list(nodes)
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo.extend(n.users)
-    return out
 
 
 def _rotated(gm, seg: _Segment, found: Loop):
@@ -628,7 +604,7 @@ def _delay_previous_states(gm, lp: Loop) -> None:
     g = lp.body.graph
     b = _Builder(g, _fake_mode(g) or _fake_mode(gm.graph))
     carries = lp.carry_nodes()
-    anc = _ancestors(lp.carry_outputs())
+    anc = ancestors(lp.carry_outputs())
     first = next(n for n in g.nodes if n.op != "placeholder")
     out = next(n for n in g.nodes if n.op == "output")
     new_outs = []
@@ -670,7 +646,7 @@ def _recompute_delays(lp: Loop) -> None:
         # another carry's new value read here is that carry's value in the next step
         others = {v: c for k, (v, c) in enumerate(zip(lp.carry_outputs(), lp.carry_nodes()))
                   if k != j and isinstance(v, fx.Node) and v not in lp.carry_nodes()}
-        anc = _ancestors([o], stop=set(others))
+        anc = ancestors([o], stop=set(others))
         reads = dict(zip(lp.read_nodes(), lp.reads))
         used = [p for p in lp.read_nodes() if p in anc]
         if any(c in anc for c in lp.carry_nodes()) or any(reads[p].start < 1 for p in used):
@@ -703,7 +679,7 @@ def _shift_passed_values(gm, lp: Loop) -> None:
         carries, o = lp.carry_nodes(), lp.carry_outputs()[j]
         if not isinstance(o, fx.Node) or o in carries:
             continue
-        anc = _ancestors([o])
+        anc = ancestors([o])
         reads = dict(zip(lp.read_nodes(), lp.reads))
         used = [p for p in lp.read_nodes() if p in anc]
         if any(c in anc for c in carries) or any(reads[p].width != 1 for p in used):

@@ -123,6 +123,30 @@ def reaches(roots, targets, through_not=()) -> bool:
     return False
 
 
+def ancestors(nodes, stop=frozenset()) -> set:
+    """The nodes among `nodes` (nodes or constants) and all they are made from; the nodes in
+    `stop` are included but not looked through."""
+    anc, todo = set(), [n for n in nodes if isinstance(n, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in anc:
+            anc.add(n)
+            if n not in stop:
+                todo.extend(n.all_input_nodes)
+    return anc
+
+
+def descendants(nodes) -> set:
+    """The nodes made from any of `nodes`, those included."""
+    out, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(n.users)
+    return out
+
+
 def shape(node: Any) -> tuple:
     """The node's shape; a data-dependent size (an unbacked symbol, e.g. the row count of
     ``x[nonzero(mask)]`` under ``capture_dynamic_output_shape_ops``) reads as a stand-in

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .capture import _Builder, _fake_mode, _name
 from .loop import Loop, Read, Result
-from .ops import _hint, impure, mutated, shape, value
+from .ops import _hint, ancestors, descendants, impure, mutated, shape, value
 
 _VIEWS = {"reshape", "view", "_unsafe_view", "unflatten", "flatten"}
 _MASKS = {"tril", "triu", "masked_fill", "masked_fill_", "where"}
@@ -75,26 +75,6 @@ def _split_dim(src: tuple, out: tuple, cs: int) -> int | None:
     return None
 
 
-def _ancestors(nodes) -> set:
-    seen, todo = set(), list(nodes)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return seen
-
-
-def _descendants(nodes) -> set:
-    seen, todo = set(), list(nodes)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo += list(n.users)
-    return seen
-
-
 def _size_value(n: fx.Node):
     """A size the graph computes (a SymInt under dynamic shapes, by its traced value), or None."""
     v = value(n)
@@ -126,7 +106,7 @@ class _Form:
         self.graph, self.cs, self.sources, self.out, self.out_dim = graph, cs, sources, out, out_dim
         order = {n: i for i, n in enumerate(graph.nodes)}
         src = set(sources)
-        inner = (_descendants(src) & _ancestors([out])) - _ancestors(src)
+        inner = (descendants(src) & ancestors([out])) - ancestors(src)
         self.nodes = sorted(inner, key=order.__getitem__)
         memo: dict = {}
         self.init = None                # a tensor from outside: at most one, the initial state
@@ -301,7 +281,7 @@ def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
         if not sources:
             continue
         lengths = {_hshape(s)[dims[s]] for s in sources}
-        below = _descendants(sources)
+        below = descendants(sources)
         merges = []
         for n in graph.nodes:
             if n in below and _is_view(n) and n not in dims:
@@ -310,7 +290,7 @@ def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
                     merges.append((n, d))
         for m, d in merges:
             T = _hshape(m)[d]
-            above = _ancestors([m])
+            above = ancestors([m])
             srcs = [s for s in sources if _hshape(s)[dims[s]] == T and s in above]
             try:
                 form = _Form(graph, cs, srcs, m, d)
