@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import ssmc
+from test_triton import interp, poison_outputs  # noqa: F401  (interp: a fixture used by name)
 from ssmc.parallel_form import find_forms
 
 NEG = float("-inf")
@@ -253,3 +254,14 @@ def test_chunked_ssd_on_the_gpu():
     wy, wh = naive(*(t.double() for t in (x, a, B, C)))
     assert (y.double().cpu() - wy).abs().max() < 1e-4 * wy.abs().max()
     assert (hT.double().cpu() - wh).abs().max() < 1e-4 * wh.abs().max()
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["y", "y_and_state"])
+def test_the_triton_ssd_kernel_runs_it_under_the_interpreter(final, interp):
+    """The region a parallel form becomes runs the chunked SSD's Triton kernel (interpreted,
+    outputs poisoned first), equal to float64 eager; the padded tail and the final state too."""
+    from test_ssd import S, check_run
+    x, a, B, C = (t.float() for t in inputs(L=21, h=2, p=16, n=16, seed=4))
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 8, final=final)     # noqa: E731
+    report, _ = check_run(fn, (x, a, B, C), "chunked_ssd", S.SSDKernel)
+    assert "chunked SSD in parallel form" in str(report)
