@@ -268,8 +268,9 @@ def _roles(form: _Form, dims: dict, T: int):
 
 def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
     """Candidates (form, "") and the reasons forms were found but not taken (None, reason)."""
-    out = []
-    sizes = sorted({_hshape(e)[-1] for e in _segment_sums(graph) if len(_hshape(e)) >= 2})
+    out, taken = [], set()
+    sums = _segment_sums(graph)
+    sizes = sorted({_hshape(e)[-1] for e in sums if len(_hshape(e)) >= 2})
     for cs in sizes:
         sources, dims = [], {}
         for n in graph.nodes:
@@ -294,11 +295,12 @@ def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
             srcs = [s for s in sources if _hshape(s)[dims[s]] == T and s in above]
             try:
                 form = _Form(graph, cs, srcs, m, d)
-                if not any(e in form.nodes for e in _segment_sums(graph)):
-                    continue
+                if not any(e in form.nodes for e in sums) or taken & set(form.nodes):
+                    continue            # no segment sums of its own, or inside a form already taken
                 form.roles = _roles(form, dims, T)
                 form.dims, form.length = dims, T
                 out.append((form, ""))
+                taken |= {*form.nodes, *form.derived}
             except NotTaken as e:
                 out.append((None, f"{m.name}: a chunked scan in parallel form (chunks of {cs}) not taken: {e}"))
     return out
