@@ -116,7 +116,14 @@ class Reroll(Pass):
                 lp.body.recompile()
                 notes.append(f"{lp.name}: {diag} product(s) with a diagonal matrix (torch.diag, diag_embed, eye * v) "
                              "taken as elementwise products")
-            gauged = gauge_states(ctx.gm, lp)
+            try:
+                gauged = gauge_states(ctx.gm, lp)
+            except Exception as e:      # this loop runs as written; the graph's others go on
+                log.debug("ssmc: running maxima of %s failed", lp.name, exc_info=True)
+                erase_unused(ctx.gm, lp.made)
+                ctx.fallbacks.append((lp.name, "running maxima not taken out of the loop "
+                                      f"({type(e).__name__}: {e}); it runs as written"))
+                continue
             if gauged:
                 notes.append(f"{lp.name}: running maxima {gauged} (m = max(m + a, b), a and b from the step's inputs) "
                              "computed for all steps before the loop (cumsum and cummax, float64); read, not carried")

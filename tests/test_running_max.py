@@ -243,6 +243,31 @@ def test_maxima_that_are_no_such_recurrence_run_as_written():
     declined(then_nonlinear, (x, a), "tanh", untouched=True)
 
 
+def test_a_failure_taking_maxima_out_declines_that_loop_only(monkeypatch):
+    """An error inside the rewrite (here: computing the maxima before the loop) leaves that loop
+    as written, with the reason; the graph's other loop is still a region."""
+    import ssmc.gauge as G
+
+    def broken(*a, **k):
+        raise RuntimeError("no maxima today")
+
+    monkeypatch.setattr(G, "max_plus_scan", broken)
+
+    def fn(w, u, k, v):
+        y, _ = _wkv(w, u, k, v)
+        h, ys = torch.zeros_like(v[:, 0]), []
+        for t in range(v.shape[1]):            # an EMA of the output: a loop of its own
+            h = 0.9 * h + y[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+    ins = _wkv_inputs(5)
+    out, rep = ssmc_run(fn, ins)
+    assert len(rep.regions) == 1, str(rep)
+    assert any("running maxima not taken out" in why and "no maxima today" in why for _, why in rep.fallbacks), str(rep)
+    assert rel_err(out, reference(fn, ins)[0]) <= TOL[torch.float32]
+
+
 def test_max_plus_scan_against_its_loop():
     g = torch.Generator().manual_seed(8)
     L = 13
