@@ -139,7 +139,15 @@ def _parallel_forms(ctx) -> list[Loop]:
         log.debug("ssmc: parallel form search failed", exc_info=True)
         ctx.fallbacks.append(("parallel form", f"search failed: {type(e).__name__}: {e}"))
         return []
-    loops = [loop_from_form(ctx.gm, f) for f, _ in found if f is not None]
+    loops = []
+    for f, _ in found:
+        if f is None:
+            continue
+        try:
+            loops.append(loop_from_form(ctx.gm, f))
+        except Exception as e:      # that form runs as written
+            log.debug("ssmc: parallel form %s failed", f.out.name, exc_info=True)
+            ctx.fallbacks.append(("parallel form", f"{f.out.name}: making its loop failed: {type(e).__name__}: {e}"))
     if not loops:
         ctx.fallbacks += [("parallel form", why) for f, why in found if f is None]
     for lp in loops:

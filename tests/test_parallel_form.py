@@ -265,3 +265,18 @@ def test_the_triton_ssd_kernel_runs_it_under_the_interpreter(final, interp):
     fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 8, final=final)     # noqa: E731
     report, _ = check_run(fn, (x, a, B, C), "chunked_ssd", S.SSDKernel)
     assert "chunked SSD in parallel form" in str(report)
+
+
+def test_a_failure_making_the_loop_leaves_the_form_as_written(monkeypatch):
+    import ssmc.passes.reroll as R
+
+    def broken(gm, form):
+        raise RuntimeError("no loop today")
+
+    monkeypatch.setattr(R, "loop_from_form", broken)
+    x, a, B, C = inputs(L=16)
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 8)     # noqa: E731
+    _, text = _regions(fn, x, a, B, C)
+    assert "0 region(s)" in text and "making its loop failed" in text and "no loop today" in text, text
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, backend="ssmc")(x, a, B, C), fn(x, a, B, C))
