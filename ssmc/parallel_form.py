@@ -171,9 +171,15 @@ def _scan_rows(a, x, B, C, rows, h0=None):
     a, x, B, C = (t[:, rows].double().cpu() for t in (a, x, B, C))
     h = torch.zeros(len(rows), x.shape[-1], B.shape[-1], dtype=torch.float64) if h0 is None else h0[rows]
     ys = []
-    for t in range(a.shape[0]):
-        h = torch.exp(a[t])[:, None, None] * h + x[t][:, :, None] * B[t][:, None, :]
-        ys.append((h * C[t][:, None, :]).sum(-1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # thousands of tiny ops: threads only wait on each other
+    try:
+        da = torch.exp(a)
+        for t in range(a.shape[0]):
+            h = da[t][:, None, None] * h + x[t][:, :, None] * B[t][:, None, :]
+            ys.append((h * C[t][:, None, :]).sum(-1))
+    finally:
+        torch.set_num_threads(threads)
     return torch.stack(ys), h
 
 
