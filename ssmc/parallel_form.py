@@ -224,9 +224,10 @@ def _roles(form: _Form, dims: dict, T: int):
     tried = 0
     for a in form.used:
         batch, rest = S[a], [s for s in form.used if s is not a]
-        fits = [(x, B, C) for x, B, C in itertools.permutations(rest)
-                if len(rest) == 3 and y_shape[:-1] == batch and S[x] == y_shape
-                and S[B][:-1] == batch and S[C] == S[B]]
+        # each of the others plays one role; B and C may be one tensor (tied)
+        fits = [(x, B, C) for x, B, C in itertools.product(rest, repeat=3)
+                if {x, B, C} == set(rest) and x not in (B, C) and y_shape[:-1] == batch
+                and S[x] == y_shape and S[B][:-1] == batch and S[C] == S[B]]
         if not fits:
             continue
         gen = torch.Generator().manual_seed(0)

@@ -146,6 +146,17 @@ def test_symbolic_lengths():
     assert len(rep.graphs) == 1 and len(rep.regions) == 1, str(rep)
 
 
+def test_one_tensor_as_both_B_and_C():
+    x, a, B, _ = inputs(L=20)
+    fn = lambda x, a, B: chunked_ssd(x, a, B, B, 8)     # noqa: E731
+    _, text = _regions(fn, x, a, B)
+    assert "1 region(s)" in text, text
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ssmc")(x, a, B)
+    want, _ = naive(x, a, B, B)
+    assert (got - want).abs().max() < 1e-10 * want.abs().max()
+
+
 def test_chunks_by_unflatten_and_flatten():
     x, a, B, C = inputs(L=24)
 
