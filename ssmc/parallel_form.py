@@ -251,18 +251,28 @@ def _roles(form: _Form, dims: dict, T: int):
         for x, B, C in fits:
             ts = [vals[s].movedim(dims[s], 0) for s in (a, x, B, C)]
             p, n = S[x][-1], S[B][-1]
-            h0 = None
-            if form.init is not None:       # laid out as the state: batch dims, p, n (units between)
-                if _unit_dims(_hshape(form.init), (*batch, p, n)) is None:
+            # a state from outside or read after: batch dims then (p, n), or (n, p) (flipped)
+            for flip in ((False, True) if form.init is not None else (False,)):
+                h0 = None
+                if form.init is not None:
+                    if _unit_dims(_hshape(form.init), (*batch, *((n, p) if flip else (p, n)))) is None:
+                        continue
+                    h0 = vals[form.init].reshape(n_rows, *((n, p) if flip else (p, n)))
+                    h0 = h0.transpose(1, 2) if flip else h0
+                want, last = _scan_rows(*(t.reshape(T, n_rows, *t.shape[1 + len(batch):]) for t in ts), rows, h0)
+                tried += 1
+                if not _close(got[:, rows], want, tol):
                     continue
-                h0 = vals[form.init].reshape(n_rows, p, n)
-            want, last = _scan_rows(*(t.reshape(T, n_rows, *t.shape[1 + len(batch):]) for t in ts), rows, h0)
-            tried += 1
-            if _close(got[:, rows], want, tol):
+                form.init_flip, form.extra_flip = flip, {}
                 for e in form.extra:
-                    v = env[e]
-                    if tuple(v.shape) != (*batch, *last.shape[1:]) or \
-                            not _close(v.reshape(n_rows, *last.shape[1:])[rows].double().cpu(), last, tol):
+                    for ef in (False, True):
+                        v = env[e]
+                        if tuple(v.shape) == (*batch, *((n, p) if ef else (p, n))):
+                            v = v.reshape(n_rows, *((n, p) if ef else (p, n)))[rows].double().cpu()
+                            if _close(v.transpose(1, 2) if ef else v, last, tol):
+                                form.extra_flip[e] = ef
+                                break
+                    else:
                         raise NotTaken(f"{e.name} is used after it and is not its final state")
                 return a, x, B, C
     if tried:
@@ -331,16 +341,24 @@ def loop_from_form(gm: fx.GraphModule, form: _Form) -> Loop:
     xB = b.call(None, torch.mul, (b.call(None, torch.unsqueeze, (rx, -1)), b.call(None, torch.unsqueeze, (rB, -2))))
     new = b.call(None, torch.add, (b.call(None, torch.mul, (dA, h)), xB))
     y = b.call(None, torch.sum, (b.call(None, torch.mul, (new, b.call(None, torch.unsqueeze, (rC, -2)))), -1))
-    body.output((new, y, *([new] if form.extra else [])))
-    results = [Result("steps", "stack", form.out_dim, [form.out])]
-    if form.extra:                     # the final state, however many nodes hold it
-        results.append(Result("last", replace=list(form.extra)))
+    results, lasts = [Result("steps", "stack", form.out_dim, [form.out])], []
+    for flip in (False, True):         # the final state, however many nodes hold it, per layout
+        held = [e for e in form.extra if form.extra_flip[e] == flip]
+        if held:
+            results.append(Result("last", replace=held))
+            lasts.append(b.call(None, torch.transpose, (new, -1, -2)) if flip else new)
+    body.output((new, y, *lasts))
     fixed = all(isinstance(shape(s)[form.dims[s]], int) for s in (a, x, B, C))
     init, made = None, []
     if form.init is not None:          # the initial state as the carry's shape
         init = form.init
-        for d in reversed(_unit_dims(_hshape(init), _hint(value(h).shape))):
-            init = _Builder(gm.graph, b.mode).call(form.anchor, torch.squeeze, (init, d))
+        hs = _hint(value(h).shape)
+        outer = _Builder(gm.graph, b.mode)
+        for d in reversed(_unit_dims(_hshape(init), (*hs[:-2], hs[-1], hs[-2]) if form.init_flip else hs)):
+            init = outer.call(form.anchor, torch.squeeze, (init, d))
+            made.append(init)
+        if form.init_flip:
+            init = outer.call(form.anchor, torch.transpose, (init, -1, -2))
             made.append(init)
     return Loop("", fx.GraphModule(gm, body), form.length if fixed else None, [init],
                 [Read(s, form.dims[s], 0) for s in (a, x, B, C)], [], results,

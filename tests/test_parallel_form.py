@@ -12,12 +12,13 @@ NEG = float("-inf")
 
 
 def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False, h0=None, scale=None,
-                shift=False, poke=False):
+                shift=False, poke=False, np_state=False):
     """y_t = sum_s C_t.B_s exp(a_s+1 + ... + a_t) x_s computed chunk by chunk, with no loop:
     x (b, L, h, p), a (b, L, h) or (b, h, L) log-decays, B and C (b, L, h, n); from the state
     h0 (b, 1, h, p, n) if given; `scale` multiplies the chunked outputs (not a scan's input);
     `shift` decays each input by its own step's decay too within a chunk (a near miss); `poke`
-    doubles the padded x in place once the chunks have read it."""
+    doubles the padded x in place once the chunks have read it; `np_state` lays states out as
+    (n, p), h0 and the final state too."""
     b, L, h, p = x.shape
     pad = (-L) % cs
     T = L + pad
@@ -33,7 +34,8 @@ def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False
     within = torch.exp(seg.masked_fill(~causal, NEG))
     y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, within, xc)
     to_end = torch.exp(acum[..., -1:] - acum)
-    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, to_end, xc)
+    sp = "np" if np_state else "pn"
+    states = torch.einsum(f"bclhn,bhcl,bclhp->bch{sp}", Bc, to_end, xc)
     if poke:
         x.mul_(2)
     states = torch.cat([torch.zeros_like(states[:, :1]) if h0 is None else h0, states], 1)
@@ -41,9 +43,9 @@ def chunked_ssd(x, a, B, C, cs, final=False, drop_inter=False, a_time_last=False
     n_c = ccum.shape[-1]
     cmask = torch.ones(n_c, n_c, dtype=torch.bool, device=x.device).tril()
     across = torch.exp((ccum[..., :, None] - ccum[..., None, :]).masked_fill(~cmask, NEG))
-    new = torch.einsum("bhzc,bchpn->bzhpn", across, states)
+    new = torch.einsum(f"bhzc,bch{sp}->bzh{sp}", across, states)
     if not drop_inter:
-        y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, new[:, :-1], torch.exp(acum))
+        y = y + torch.einsum(f"bclhn,bch{sp},bhcl->bclhp", Cc, new[:, :-1], torch.exp(acum))
     if scale is not None:
         y = y * scale
     y = y.reshape(b, T, h, p)[:, :L]
@@ -222,6 +224,21 @@ def test_an_initial_state():
     want = torch.autograd.grad(wy.sum() + wh.sum(), (x, a, h0))
     for u, v in zip(got, want):
         assert (u - v).abs().max() < 1e-9 * v.abs().max()
+
+
+def test_states_laid_out_n_by_p():
+    """fla's layout (keys by values): the initial state is transposed into the loop's carry and
+    the final state out of it."""
+    x, a, B, C = inputs(L=19, p=4, n=4)
+    h0 = torch.randn(2, 1, 3, 4, 4, dtype=torch.float64)
+    fn = lambda x, a, B, C, h0: chunked_ssd(x, a, B, C, 8, final=True, h0=h0, np_state=True)     # noqa: E731
+    _, text = _regions(fn, x, a, B, C, h0)
+    assert "1 region(s)" in text, text
+    torch._dynamo.reset()
+    y, hT = torch.compile(fn, backend="ssmc")(x, a, B, C, h0)
+    wy, wh = naive(x, a, B, C, h0=h0.transpose(-1, -2))
+    assert (y - wy).abs().max() < 1e-10 * wy.abs().max()
+    assert (hT - wh.transpose(-1, -2)).abs().max() < 1e-10 * wh.abs().max()
 
 
 def test_a_second_tensor_from_outside_is_declined_with_the_reason():
