@@ -5,14 +5,16 @@ Such code cuts the sequence into chunks (``x.reshape(b, -1, chunk, ...)``), buil
 within a chunk as ``exp`` of masked segment sums of the log-decays, runs the states across
 chunks, and merges the chunks back (``y.reshape(b, -1, ...)``). What it computes is the scan
 
-    h_t = exp(a_t) * h_{t-1} + x_t (outer) B_t,     y_t = h_t . C_t,     h_0 = 0
+    h_t = exp(a_t) * h_{t-1} + x_t (outer) B_t,     y_t = h_t . C_t,
 
-over the chunked length. This module finds the pieces, and proves the claim the way one proves
-two analytic functions equal: it evaluates the graph's nodes between the chunk splits and the
-merge on random inputs at the graph's own sizes and compares with the scan (float64, a sample of
-rows). Which input plays which role (a, x, B, C) is found the same way, among those whose
-shapes fit. What holds becomes a `Loop` of that step, which the passes after `reroll` compile like
-any written loop; what does not is left as written, with the reason.
+over the chunked length, from zeros or a state passed in, and often returns the last state too.
+This module finds the pieces, and proves the claim the way one proves two analytic functions
+equal: it evaluates the graph's nodes between the chunk splits and the merge on random inputs
+at the graph's own sizes and compares with the scan (float64, a sample of rows). Which input
+plays which role (a, x, B, C, the initial state) and which node used afterwards is the final
+state are found the same way, among those whose shapes fit. What holds becomes a `Loop` of that
+step, which the passes after `reroll` compile like any written loop; what does not is left as
+written, with the reason.
 """
 from __future__ import annotations
 
