@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import time
 from collections import defaultdict
 
 import torch
@@ -354,11 +355,19 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
            "loops (their tensors are batched): such a loop runs as written")
     if any(n in inside for n in find_reads(gm.graph)) and why not in ctx.fallbacks:
         ctx.fallbacks.append(why)
+    deadline = time.monotonic() + SEARCH_SECONDS
     for _ in range(MAX_ROUNDS):     # again on the reads no loop took: a second loop over the
         # same tensor (a bidirectional layer's backward scan), or over the stacked values of
         # the first one (``ys[t]``, see `gather_steps`); the graph is read anew each round
         before = len(loops)
-        _find_round(gm, loops, spans, failed)
+        try:
+            _find_round(gm, loops, spans, failed, deadline)
+        except _OutOfTime as e:
+            ctx.fallbacks.append(("reroll", f"the search for unrolled loops stopped after {SEARCH_SECONDS:.0f} s "
+                                  f"in a graph of {len(gm.graph.nodes)} nodes ({e}); the loops not found by "
+                                  "then run as written"))
+            log.info("ssmc: loop search stopped after %.0f s (%s)", SEARCH_SECONDS, e)
+            break
         if len(loops) == before:
             break
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -383,9 +392,14 @@ def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
 
 
 MAX_ROUNDS = 4
+SEARCH_SECONDS = 60.0      # the search for unrolled loops in one graph stops after this long
 
 
-def _find_round(gm, loops, spans, failed) -> None:
+class _OutOfTime(Exception):
+    pass
+
+
+def _find_round(gm, loops, spans, failed, deadline: float = float("inf")) -> None:
     """One search over the read families, leaving out reads first used inside a loop already
     found; appends to loops, spans (their steps' first and last nodes) and failed."""
     nodes = list(gm.graph.nodes)
@@ -422,12 +436,12 @@ def _find_round(gm, loops, spans, failed) -> None:
     for a0, K, L, step, key, alts in sorted(runs, key=lambda r: r[:4]):
         if any(lo <= a0 < hi for lo, hi in covered):
             continue
-        found_lp, seg, why = _first_loop(gm, nodes, pos, reads, a0, K, L, step)
+        found_lp, seg, why = _first_loop(gm, nodes, pos, reads, a0, K, L, step, deadline)
         for b0, K2, L2, step2 in alts:     # a shorter chain of another stride (steps that
             if found_lp is not None:       # alternate: `if t % 2`, a loop over pairs of steps)
                 break
             if not any(lo <= b0 < hi for lo, hi in covered):
-                found_lp, seg, _ = _first_loop(gm, nodes, pos, reads, b0, K2, L2, step2)
+                found_lp, seg, _ = _first_loop(gm, nodes, pos, reads, b0, K2, L2, step2, deadline)
         if found_lp is None:
             src = nodes[key[0]]
             msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
@@ -454,7 +468,32 @@ def _find_round(gm, loops, spans, failed) -> None:
             return
 
 
-def _first_loop(gm, nodes, pos, reads, a0, K, L, step):
+def _ops_line_up(nodes, reads, s: int, K: int, L: int) -> bool:
+    """Whether the last two steps from start s run the same ops in the same order (reads
+    aside: a read's op may differ, its family and index matter): needed by every loop
+    `_try_segment` can find from s, and checked without signatures (a graph of 15,556 nodes with
+    steps of ~1,900 spent minutes on signatures of starts that fail here)."""
+    b0, b1 = s + (L - 2) * K, s + (L - 1) * K
+    if L < 2 or b0 < 0 or b1 + K > len(nodes):
+        return True
+    for j in range(K):
+        n, m = nodes[b0 + j], nodes[b1 + j]
+        if n not in reads and m not in reads and (n.op != m.op or n.target != m.target):
+            return False
+    return True
+
+
+def _last_two_equal(seg: _Segment) -> bool:
+    """Whether the last two steps have the same signatures, compared node by node until the
+    first difference. Needed where a loop is longer than MAX_DEPTH + 1 steps (its template step
+    is then at most MAX_DEPTH, and every step after it equals it); shorter runs pass."""
+    if seg.L < MAX_DEPTH + 2:
+        return True
+    b0, b1 = seg.s + (seg.L - 2) * seg.K, seg.s + (seg.L - 1) * seg.K
+    return all(seg.sig(b0 + j) == seg.sig(b1 + j) for j in range(seg.K))
+
+
+def _first_loop(gm, nodes, pos, reads, a0, K, L, step, deadline: float = float("inf")):
     """(loop, segment, why): the latest start from a0 back whose steps line up, so that a step
     ends with what it computes from its new state (outputs) rather than beginning with the
     previous step's outputs; (None, None, why) where none does. A start whose steps read values
@@ -462,10 +501,15 @@ def _first_loop(gm, nodes, pos, reads, a0, K, L, step):
     value made early in a step and used late in the next one reads two steps back from some
     starts: carried twice there for nothing)."""
     why, deep = "the steps do not repeat the same operations", None
+    starts = [s for s in range(a0, max(0, a0 - K + 1) - 1, -1) if _ops_line_up(nodes, reads, s, K, L)]
     for numbers in (False, True):       # then with the Python numbers of arithmetic per step
-        for s in range(a0, max(0, a0 - K + 1) - 1, -1):
+        for s in starts:
+            if time.monotonic() > deadline:
+                if deep is not None:
+                    erase_unused(gm, deep[0].made)
+                raise _OutOfTime(f"at a run of {L} steps of {K} nodes")
             seg = _Segment(nodes, pos, reads, s, K, L, step, numbers)
-            if seg.e >= len(nodes):
+            if seg.e >= len(nodes) or not _last_two_equal(seg):
                 continue
             try:
                 lp = _try_segment(gm, seg)

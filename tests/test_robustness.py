@@ -419,3 +419,25 @@ def test_rest_max_nodes_is_checked():
         with pytest.raises(ValueError, match="rest_max_nodes"):
             make_options({"rest_max_nodes": bad})
     assert make_options({"rest_max_nodes": 0}).rest_max_nodes == 0
+
+
+def test_the_loop_search_stops_at_its_time_budget(monkeypatch):
+    """A graph whose loop search runs past reroll.SEARCH_SECONDS (minutes on graphs of tens of
+    thousands of nodes with long steps) keeps what it found and runs the rest as written, saying so."""
+    import ssmc.passes.reroll as R
+    monkeypatch.setattr(R, "SEARCH_SECONDS", 0.0)
+
+    def ema(x):
+        h, ys = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = 0.5 * h + x[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+    x = torch.randn(2, 12, 3, dtype=torch.float64)
+    torch._dynamo.reset()
+    rep = ssmc.explain(ema, x)
+    assert not rep.regions
+    assert any("stopped after 0 s" in why for _, why in rep.fallbacks), str(rep)
+    torch._dynamo.reset()
+    assert torch.allclose(torch.compile(ema, backend="ssmc")(x), ema(x))
