@@ -468,21 +468,6 @@ def _find_round(gm, loops, spans, failed, deadline: float = float("inf")) -> Non
             return
 
 
-def _ops_line_up(nodes, reads, s: int, K: int, L: int) -> bool:
-    """Whether the last two steps from start s run the same ops in the same order (reads
-    aside: a read's op may differ, its family and index matter): needed by every loop
-    `_try_segment` can find from s, and checked without signatures (a graph of 15,556 nodes with
-    steps of ~1,900 spent minutes on signatures of starts that fail here)."""
-    b0, b1 = s + (L - 2) * K, s + (L - 1) * K
-    if L < 2 or b0 < 0 or b1 + K > len(nodes):
-        return True
-    for j in range(K):
-        n, m = nodes[b0 + j], nodes[b1 + j]
-        if n not in reads and m not in reads and (n.op != m.op or n.target != m.target):
-            return False
-    return True
-
-
 def _last_two_equal(seg: _Segment) -> bool:
     """Whether the last two steps have the same signatures, compared node by node until the
     first difference. Needed where a loop is longer than MAX_DEPTH + 1 steps (its template step
@@ -501,9 +486,8 @@ def _first_loop(gm, nodes, pos, reads, a0, K, L, step, deadline: float = float("
     value made early in a step and used late in the next one reads two steps back from some
     starts: carried twice there for nothing)."""
     why, deep = "the steps do not repeat the same operations", None
-    starts = [s for s in range(a0, max(0, a0 - K + 1) - 1, -1) if _ops_line_up(nodes, reads, s, K, L)]
     for numbers in (False, True):       # then with the Python numbers of arithmetic per step
-        for s in starts:
+        for s in range(a0, max(0, a0 - K + 1) - 1, -1):
             if time.monotonic() > deadline:
                 if deep is not None:
                     erase_unused(gm, deep[0].made)

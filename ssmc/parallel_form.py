@@ -104,8 +104,8 @@ def _constant(n: fx.Node, memo: dict) -> bool:
 class _Form:
     """One candidate: the chunked inputs, the merged output, and the nodes between."""
 
-    def __init__(self, graph, cs, sources, out, out_dim):
-        self.graph, self.cs, self.sources, self.out, self.out_dim = graph, cs, sources, out, out_dim
+    def __init__(self, graph, sources, out, out_dim):
+        self.sources, self.out, self.out_dim = sources, out, out_dim
         order = {n: i for i, n in enumerate(graph.nodes)}
         src = set(sources)
         inner = (descendants(src) & ancestors([out])) - ancestors(src)
@@ -149,11 +149,11 @@ class _Form:
         """The output's and the extras' values for real `values` of the sources, node by node
         (each value dropped after its last use: the graph's intermediates can be large)."""
         order = [*self.consts, *self.nodes, *self.derived]
-        keep = {self.out, *self.extra}
+        keep, consts = {self.out, *self.extra}, set(self.consts)
         last = {a: i for i, n in enumerate(order) for a in n.all_input_nodes}
         env = dict(values)
         for i, n in enumerate(order):
-            if n in self.consts and _size_value(n) is not None:
+            if n in consts and _size_value(n) is not None:
                 env[n] = _size_value(n)
                 continue
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
@@ -313,7 +313,7 @@ def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
             above = ancestors([m])
             srcs = [s for s in sources if _hshape(s)[dims[s]] == T and s in above]
             try:
-                form = _Form(graph, cs, srcs, m, d)
+                form = _Form(graph, srcs, m, d)
                 if not any(e in form.nodes for e in sums) or taken & set(form.nodes):
                     continue            # no segment sums of its own, or inside a form already taken
                 form.roles = _roles(form, dims, T)
