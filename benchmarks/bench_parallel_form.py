@@ -3,10 +3,13 @@ of HF transformers' Mamba2 torch path) on the GPU: ssmc against the same functio
 PyTorch and under Inductor, in one run. Writes JSON.
 
     python -m benchmarks.bench_parallel_form --out pform.json [--shape b,L,h,p,n,chunk]
+        [--dtype bfloat16] [--profile]
 
 Each shape is first checked against the float64 function (fresh inputs; outputs and final
 states compared), then timed with triton.testing.do_bench (median): forward, and forward + backward.
-Without a GPU it runs on the CPU (perf_counter medians; use a tiny --shape).
+Without a GPU it runs on the CPU (perf_counter medians; use a tiny --shape). --dtype gives
+the inputs' dtype (errors against float64 of the same rounded inputs); --profile adds one
+ssmc forward+backward under torch.profiler to each row (wall time, then its top ops).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import ssmc  # noqa: E402
 from test_parallel_form import chunked_ssd, inputs  # noqa: E402
-from benchmarks.bench_block_sparse import timer  # noqa: E402
+from benchmarks.bench_block_sparse import profiled, timer  # noqa: E402
 from benchmarks.bench_gpu import env_info  # noqa: E402
 
 
@@ -37,6 +40,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", action="append", help="b,L,h,p,n,chunk (repeatable)")
     ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--profile", action="store_true", help="one ssmc forward+backward under torch.profiler")
     a = ap.parse_args(argv)
     shapes = [tuple(map(int, s.split(","))) for s in (a.shape or ["4,2048,24,64,128,256", "2,4096,32,64,128,256"])]
     gpu = torch.cuda.is_available()
@@ -44,14 +49,15 @@ def main(argv=None):
     bench = timer(torch.device(dev))
     res = {"env": env_info() if gpu else {"device": "cpu", "torch": torch.__version__}, "rows": []}
     for b, L, h, p, n, cs in shapes:
-        row = {"shape": dict(b=b, L=L, h=h, p=p, n=n, chunk=cs), "dtype": "float32"}
+        row = {"shape": dict(b=b, L=L, h=h, p=p, n=n, chunk=cs), "dtype": a.dtype}
+        dtype = getattr(torch, a.dtype)
         fn = lambda x, a, B, C, cs=cs: chunked_ssd(x, a, B, C, cs, final=True)     # noqa: E731
         try:
             torch._dynamo.reset()
             report = ssmc.Report()
             ours = torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=report))
-            ins64 = [t.to(dev) for t in inputs(b=b, L=L, h=h, p=p, n=n, seed=L)]
-            ins = [t.float().requires_grad_() for t in ins64]
+            ins = [t.to(dev, dtype).requires_grad_() for t in inputs(b=b, L=L, h=h, p=p, n=n, seed=L)]
+            ins64 = [t.detach().double() for t in ins]          # the reference sees the rounded inputs
             want_y, want_h = fn(*ins64)
             y, hT = ours(*ins)
             row["regions"] = len(report.regions)
@@ -67,6 +73,8 @@ def main(argv=None):
                 return lambda: torch.autograd.grad([*f(*ins)], ins, [gy, gh])
 
             row["ms_fwd_bwd"] = {"ssmc": bench(train(ours)), "eager": bench(train(fn))}
+            if a.profile:
+                row["profile_fwd_bwd"] = profiled(train(ours), torch.device(dev))
             if not a.no_inductor:
                 torch._dynamo.reset()
                 ind = torch.compile(fn)

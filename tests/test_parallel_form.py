@@ -284,6 +284,36 @@ def test_chunked_ssd_on_the_gpu():
     assert (hT.double().cpu() - wh).abs().max() < 1e-4 * wh.abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_chunked_ssd_gradients_on_the_gpu(dtype, tol):
+    """Training through the region: B and C per head (no heads share them), p 64, several
+    chunks. In bf16 this shape made Triton 3.6 miscompile ssd_bwd_dbc while the core kept a
+    state every second chunk (an illegal address on an H100; wrong dB and du in nearby
+    specializations): every gradient against float64 autograd of the same rounded inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    from ssmc.runtime.op import lookup
+    ins = [t.cuda().to(dtype).requires_grad_() for t in inputs(b=1, L=256, h=2, p=64, n=32, seed=9)]
+    fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 64, final=True)     # noqa: E731
+    torch._dynamo.reset()
+    report = ssmc.Report()
+    ours = torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=report))
+    y, hT = ours(*ins)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gy = torch.randn(y.shape, generator=g, device="cuda").to(y.dtype)
+    gh = torch.randn(hT.shape, generator=g, device="cuda").to(hT.dtype)
+    got = torch.autograd.grad([y, hT], ins, [gy, gh])
+    ins64 = [t.detach().double().requires_grad_() for t in ins]
+    wy, wh = fn(*ins64)
+    want = torch.autograd.grad([wy, wh], ins64, [gy.double(), gh.double()])
+    for name, o, w in [("y", y, wy), ("state", hT, wh), *zip(("dx", "da", "dB", "dC"), got, want)]:
+        assert torch.isfinite(o).all(), name
+        err = float((o.double() - w).abs().max() / w.abs().max())
+        assert err < tol, f"{name}: rel err {err:.3g}\n{report}"
+    note = lookup(report.regions[0].key).kernel.backward_note() or ""
+    assert "ssmc/targets/ssd_core.py" in note, note
+
 @pytest.mark.parametrize("final", [False, True], ids=["y", "y_and_state"])
 def test_the_triton_ssd_kernel_runs_it_under_the_interpreter(final, interp):
     """The region a parallel form becomes runs the chunked SSD's Triton kernel (interpreted,

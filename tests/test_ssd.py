@@ -1064,10 +1064,10 @@ def test_core_config_overrides_restore_and_name_bad_kernels():
     CONFIG does not have."""
     from ssmc.targets import ssd_core
     before = {k: dict(v) for k, v in ssd_core.CONFIG.items()}
-    with ssd_core.overridden({"core": {"KEEP": 1}, "bwd_dbc": {"BLOCK_N": 64}}):
-        assert ssd_core.config("core", "tl.bfloat16")["KEEP"] == 1
+    with ssd_core.overridden({"core": {"KEEP": 2}, "bwd_dbc": {"BLOCK_N": 64}}):
+        assert ssd_core.config("core", "tl.bfloat16")["KEEP"] == 2
         assert ssd_core.CONFIG["bwd_dbc"]["BLOCK_N"] == 64 and ssd_core.CONFIG["bwd_dbc"]["heads"] == before["bwd_dbc"]["heads"]
-        assert ssd_core.Spec((2, 3), 300, 8, 8, None, "tl.bfloat16", False).keep == 1
+        assert ssd_core.Spec((2, 3), 300, 8, 8, None, "tl.bfloat16", False).keep == 2
     assert ssd_core.CONFIG == before
     assert ssd_core.Spec((2, 3), 300, 8, 8, None, "tl.bfloat16", False).keep == before["core"]["KEEP"]
     # a group is never longer than the sequence, and stays a power of two

@@ -34,8 +34,14 @@ LOG2E = 1.4426950408889634
 # tile sizes and warps per kernel (p, n rounded up to powers of two, at least 16: tl.dot's minimum)
 # core: the chunk of training's core (ssd_autograd.py) and KEEP, the chunks per kept state: the
 # state buffers (the start states H and their gradients, the largest tensors of the backward)
-# hold one state every KEEP chunks, and the chunk kernels recompute the others from them
-CONFIG = {"core": {"CHUNK": 64, "KEEP": 2},
+# hold one state every KEEP chunks, and the chunk kernels recompute the others from them.
+# KEEP 1: with KEEP 2 (half the state memory), Triton 3.6 miscompiles ssd_bwd_dbc on sm_90 where
+# its recompute (a tl.dot under a run-time branch) meets some specializations: on an H100, bf16,
+# p 64, per-head B and C (no heads looped: HEADS == 1) it read shared memory out of range (an
+# illegal address), and with 8 warps or unspecialized strides its dB and du were wrong (errors
+# 0.2-0.55), with no fault; with KEEP 1 all of these matched float64 (benchmarks/NOTES.md,
+# session of 2026-12-07, third)
+CONFIG = {"core": {"CHUNK": 64, "KEEP": 1},
           "chunk_state": {"BLOCK_P": 64, "BLOCK_N": 128, "num_warps": 4},
           "pass": {"BLOCK": 256, "num_warps": 2},
           "chunk_fwd": {"BLOCK_P": 64, "num_warps": 4},
