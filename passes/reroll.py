@@ -152,9 +152,11 @@ def _parallel_forms(ctx) -> list[Loop]:
     if not loops:
         ctx.fallbacks += [("parallel form", why) for f, why in found if f is None]
     for lp in loops:
-        a, x, B, C = (r.source.name for r in lp.reads)
-        ctx.note(f"reroll: a chunked SSD in parallel form (exp of segment sums) proven equal, by a random "
-                 f"evaluation at its sizes, to the scan h = exp({a}) h + {x} {B}^T, y = h {C}; taken as that loop")
+        *a, x, B, C = (r.source.name for r in lp.reads)
+        what, step = (("a chunked SSD in parallel form (exp of segment sums)", f"h = exp({a[0]}) h") if a else
+                      ("chunked linear attention in parallel form (scores masked to zero)", "h = h"))
+        ctx.note(f"reroll: {what} proven equal, by a random evaluation at its sizes, to the scan "
+                 f"{step} + {x} {B}^T, y = h {C}; taken as that loop")
     return loops
 
 

@@ -1,13 +1,15 @@
 """Scans written without a loop: the chunked SSD in its parallel form, as HF transformers'
-Mamba2 family and the "minimal SSD" listings compute it.
+Mamba2 family and the "minimal SSD" listings compute it, and chunked linear attention.
 
 Such code cuts the sequence into chunks (``x.reshape(b, -1, chunk, ...)``), builds the decays
-within a chunk as ``exp`` of masked segment sums of the log-decays, runs the states across
-chunks, and merges the chunks back (``y.reshape(b, -1, ...)``). What it computes is the scan
+within a chunk as ``exp`` of masked segment sums of the log-decays (or, with no decay, masks a
+chunk's scores q k^T to zero above the diagonal), runs the states across chunks, and merges the
+chunks back (``y.reshape(b, -1, ...)``). What it computes is the scan
 
     h_t = exp(a_t) * h_{t-1} + x_t (outer) B_t,     y_t = h_t . C_t,
 
-over the chunked length, from zeros or a state passed in, and often returns the last state too.
+(a = 0 without decays) over the chunked length, from zeros or a state passed in, and often
+returns the last state too.
 This module finds the pieces, and proves the claim the way one proves two analytic functions
 equal: it evaluates the graph's nodes between the chunk splits and the merge on random inputs
 at the graph's own sizes and compares with the scan (float64, a sample of rows). Which input
@@ -29,7 +31,12 @@ from .loop import Loop, Read, Result
 from .ops import _hint, ancestors, descendants, impure, mutated, shape, value
 
 _VIEWS = {"reshape", "view", "_unsafe_view", "unflatten", "flatten"}
-_MASKS = {"tril", "triu", "masked_fill", "masked_fill_", "where"}
+_MASKS = {"tril", "triu", "masked_fill", "masked_fill_", "tril_", "triu_", "where"}
+# ops whose result is a new tensor, never a view of an argument (an in-place write to it inside a
+# form changes no input)
+_INPLACE_MASKS = {"masked_fill_", "tril_", "triu_"}
+_FRESH = {"matmul", "bmm", "einsum", "mul", "add", "sub", "div", "truediv", "exp", "cumsum", "tril",
+          "triu", "masked_fill", "where", "clone", "zeros_like", "ones_like", "neg", "pow", "sum"}
 
 
 class NotTaken(ValueError):
@@ -53,6 +60,29 @@ def _segment_sums(graph: fx.Graph, depth: int = 8) -> list[fx.Node]:
                 found.append(n)
                 break
             todo += [(a, d + 1) for a in m.all_input_nodes]
+    return found
+
+
+def _zero_masks(graph: fx.Graph) -> list[fx.Node]:
+    """Square (..., c, c) tensors computed from the graph's inputs and masked to zero by a
+    triangular pattern: `tril`/`triu` of them, or `masked_fill`/`where` with 0, as a chunk's
+    scores q k^T are in chunked linear attention (a softmax's mask fills -inf instead)."""
+    found, memo = [], {}
+    for n in graph.nodes:
+        if n.op not in ("call_function", "call_method") or _name(n) not in _MASKS or not n.args:
+            continue
+        shp = _hshape(n)
+        if len(shp) < 2 or shp[-1] != shp[-2] or shp[-1] < 2 or _constant(n, memo):
+            continue
+        name = _name(n)
+        if name in ("masked_fill", "masked_fill_"):
+            fill = n.args[2] if len(n.args) > 2 else n.kwargs.get("value")
+        elif name == "where":           # where(mask, 0, scores) or where(mask, scores, 0)
+            fill = next((a for a in n.args[1:3] if not isinstance(a, fx.Node)), None)
+        else:
+            fill = 0
+        if isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill == 0:
+            found.append(n)
     return found
 
 
@@ -109,7 +139,21 @@ class _Form:
         order = {n: i for i, n in enumerate(graph.nodes)}
         src = set(sources)
         inner = (descendants(src) & ancestors([out])) - ancestors(src)
+        # in-place masks of its tensors (`scores.masked_fill_(mask, 0)`, its value unused): no
+        # data edge leads from them to the output, but they are part of what it computes
+        for n in graph.nodes:
+            if _name(n) in _INPLACE_MASKS and mutated(n) in inner:
+                inner.add(n)
         self.nodes = sorted(inner, key=order.__getitem__)
+        # what the region replaces: the nodes read by each other alone (the in-place writes among
+        # them too, which dead-code elimination would keep), erased last to first after `out`
+        dead = inner - {out}
+        while True:
+            used = {n for n in dead if any(u not in dead and u is not out for u in n.users)}
+            if not used:
+                break
+            dead -= used
+        self.dead = sorted(dead, key=order.__getitem__)
         memo: dict = {}
         self.init = None                # a tensor from outside: at most one, the initial state
         for n in self.nodes:
@@ -139,10 +183,14 @@ class _Form:
                 if order[s] > order[self.anchor]]
         if late:
             raise NotTaken(f"its final state is used (by {self.anchor.name}) before {late[0].name} is computed")
-        # the region reads its inputs at the anchor: nothing may write in place before that
+        # the region reads its inputs at the anchor: nothing may write in place before that, but
+        # for a mask on a form's own new tensor (`scores.masked_fill_(mask, 0)`), which no input
+        # aliases
         first = order[self.nodes[0]] if self.nodes else order[out]
         for n in graph.nodes:
-            if first <= order[n] < order[self.anchor] and mutated(n) is not None:
+            m = mutated(n)
+            if first <= order[n] < order[self.anchor] and m is not None \
+                    and not (_name(n) in _INPLACE_MASKS and m in inner and _name(m) in _FRESH):
                 raise NotTaken(f"{n.name} writes in place among its nodes")
 
     def evaluate(self, values: dict) -> dict:
@@ -224,8 +272,10 @@ def _roles(form: _Form, dims: dict, T: int):
                for n in [*form.nodes, *form.sources])
     tol = 3e-2 if half else 1e-4
     tried = 0
-    for a in form.used:
-        batch, rest = S[a], [s for s in form.used if s is not a]
+    # decays read from one of the inputs; with no segment sums, none (a = 0)
+    for a in (form.used if form.decayed else [None]):
+        batch = S[a] if a is not None else y_shape[:-1]
+        rest = [s for s in form.used if s is not a]
         # each of the others plays one role; B and C may be one tensor (tied)
         fits = [(x, B, C) for x, B, C in itertools.product(rest, repeat=3)
                 if {x, B, C} == set(rest) and x not in (B, C) and y_shape[:-1] == batch
@@ -234,7 +284,8 @@ def _roles(form: _Form, dims: dict, T: int):
             continue
         gen = torch.Generator().manual_seed(0)
         vals = {s: torch.randn(_hshape(s), generator=gen, dtype=torch.float64) for s in form.used}
-        vals[a] = _decays(_hshape(a), dims[a], T, gen)
+        if a is not None:
+            vals[a] = _decays(_hshape(a), dims[a], T, gen)
         if form.init is not None:
             vals[form.init] = torch.randn(_hshape(form.init), generator=gen, dtype=torch.float64)
         # float64 where the graph's inputs are; otherwise their own dtype (ops that do not promote
@@ -251,7 +302,8 @@ def _roles(form: _Form, dims: dict, T: int):
         got = got.movedim(form.out_dim, 0).reshape(T, n_rows, -1).double().cpu()
         rows = torch.randperm(n_rows, generator=gen)[:8]
         for x, B, C in fits:
-            ts = [vals[s].movedim(dims[s], 0) for s in (a, x, B, C)]
+            ts = [vals[s].movedim(dims[s], 0) for s in (x, B, C)]
+            ts.insert(0, ts[0].new_zeros(T, *batch) if a is None else vals[a].movedim(dims[a], 0))
             p, n = S[x][-1], S[B][-1]
             # a state from outside or read after: batch dims then (p, n), or (n, p) (flipped)
             for flip in ((False, True) if form.init is not None else (False,)):
@@ -279,18 +331,58 @@ def _roles(form: _Form, dims: dict, T: int):
                 return a, x, B, C
     if tried:
         h0 = f" from the state {form.init.name}" if form.init is not None else ""
-        raise NotTaken(f"it is not the scan h = exp(a) h + x B^T, y = h C{h0} for any assignment of its inputs "
+        scan = "h = exp(a) h + x B^T" if form.decayed else "h = h + x B^T"
+        raise NotTaken(f"it is not the scan {scan}, y = h C{h0} for any assignment of its inputs "
                        f"({tried} tried against a random evaluation)")
-    raise NotTaken("its inputs' shapes fit no (a, x, B, C) of the scan (a: batch dims, x and y: batch + p, "
+    if form.decayed:
+        raise NotTaken("its inputs' shapes fit no (a, x, B, C) of the scan (a: batch dims, x and y: batch + p, "
+                       "B and C: batch + n)")
+    raise NotTaken("its inputs' shapes fit no (x, B, C) of the scan h = h + x B^T, y = h C (x and y: batch + p, "
                    "B and C: batch + n)")
+
+
+_SCALE_OPS = {"mul", "truediv", "div"}
+_CHAIN_VIEWS = _VIEWS | {"permute", "transpose", "movedim", "contiguous", "unsqueeze", "squeeze"}
+
+
+def _hoist_scales(graph: fx.Graph, cs: int) -> None:
+    """A chunk split whose views lead, each their only user, to a product with a number
+    (`rearrange(q, "b (n c) h d -> b h n c d") * scale`): the product moves before the split,
+    onto the tensor split (the same values), so that the scaled tensor is the form's input."""
+    for v in list(graph.nodes):
+        if not _is_view(v) or _split_dim(_hshape(v.args[0]), _hshape(v), cs) is None:
+            continue
+        n = v
+        while len(n.users) == 1:
+            u = next(iter(n.users))
+            name = _name(u) if u.op in ("call_function", "call_method") else ""
+            if name in _CHAIN_VIEWS and u.args and u.args[0] is n:
+                n = u
+                continue
+            num = [a for a in u.args if not isinstance(a, fx.Node)]
+            src = v.args[0]
+            if (name in _SCALE_OPS and len(u.args) == 2 and not u.kwargs and len(num) == 1
+                    and isinstance(num[0], (int, float)) and not isinstance(num[0], bool)
+                    and (name == "mul" or u.args[0] is n) and getattr(value(src), "is_floating_point", lambda: False)()
+                    and value(u).dtype == value(src).dtype):
+                args = tuple(src if a is n else a for a in u.args)
+                with graph.inserting_before(v):
+                    m = graph.call_function(u.target, args) if u.op == "call_function" else \
+                        graph.call_method(u.target, args)
+                _Builder(graph, _fake_mode(graph)).example(m)
+                v.replace_input_with(src, m)
+                u.replace_all_uses_with(n)
+                graph.erase_node(u)
+            break
 
 
 def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
     """Candidates (form, "") and the reasons forms were found but not taken (None, reason)."""
     out, taken = [], set()
-    sums = _segment_sums(graph)
-    sizes = sorted({_hshape(e)[-1] for e in sums if len(_hshape(e)) >= 2})
+    sums, masks = _segment_sums(graph), _zero_masks(graph)
+    sizes = sorted({_hshape(e)[-1] for e in [*sums, *masks] if len(_hshape(e)) >= 2})
     for cs in sizes:
+        _hoist_scales(graph, cs)
         sources, dims = [], {}
         for n in graph.nodes:
             if _is_view(n):
@@ -314,8 +406,10 @@ def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
             srcs = [s for s in sources if _hshape(s)[dims[s]] == T and s in above]
             try:
                 form = _Form(graph, srcs, m, d)
-                if not any(e in form.nodes for e in sums) or taken & set(form.nodes):
-                    continue            # no segment sums of its own, or inside a form already taken
+                inside = set(form.nodes)
+                form.decayed = any(e in inside for e in sums)
+                if not (form.decayed or any(e in inside for e in masks)) or taken & inside:
+                    continue            # no anchor of its own, or inside a form already taken
                 form.roles = _roles(form, dims, T)
                 form.dims, form.length = dims, T
                 out.append((form, ""))
@@ -326,22 +420,27 @@ def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
 
 
 def loop_from_form(gm: fx.GraphModule, form: _Form) -> Loop:
-    """The step h = exp(a) h + x B^T, y = h C over the form's chunked inputs."""
+    """The step h = exp(a) h + x B^T (h = h + x B^T without decays), y = h C over the form's
+    chunked inputs."""
     a, x, B, C = form.roles
+    srcs = [s for s in (a, x, B, C) if s is not None]
     body = fx.Graph()
     b = _Builder(body, _fake_mode(gm.graph))
     h = body.placeholder("carry_0")
-    reads = [body.placeholder(f"read_{i}") for i in range(4)]
+    reads = [body.placeholder(f"read_{i}") for i in range(len(srcs))]
     with b.mode if b.mode is not None else contextlib.nullcontext():
-        for ph, src in zip(reads, (a, x, B, C)):
+        for ph, src in zip(reads, srcs):
             ph.meta["example_value"] = torch.select(value(src), form.dims[src], 0)
-        xv, Bv = reads[1].meta["example_value"], reads[2].meta["example_value"]
+        xv, Bv = reads[-3].meta["example_value"], reads[-2].meta["example_value"]
         h.meta["example_value"] = xv[..., :, None] * Bv[..., None, :]
-    ra, rx, rB, rC = reads
-    dA = b.call(None, torch.exp, (ra,))
-    dA = b.call(None, torch.unsqueeze, (b.call(None, torch.unsqueeze, (dA, -1)), -1))
+    rx, rB, rC = reads[-3:]
     xB = b.call(None, torch.mul, (b.call(None, torch.unsqueeze, (rx, -1)), b.call(None, torch.unsqueeze, (rB, -2))))
-    new = b.call(None, torch.add, (b.call(None, torch.mul, (dA, h)), xB))
+    if a is None:
+        new = b.call(None, torch.add, (h, xB))
+    else:
+        dA = b.call(None, torch.exp, (reads[0],))
+        dA = b.call(None, torch.unsqueeze, (b.call(None, torch.unsqueeze, (dA, -1)), -1))
+        new = b.call(None, torch.add, (b.call(None, torch.mul, (dA, h)), xB))
     y = b.call(None, torch.sum, (b.call(None, torch.mul, (new, b.call(None, torch.unsqueeze, (rC, -2)))), -1))
     results, lasts = [Result("steps", "stack", form.out_dim, [form.out])], []
     for flip in (False, True):         # the final state, however many nodes hold it, per layout
@@ -350,7 +449,7 @@ def loop_from_form(gm: fx.GraphModule, form: _Form) -> Loop:
             results.append(Result("last", replace=held))
             lasts.append(b.call(None, torch.transpose, (new, -1, -2)) if flip else new)
     body.output((new, y, *lasts))
-    fixed = all(isinstance(shape(s)[form.dims[s]], int) for s in (a, x, B, C))
+    fixed = all(isinstance(shape(s)[form.dims[s]], int) for s in srcs)
     init, made = None, []
     if form.init is not None:          # the initial state as the carry's shape
         init = form.init
@@ -363,6 +462,7 @@ def loop_from_form(gm: fx.GraphModule, form: _Form) -> Loop:
             init = outer.call(form.anchor, torch.transpose, (init, -1, -2))
             made.append(init)
     return Loop("", fx.GraphModule(gm, body), form.length if fixed else None, [init],
-                [Read(s, form.dims[s], 0) for s in (a, x, B, C)], [], results,
-                erase=[form.out], anchor=form.anchor, origin="chunked SSD in parallel form", made=made)
+                [Read(s, form.dims[s], 0) for s in srcs], [], results, erase=[*form.dead, form.out], anchor=form.anchor,
+                origin="chunked SSD in parallel form" if a is not None else "chunked linear attention in parallel form",
+                made=made)
 

@@ -268,6 +268,122 @@ def test_find_forms_names_the_roles():
     assert [r.all_input_nodes[0].name for r in forms[0].roles] == ["l_a_", "l_x_", "l_b_", "l_c_"]
 
 
+def chunked_linear_attention(q, k, v, cs, mask="masked_fill_", final=False, scale=None):
+    """o_t = sum_{s<=t} (q_t . k_s) v_s chunk by chunk, with no decay: the states k^T v summed
+    over the earlier chunks (a cumsum), a chunk's own scores masked to zero above the diagonal
+    (in place, by tril or by where; "diagonal" masks the diagonal too: a near miss); q (b, L, h,
+    dk) scaled after the split by `scale`; with `final`, the state after the last chunk (h, dk, dv)."""
+    b, L, h, _ = q.shape
+    nc = L // cs
+    qc, kc, vc = (t.reshape(b, nc, cs, h, t.shape[-1]) for t in (q, k, v))
+    if scale is not None:
+        qc = qc.transpose(2, 3) * scale
+        qc = qc.transpose(2, 3)
+    kv = torch.einsum("bcshk,bcshv->bchkv", kc, vc)
+    upto = kv.cumsum(1)
+    before = torch.cat([torch.zeros_like(upto[:, :1]), upto[:, :-1]], 1)
+    inter = torch.einsum("bclhk,bchkv->bclhv", qc, before)
+    scores = torch.einsum("bclhk,bcshk->bchls", qc, kc)
+    above = torch.ones(cs, cs, dtype=torch.bool, device=q.device).triu(1 if mask != "diagonal" else 0)
+    if mask in ("masked_fill_", "diagonal"):
+        scores.masked_fill_(above, 0)
+    elif mask == "tril":
+        scores = scores.tril()
+    else:
+        scores = torch.where(above, 0.0, scores)
+    o = (inter + torch.einsum("bchls,bcshv->bclhv", scores, vc)).reshape(b, L, h, -1)
+    return (o, upto[:, -1]) if final else o
+
+
+def attention_loop(q, k, v):
+    """The same as a loop over steps: S += k_t^T v_t, o_t = q_t S."""
+    S = torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=q.dtype)
+    outs = []
+    for t in range(q.shape[1]):
+        S = S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append((S * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def qkv(b=2, L=24, h=3, dk=4, dv=5, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, L, h, d, generator=g, dtype=dtype) for d in (dk, dk, dv)]
+
+
+@pytest.mark.parametrize("mask", ["masked_fill_", "tril", "where"])
+@pytest.mark.parametrize("final", [False, True], ids=["o", "o_and_state"])
+def test_chunked_linear_attention_is_taken(mask, final):
+    """No decay: the chunk's scores masked to zero (in place too) and the states summed over the
+    chunks by a cumsum are the scan h = h + v k^T, o = h q; the final state is laid out (dk, dv)."""
+    q, k, v = qkv()
+    fn = lambda q, k, v: chunked_linear_attention(q, k, v, 8, mask, final)     # noqa: E731
+    _, text = _regions(fn, q, k, v)
+    assert "1 region(s), 0 fallback(s)" in text and "chunked linear attention in parallel form" in text, text
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ssmc")(q, k, v)
+    wo, wh = attention_loop(q, k, v)
+    o = got[0] if final else got
+    assert (o - wo).abs().max() < 1e-10 * wo.abs().max()
+    if final:
+        assert (got[1] - wh).abs().max() < 1e-10 * wh.abs().max()
+
+
+def test_a_scale_after_the_split_moves_onto_the_input():
+    """`rearrange(q, ...) * scale`: the product with a number moves before the split (the same
+    values), so the scaled q is the scan's C; the gradients reach q through it."""
+    q, k, v = (t.requires_grad_() for t in qkv(L=16, seed=3))
+    fn = lambda q, k, v: chunked_linear_attention(q, k, v, 4, "tril", scale=0.25)     # noqa: E731
+    _, text = _regions(fn, q, k, v)
+    assert "1 region(s), 0 fallback(s)" in text, text
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ssmc")(q, k, v)
+    want, _ = attention_loop(q * 0.25, k, v)
+    assert (got - want).abs().max() < 1e-10 * want.abs().max()
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        assert (a - b).abs().max() < 1e-10 * b.abs().max()
+
+
+def test_a_mask_off_by_the_diagonal_is_declined_and_runs_as_written():
+    q, k, v = qkv(seed=5)
+    fn = lambda q, k, v: chunked_linear_attention(q, k, v, 8, "diagonal", scale=0.5)     # noqa: E731
+    _, text = _regions(fn, q, k, v)
+    assert "0 region(s)" in text and "not the scan h = h + x B^T" in text, text
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ssmc")(q, k, v)
+    assert torch.equal(got, fn(q, k, v))
+
+
+def test_softmax_in_chunks_is_no_candidate():
+    """A mask filled with -inf (softmax attention within chunks) is no zero mask: no form, no
+    reason in the report."""
+    q, k, v = qkv(seed=6)
+
+    def fn(q, k, v):
+        b, L, h, d = q.shape
+        qc, kc, vc = (t.reshape(b, L // 8, 8, h, t.shape[-1]) for t in (q, k, v))
+        s = torch.einsum("bclhk,bcshk->bchls", qc, kc)
+        s = s.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        return torch.einsum("bchls,bcshv->bclhv", s, vc).reshape(b, L, h, -1)
+    _, text = _regions(fn, q, k, v)
+    assert "parallel form" not in text, text
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, backend="ssmc")(q, k, v), fn(q, k, v))
+
+
+def test_chunked_linear_attention_gradients():
+    q, k, v = (t.requires_grad_() for t in qkv(L=20, seed=7))
+    fn = lambda q, k, v: chunked_linear_attention(q, k, v, 4, "masked_fill_", True)     # noqa: E731
+    torch._dynamo.reset()
+    o, hT = torch.compile(fn, backend="ssmc")(q, k, v)
+    wo, wh = attention_loop(q, k, v)
+    go, gh = torch.randn_like(wo), torch.randn_like(wh)
+    got = torch.autograd.grad([o, hT], (q, k, v), [go, gh])
+    want = torch.autograd.grad([wo, wh], (q, k, v), [go, gh])
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() < 1e-10 * b.abs().max()
+
+
 @pytest.mark.gpu
 def test_chunked_ssd_on_the_gpu():
     if not torch.cuda.is_available():
@@ -323,6 +439,16 @@ def test_the_triton_ssd_kernel_runs_it_under_the_interpreter(final, interp):
     fn = lambda x, a, B, C: chunked_ssd(x, a, B, C, 8, final=final)     # noqa: E731
     report, _ = check_run(fn, (x, a, B, C), "chunked_ssd", S.SSDKernel)
     assert "chunked SSD in parallel form" in str(report)
+
+
+def test_chunked_linear_attention_runs_the_triton_ssd_kernel_under_the_interpreter(interp):
+    """No decay (a = 0) on the chunked SSD's Triton kernel (interpreted, outputs poisoned first),
+    the output and the final state equal to float64 eager."""
+    from test_ssd import S, check_run
+    q, k, v = (t.float() for t in qkv(L=24, h=2, dk=16, dv=16, seed=8))
+    fn = lambda q, k, v: chunked_linear_attention(q, k, v, 8, "masked_fill_", True)     # noqa: E731
+    report, _ = check_run(fn, (q, k, v), "chunked_ssd", S.SSDKernel)
+    assert "chunked linear attention in parallel form" in str(report)
 
 
 def test_a_failure_making_the_loop_leaves_the_form_as_written(monkeypatch):
