@@ -4,6 +4,12 @@ the GPU cannot hide the next shape's result), gradients against float64 autograd
 function on the same rounded inputs. Prints one JSON line a shape.
 
     python -m benchmarks.probe_pform_bwd --dtype bfloat16 --shape 4,2048,24,64,128,256 [--shape ...]
+        [--variant nospec_ints+keep1 ...]
+
+--variant runs each shape again with experiments on ssd_core's kernels ('+'-joined, patched in
+before anything renders them: no int argument of ssd_bwd_dbc specialized, 8 warps or BLOCK_P 32
+for it, KEEP 1, ...; VARIANTS below), as used to find the miscompile of KEEP 2
+(benchmarks/NOTES.md, third session of 2026-12-07).
 """
 from __future__ import annotations
 
