@@ -430,6 +430,29 @@ def test_chunked_ssd_gradients_on_the_gpu(dtype, tol):
     note = lookup(report.regions[0].key).kernel.backward_note() or ""
     assert "ssmc/targets/ssd_core.py" in note, note
 
+@pytest.mark.gpu
+def test_chunked_linear_attention_on_the_gpu():
+    """fla-style chunked linear attention (in-place mask, q scaled after the split) on the GPU:
+    output, final state and gradients against float64 autograd of the same rounded inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    ins = [t.cuda().float().requires_grad_() for t in qkv(b=2, L=256, h=2, dk=64, dv=64, seed=11)]
+    fn = lambda q, k, v: chunked_linear_attention(q, k, v, 64, "masked_fill_", True, scale=0.125)  # noqa: E731
+    torch._dynamo.reset()
+    report = ssmc.Report()
+    o, hT = torch.compile(fn, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=report))(*ins)
+    assert len(report.regions) == 1, str(report)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    go, gh = (torch.randn(t.shape, generator=g, device="cuda") for t in (o, hT))
+    got = torch.autograd.grad([o, hT], ins, [go, gh])
+    ins64 = [t.detach().double().requires_grad_() for t in ins]
+    wo, wh = fn(*ins64)
+    want = torch.autograd.grad([wo, wh], ins64, [go.double(), gh.double()])
+    for name, a, w in [("o", o, wo), ("state", hT, wh), *zip(("dq", "dk", "dv"), got, want)]:
+        err = float((a.double() - w).abs().max() / w.abs().max())
+        assert err < 1e-4, f"{name}: rel err {err:.3g}\n{report}"
+
+
 @pytest.mark.parametrize("final", [False, True], ids=["y", "y_and_state"])
 def test_the_triton_ssd_kernel_runs_it_under_the_interpreter(final, interp):
     """The region a parallel form becomes runs the chunked SSD's Triton kernel (interpreted,
