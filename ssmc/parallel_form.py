@@ -404,6 +404,14 @@ def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
             T = _hshape(m)[d]
             above = ancestors([m])
             srcs = [s for s in sources if _hshape(s)[dims[s]] == T and s in above]
+            if not any(_hshape(e)[-1] == cs for e in sums):
+                # zero masks only: scores of chunked inputs (x and B are two of them) over two
+                # chunks or more; a mask over one chunk, or one not computed from the chunks, is an
+                # attention's (HF models: a position bias between a (b * L) -> (b, L) cut and back)
+                below = descendants(srcs)
+                if len(srcs) < 2 or T < 2 * cs or not any(
+                        _hshape(e)[-1] == cs and e in below and (mutated(e) or e) in above for e in masks):
+                    continue
             try:
                 form = _Form(graph, srcs, m, d)
                 inside = set(form.nodes)

@@ -371,6 +371,30 @@ def test_softmax_in_chunks_is_no_candidate():
     assert torch.equal(torch.compile(fn, backend="ssmc")(q, k, v), fn(q, k, v))
 
 
+def test_zero_masked_scores_over_one_chunk_are_no_candidate():
+    """A zero-filled (L, L) mask with the sequence "cut" into one chunk is how attention masks
+    look too (HF models): no form without decays unless there are two chunks or more."""
+    q, k, v = qkv(L=8, seed=9)
+    fn = lambda q, k, v: chunked_linear_attention(q, k, v, 8, "tril")     # noqa: E731
+    _, text = _regions(fn, q, k, v)
+    assert "parallel form" not in text, text
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, backend="ssmc")(q, k, v), fn(q, k, v))
+
+
+def test_a_zero_mask_between_a_batch_cut_and_its_merge_is_no_candidate():
+    """HF decoder layers view (b * L, d) tokens as (b, L, d) and back, with zero-filled (L, L)
+    masks between: one tensor cut, so no x and B of a scan, no form and no reason."""
+    x = torch.randn(2 * 8, 4, dtype=torch.float64)
+
+    def fn(x):
+        xv = x.view(2, 8, 4)
+        s = (xv @ xv.transpose(1, 2)).tril()
+        return (s @ xv).reshape(16, 4)
+    _, text = _regions(fn, x)
+    assert "parallel form" not in text, text
+
+
 def test_chunked_linear_attention_gradients():
     q, k, v = (t.requires_grad_() for t in qkv(L=20, seed=7))
     fn = lambda q, k, v: chunked_linear_attention(q, k, v, 4, "masked_fill_", True)     # noqa: E731
