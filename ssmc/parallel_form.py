@@ -408,9 +408,9 @@ def find_forms(graph: fx.Graph) -> list[tuple[_Form | None, str]]:
                 # zero masks only: scores of chunked inputs (x and B are two of them) over two
                 # chunks or more; a mask over one chunk, or one not computed from the chunks, is an
                 # attention's (HF models: a position bias between a (b * L) -> (b, L) cut and back)
-                below = descendants(srcs)
+                reached = descendants(srcs)
                 if len(srcs) < 2 or T < 2 * cs or not any(
-                        _hshape(e)[-1] == cs and e in below and (mutated(e) or e) in above for e in masks):
+                        _hshape(e)[-1] == cs and e in reached and (mutated(e) or e) in above for e in masks):
                     continue
             try:
                 form = _Form(graph, srcs, m, d)
