@@ -32,8 +32,8 @@ from .ops import _hint, ancestors, descendants, impure, mutated, shape, value
 
 _VIEWS = {"reshape", "view", "_unsafe_view", "unflatten", "flatten"}
 _MASKS = {"tril", "triu", "masked_fill", "masked_fill_", "tril_", "triu_", "where"}
-# ops whose result is a new tensor, never a view of an argument (an in-place write to it inside a
-# form changes no input)
+# in-place masks a form may hold, on a tensor it computed with one of _FRESH: ops whose result is
+# a new tensor, never a view of an argument (a write to it changes no input)
 _INPLACE_MASKS = {"masked_fill_", "tril_", "triu_"}
 _FRESH = {"matmul", "bmm", "einsum", "mul", "add", "sub", "div", "truediv", "exp", "cumsum", "tril",
           "triu", "masked_fill", "where", "clone", "zeros_like", "ones_like", "neg", "pow", "sum"}
