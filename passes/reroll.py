@@ -78,16 +78,26 @@ class Reroll(Pass):
         except Exception as e:      # the search is best effort: the rest of the graph goes on
             log.debug("ssmc: inlined scan search failed", exc_info=True)
             ctx.fallbacks.append(("inlined associative_scan", f"search failed: {type(e).__name__}: {e}"))
+        written = []
+        try:
+            written = loops_from_written_scans(ctx)
+        except Exception as e:      # best effort, as the inlined scans' search
+            log.debug("ssmc: written scan search failed", exc_info=True)
+            ctx.fallbacks.append(("written parallel scan", f"search failed: {type(e).__name__}: {e}"))
+        loops += written
+        taken = {n for lp in written for n in lp.erase}
         loops += _parallel_forms(ctx)
         for n in symbolic_trees(ctx.gm.graph)[:1]:
             ctx.fallbacks.append((n.name, "associative_scan (generic, inlined) not taken: its length is "
                                   "symbolic (Dynamo recompiled for another length), the tree runs as captured"))
-        unrolled = find_unrolled(ctx.gm, ctx)
+        before = len(ctx.fallbacks)
+        spans = [(lp.erase[0], lp.erase[-2]) for lp in written]    # (the last is the scan's stand-in)
+        unrolled = find_unrolled(ctx.gm, ctx, spans)
         if not unrolled:            # a list of per-step tensors passed in: stacked, then searched again
             lists = stack_list_inputs(ctx.gm)
             if lists:
                 said = len(ctx.fallbacks)
-                unrolled = find_unrolled(ctx.gm, ctx)
+                unrolled = find_unrolled(ctx.gm, ctx, spans)
                 if not unrolled:        # what that search said is about the stacks, now undone
                     del ctx.fallbacks[said:]
                 used = {r.source for lp in unrolled for r in lp.reads}
@@ -97,6 +107,10 @@ class Reroll(Pass):
                                  "stacked into one (its elements are the steps)")
                     else:
                         unstack(ctx.gm, st)
+        if taken:       # a written scan's own nodes: no other loop, nor a word on why they are none
+            unrolled = [lp for lp in unrolled if not taken & set(lp.erase)]
+            names = {n.name for n in taken}
+            ctx.fallbacks[:] = [f for i, f in enumerate(ctx.fallbacks) if i < before or f[0] not in names]
         loops += unrolled
         if not loops and not ctx.fallbacks:
             ctx.note("reroll: no loop here: no tensor is read at consecutive indices (x[:, t], "
@@ -350,8 +364,10 @@ MAX_DEPTH = 8      # a step may read values computed up to this many steps back 
 
 # -- finding unrolled loops -----------------------------------------------------------------
 
-def find_unrolled(gm: fx.GraphModule, ctx) -> list[Loop]:
-    loops, spans, failed = [], [], []      # spans: (first, last) node of each loop's steps
+def find_unrolled(gm: fx.GraphModule, ctx, skip=()) -> list[Loop]:
+    """The unrolled loops of the graph; `skip`: (first, last) nodes of spans other loops took
+    (their reads are not searched)."""
+    loops, spans, failed = [], list(skip), []      # spans: (first, last) node of each loop's steps
     inside = transformed(gm.graph)
     why = ("torch.func", "reads inside torch.vmap or another torch.func transform are not searched for "
            "loops (their tensors are batched): such a loop runs as written")
@@ -1325,8 +1341,34 @@ def loops_from_inlined_scans(gm: fx.GraphModule) -> list[Loop]:
             for s in find_inlined_scans(gm.graph)]
 
 
-def _pair_loop(gm, a, b, replace, erase, anchor, origin) -> Loop:
-    """The loop h_t = a_t * h_{t-1} + b_t over dim 0 of a and b from a zero state, its stacked
+def loops_from_written_scans(ctx) -> list[Loop]:
+    """Parallel scans written out in torch ops (ssmc.written_scan: doubling, or up- and
+    down-sweeps on views in place). Each output's readers are moved to a new node standing for
+    the scan, placed before the first of them: the region goes there, and the scan's own nodes
+    (its writes in place included) go."""
+    from ssmc.written_scan import find_written_scans
+    gm = ctx.gm
+    scans, why = find_written_scans(gm.graph)
+    ctx.fallbacks.extend(why)
+    loops = []
+    for s in scans:
+        own = set(s.erase)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        readers = sorted({u for n in s.outputs for u in n.users if u not in own}, key=order.__getitem__)
+        with gm.graph.inserting_before(readers[0]):
+            stand = gm.graph.call_function(torch.Tensor.view_as, (s.outputs[0], s.outputs[0]))
+        stand.meta["example_value"] = s.outputs[0].meta.get("example_value")
+        for n in s.outputs:
+            for u in list(n.users):
+                if u not in own and u is not stand:
+                    u.replace_input_with(n, stand)
+        loops.append(_pair_loop(gm, s.decays, s.inputs, [stand], [*s.erase, stand], stand,
+                                "parallel scan (written out)", s.dim))
+    return loops
+
+
+def _pair_loop(gm, a, b, replace, erase, anchor, origin, dim: int = 0) -> Loop:
+    """The loop h_t = a_t * h_{t-1} + b_t over dim `dim` of a and b from a zero state, its stacked
     states standing for the outer nodes `replace`."""
     mode = _fake_mode(gm.graph)
     body = fx.Graph()
@@ -1334,15 +1376,15 @@ def _pair_loop(gm, a, b, replace, erase, anchor, origin) -> Loop:
     ra, rb = body.placeholder("read_0"), body.placeholder("read_1")
     with (mode if mode is not None else contextlib.nullcontext()):
         for ph, src in ((ra, a), (rb, b)):
-            ph.meta["example_value"] = torch.select(value_of(src), 0, 0)
-        h.meta["example_value"] = torch.select(value_of(b), 0, 0)
+            ph.meta["example_value"] = torch.select(value_of(src), dim, 0)
+        h.meta["example_value"] = torch.select(value_of(b), dim, 0)
         m = body.call_function(operator.mul, (ra, h))
         m.meta["example_value"] = h.meta["example_value"] * ra.meta["example_value"]
         new = body.call_function(operator.add, (m, rb))
         new.meta["example_value"] = m.meta["example_value"] + rb.meta["example_value"]
     body.output((new, new))
-    return Loop("", fx.GraphModule(gm, body), None, [None], [Read(a, 0, 0), Read(b, 0, 0)], [],
-                [Result("steps", "scan", 0, list(replace))], erase=erase, anchor=anchor,
+    return Loop("", fx.GraphModule(gm, body), None, [None], [Read(a, dim, 0), Read(b, dim, 0)], [],
+                [Result("steps", "scan", dim, list(replace))], erase=erase, anchor=anchor,
                 origin=origin)
 
 

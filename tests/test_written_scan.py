@@ -1,0 +1,255 @@
+"""Prefix scans written out in torch ops (ssmc.written_scan): by doubling (a cat of shifted
+halves, or a shifted pad), or an up- and down-sweep in place on views of the operands (the form
+of mamba.py's pscan), each proven element by element and compiled as the loop it computes;
+near misses and scans whose workings are read elsewhere run as written."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ssmc_run
+from test_triton import interp, poison_outputs  # noqa: F401  (interp: a fixture used by name)
+
+
+def sweep_(a, x, dim, skip_level=False, snoop=None):
+    """h_t = a_t h_(t-1) + x_t along `dim` (its length a power of two), in place in x: an
+    up-sweep combining neighbours into the right one of each pair, then a down-sweep completing
+    the left ones from the pair before. `skip_level` leaves the finest down-sweep out (wrong for
+    odd steps); `snoop` is called on x between the sweeps."""
+    views, av, xv = [], a, x
+    while xv.shape[dim] > 1:
+        T = xv.shape[dim]
+        pre, post = xv.shape[:dim], xv.shape[dim + 1:]
+        av, xv = av.view(*pre, T // 2, 2, *post), xv.view(*pre, T // 2, 2, *post)
+        views.append((av, xv))
+        lo = (slice(None),) * dim
+        xv[lo + (slice(None), 1)] += av[lo + (slice(None), 1)] * xv[lo + (slice(None), 0)]
+        av[lo + (slice(None), 1)] *= av[lo + (slice(None), 0)]
+        av, xv = av[lo + (slice(None), 1)], xv[lo + (slice(None), 1)]
+    if snoop is not None:
+        snoop(x)
+    for k, (av, xv) in enumerate(reversed(views)):
+        if skip_level and k == len(views) - 1:
+            break
+        lo = (slice(None),) * dim
+        xv[lo + (slice(1, None), 0)].add_(av[lo + (slice(1, None), 0)] * xv[lo + (slice(None, -1), 1)])
+        av[lo + (slice(1, None), 0)].mul_(av[lo + (slice(None, -1), 1)])
+
+
+def sweep_scan(a, x, skip_level=False, snoop=None):
+    """(b, L, d, n) operands padded to a power of two along L, moved to (b, d, L, n) and swept in
+    place on clones; the states cut back to L."""
+    L = x.shape[1]
+    P = 1 << (L - 1).bit_length()
+    a = F.pad(a, (0, 0, 0, 0, 0, P - L)).transpose(2, 1)
+    x = F.pad(x, (0, 0, 0, 0, 0, P - L)).transpose(2, 1)
+    sweep_(a, x, 2, skip_level, snoop)
+    return x.transpose(2, 1)[:, :L]
+
+
+def doubling_cat(a, h):
+    L, s = h.shape[1], 1
+    while s < L:
+        h = torch.cat([h[:, :s], h[:, s:] + a[:, s:] * h[:, :-s]], 1)
+        a = torch.cat([a[:, :s], a[:, s:] * a[:, :-s]], 1)
+        s *= 2
+    return h
+
+
+def doubling_pad(a, h):
+    L, s = h.shape[1], 1
+    while s < L:
+        pad = [0, 0] * (h.dim() - 2) + [s, 0]
+        h = h + a * F.pad(h, pad)[:, :L]
+        a = a * F.pad(a, pad, value=1.0)[:, :L]
+        s *= 2
+    return h
+
+
+SCANS = {"sweep": sweep_scan, "doubling_cat": doubling_cat, "doubling_pad": doubling_pad}
+
+
+def mixer(scan):
+    """A Mamba-1 selective scan around a parallel scan: discretization, scan, readout, skip."""
+    def fn(dt, A, B, C, x, D):
+        dA = torch.exp(dt.unsqueeze(-1) * A)
+        BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+        hs = scan(dA, BX)
+        return (hs @ C.unsqueeze(-1)).squeeze(3) + D * x
+    return fn
+
+
+def loop_mixer(dt, A, B, C, x, D):
+    """The same as a plain loop."""
+    dA = torch.exp(dt.unsqueeze(-1) * A)
+    BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+    h, ys = torch.zeros_like(BX[:, 0]), []
+    for t in range(x.shape[1]):
+        h = dA[:, t] * h + BX[:, t]
+        ys.append((h * C[:, t, None]).sum(-1))
+    return torch.stack(ys, 1) + D * x
+
+
+def inputs(b=2, L=13, d=4, n=3, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.rand(b, L, d, generator=g, dtype=dtype) * 0.2
+    A = -torch.rand(d, n, generator=g, dtype=dtype) - 0.1
+    B, C, x = (torch.randn(b, L, k, generator=g, dtype=dtype) for k in (n, n, d))
+    return dt, A, B, C, x, torch.randn(d, generator=g, dtype=dtype)
+
+
+def _err(a, b):
+    return float((a - b).detach().abs().max() / b.detach().abs().max())
+
+
+@pytest.mark.parametrize("L", [1, 2, 8, 13, 32])
+@pytest.mark.parametrize("scan", list(SCANS))
+def test_written_scans_compile_to_one_region(scan, L):
+    """Each form at lengths a power of two and not: one region, values and gradients equal to the
+    plain loop in float64 (fresh inputs per case)."""
+    ins = [t.requires_grad_() for t in inputs(L=L, seed=L * 7 + len(scan))]
+    fn = mixer(SCANS[scan])
+    out, report = ssmc_run(fn, ins)
+    want = loop_mixer(*ins)
+    if L == 1:          # no scan to write out: one step, whatever form
+        assert _err(out, want) < 1e-12
+        return
+    assert len(report.regions) == 1, str(report)
+    assert "parallel scan (written out)" in str(report), str(report)
+    assert not report.fallbacks, str(report)
+    assert _err(out, want) < 1e-12, str(report)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(L), dtype=out.dtype)
+    got, ref = torch.autograd.grad(out, ins, gy), torch.autograd.grad(want, ins, gy)
+    for name, p, q in zip("dt A B C x D".split(), got, ref):
+        assert _err(p, q) < 1e-10, f"d{name}: {_err(p, q):.3g}\n{report}"
+
+
+def test_the_sweep_fuses_its_discretization_and_readout():
+    """The scan's operands (exp(dt A), dt B x) and its readout (hs @ C) join the region: the
+    graph keeps the region call and the skip term only."""
+    _, report = ssmc_run(mixer(sweep_scan), inputs(L=16))
+    text = str(report)
+    assert len(report.regions) == 1, text
+    g = report.graphs[0]
+    assert g.nodes_out < 15 < g.nodes_in, text
+    changed = {name for name, _, ch in report.passes if ch}
+    assert {"fuse_prologue", "sink_consumers"} <= changed, text
+
+
+def test_a_wrong_sweep_is_not_taken():
+    """The finest down-sweep left out: the odd steps miss their last term; no region, and the
+    compiled function computes what it computed before (wrong as the code is)."""
+    fn = mixer(lambda a, x: sweep_scan(a, x, skip_level=True))
+    ins = inputs(L=16, seed=3)
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions, str(report)
+    assert _err(out, fn(*ins)) < 1e-12
+    assert _err(out, loop_mixer(*ins)) > 1e-3       # the program really is wrong
+
+
+def test_the_running_products_read_elsewhere_leave_the_scan_as_written():
+    """The doubling's decay products also returned: its workings cannot go, so it runs as
+    written, with the reason shown."""
+    def fn(dt, A, B, C, x, D):
+        dA = torch.exp(dt.unsqueeze(-1) * A)
+        BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+        a, h, s = dA, BX, 1
+        while s < h.shape[1]:
+            h = torch.cat([h[:, :s], h[:, s:] + a[:, s:] * h[:, :-s]], 1)
+            a = torch.cat([a[:, :s], a[:, s:] * a[:, :-s]], 1)
+            s *= 2
+        return (h @ C.unsqueeze(-1)).squeeze(3), a
+    ins = inputs(L=8, seed=4)
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions and "intermediate values are read elsewhere" in str(report), str(report)
+    for o, w in zip(out, fn(*ins)):
+        assert _err(o, w) < 1e-12
+
+
+def test_states_read_between_the_sweeps_leave_the_scan_as_written():
+    """A sum of the half-swept states taken between the sweeps: read before the last write."""
+    seen = []
+
+    def fn(dt, A, B, C, x, D):
+        y = mixer(lambda a, h: sweep_scan(a, h, snoop=lambda v: seen.append(v.sum(-1))))(dt, A, B, C, x, D)
+        return y, seen[-1]
+    ins = inputs(L=8, seed=5)
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions, str(report)
+    assert "read before its last write" in str(report) or "read elsewhere" in str(report), str(report)
+    seen.clear()
+    want = fn(*ins)
+    for o, w in zip(out, want):
+        assert _err(o, w) < 1e-12
+
+
+def test_a_leaf_written_in_place_is_not_a_leaf():
+    """The decays doubled in place after the doubling read them: a loop reading them at the
+    region's place would see the doubled values; no region."""
+    def fn(dt, A, B, C, x, D):
+        dA = torch.exp(dt.unsqueeze(-1) * A)
+        BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+        hs = doubling_cat(dA, BX)
+        dA.mul_(2)
+        return (hs @ C.unsqueeze(-1)).squeeze(3) + dA.sum(-1)
+    ins = inputs(L=8, seed=6)
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions, str(report)
+    assert _err(out, fn(*ins)) < 1e-12
+
+
+def test_a_write_through_an_op_it_does_not_follow_is_not_lost():
+    """The swept tensor written through an unsqueezed view (an op the proof does not follow)
+    between the sweeps: its storage becomes unknown; no region, values as written."""
+    def snoop(v):
+        v.unsqueeze(0)[0, :, :, :1].mul_(0.5)
+    fn = mixer(lambda a, h: sweep_scan(a, h, snoop=snoop))
+    ins = inputs(L=8, seed=7)
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions, str(report)
+    assert _err(out, fn(*ins)) < 1e-12
+
+
+def test_reshape_then_a_write_is_not_trusted():
+    """reshape may view or copy; the sweep run on a reshaped tensor whose source is read after:
+    not taken (both storages frozen), values as written."""
+    def fn(dt, A, B, C, x, D):
+        dA = torch.exp(dt.unsqueeze(-1) * A)
+        BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+        a, h = dA.clone(), BX.clone()
+        b, L = h.shape[:2]
+        a2, h2 = a.reshape(b, L, -1), h.reshape(b, L, -1)
+        sweep_(a2, h2, 1)
+        return (h @ C.unsqueeze(-1)).squeeze(3)
+    ins = inputs(L=8, seed=8)
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions, str(report)
+    assert _err(out, fn(*ins)) < 1e-12
+
+
+def test_the_sweep_on_the_triton_target_under_the_interpreter(interp, monkeypatch):
+    """The region a sweep becomes runs a generated Triton kernel (interpreted, outputs poisoned
+    first), equal to the float64 loop."""
+    ins = inputs(L=16, d=8, n=4, seed=9, dtype=torch.float32)
+    poison_outputs(monkeypatch)
+    out, report = ssmc_run(mixer(sweep_scan), ins, target="triton")
+    assert len(report.regions) == 1 and report.regions[0].target == "triton", str(report)
+    want = loop_mixer(*[t.double() for t in ins])
+    assert _err(out.double(), want) < 1e-5, str(report)
+
+
+@pytest.mark.gpu
+def test_written_scans_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    for name, scan in SCANS.items():
+        ins = [t.float().cuda().requires_grad_() for t in inputs(b=2, L=100, d=64, n=16, seed=10)]
+        out, report = ssmc_run(mixer(scan), ins)
+        assert len(report.regions) == 1, f"{name}\n{report}"
+        ins64 = [t.detach().double().requires_grad_() for t in ins]
+        want = loop_mixer(*ins64)
+        assert _err(out.double(), want) < 1e-5, f"{name}\n{report}"
+        gy = torch.randn_like(out)
+        got = torch.autograd.grad(out, ins, gy)
+        ref = torch.autograd.grad(want, ins64, gy.double())
+        for p, q in zip(got, ref):
+            assert _err(p.double(), q) < 1e-4, f"{name}\n{report}"
