@@ -1346,11 +1346,21 @@ def loops_from_written_scans(ctx) -> list[Loop]:
     down-sweeps on views in place). Each output's readers are moved to a new node standing for
     the scan, placed before the first of them: the region goes there, and the scan's own nodes
     (its writes in place included) go."""
-    from ssmc.written_scan import find_written_scans
+    from ssmc.written_scan import find_written_scans, function_scan
     gm = ctx.gm
+    loops = []
+    afa = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+    for hop in [n for n in gm.graph.nodes if afa is not None and n.op == "call_function" and n.target is afa]:
+        f = function_scan(gm, hop)
+        if isinstance(f, str):
+            ctx.fallbacks.append((hop.name, f))
+        elif f is not None:
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            outs = sorted(f.outputs, key=order.__getitem__)
+            loops.append(_pair_loop(gm, f.decays, f.inputs, outs, [hop, *outs], outs[0],
+                                    "parallel scan (written out) in an autograd.Function", f.dim))
     scans, why = find_written_scans(gm.graph)
     ctx.fallbacks.extend(why)
-    loops = []
     for s in scans:
         own = set(s.erase)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}

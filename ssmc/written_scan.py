@@ -581,3 +581,109 @@ class _Follow:
 def value_dtype(n):
     v = n.meta.get("example_value")
     return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+# -- the same scan inside an autograd.Function ---------------------------------------------------
+
+CHECK_BYTES = 1 << 32       # the backward's check holds at most this much (its inputs and outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionScan:
+    decays: fx.Node            # the outer arguments that are a and b
+    inputs: fx.Node
+    dim: int
+    outputs: list              # the outer getitems of the function's output
+
+
+def function_scan(gm: fx.GraphModule, hop: fx.Node):
+    """An autograd.Function (Dynamo's ``autograd_function_apply``) whose forward is a written
+    scan of two of its arguments and nothing more, saving only those and the states, and whose
+    backward gives that scan's exact gradients on a random evaluation at the graph's sizes:
+    a FunctionScan; a reason (str) it is not taken; None where its forward holds no scan. (The
+    region replacing it has its own backward: the function's is checked, then not used.)"""
+    fwd, bwd = (getattr(gm, x.target, None) if isinstance(x, fx.Node) and x.op == "get_attr" else None
+                for x in hop.args[:2])
+    if not isinstance(fwd, fx.GraphModule) or not isinstance(bwd, fx.GraphModule):
+        return None
+    scans, _ = find_written_scans(fwd.graph)
+    if not scans:
+        return None
+    what = "an autograd.Function's forward is a written scan, but "
+    if len(scans) > 1:
+        return what + "it holds more than one"
+    s = scans[0]
+    phs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    args = list(hop.args[2:])
+    if len(args) != len(phs) or s.decays not in phs or s.inputs not in phs:
+        return what + "its operands are not the function's arguments"
+    out = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], (tuple, list))):
+        return what + "its outputs are not laid out as Dynamo lays them out"
+    outs, saved = out[0], list(out[1] or ())
+    if len(outs) != 1 or outs[0] not in s.outputs:
+        return what + "it returns more than the states"
+    if any(v not in (s.decays, s.inputs) and v not in s.outputs for v in saved):
+        return what + "it saves other values for its backward"
+    own = set(s.erase) | set(s.outputs) | set(phs)
+    extra = [n for n in fwd.graph.nodes if n.op != "output" and n not in own
+             and not (n.op == "call_function" and n.target is torch._C._set_grad_enabled)]
+    if extra:
+        return what + f"its forward also computes {extra[0].name}"
+    users = list(hop.users)
+    if not users or any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] != 0 for u in users):
+        return what + "its output is used other than as the states"
+    why = _check_backward(bwd, s, phs, saved)
+    if why:
+        return what + why
+    return FunctionScan(args[phs.index(s.decays)], args[phs.index(s.inputs)], s.dim, users)
+
+
+def _check_backward(bwd: fx.GraphModule, s: WrittenScan, phs: list, saved: list) -> str | None:
+    """Why the function's backward is not the scan's gradient (None: it is, on a random
+    evaluation at the graph's sizes, on the device and in the dtype of its operands)."""
+    ex = s.inputs.meta.get("example_value")
+    bph = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+    if not isinstance(ex, torch.Tensor) or len(bph) != 1 + len(saved):
+        return "its backward takes other inputs than the states' gradient and what it saved"
+    if ex.numel() * 8 * 8 > CHECK_BYTES:
+        return f"its backward is too large to check here ({ex.numel()} elements a tensor)"
+    d, dev, dt = s.dim, ex.device, ex.dtype
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.rand(ex.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.5)
+    b, g = (torch.randn(ex.shape, generator=gen, dtype=torch.float64) for _ in range(2))
+    a, b, g = (t.to(dt).double() for t in (a, b, g))          # the values the function sees
+    h = torch.empty_like(b)
+    acc = torch.zeros_like(b.select(d, 0))
+    for t in range(b.shape[d]):
+        acc = a.select(d, t) * acc + b.select(d, t)
+        h.select(d, t).copy_(acc)
+    vals = {s.decays: a, s.inputs: b}
+    feed = [g] + [vals[v] if v in vals else h for v in saved]
+    try:
+        with torch.no_grad():
+            got = bwd(*[t.to(dev, dt) for t in feed])
+    except Exception as e:      # noqa: BLE001 - its own error, reported
+        return f"its backward failed on a check: {type(e).__name__}: {e}"
+    got = list(got) if isinstance(got, (tuple, list)) else [got]
+    if len(got) != len(phs):
+        return "its backward returns another number of gradients than it has arguments"
+    dx = torch.empty_like(b)
+    acc = torch.zeros_like(b.select(d, 0))
+    L = b.shape[d]
+    for t in reversed(range(L)):
+        acc = g.select(d, t) + (a.select(d, t + 1) * acc if t + 1 < L else 0)
+        dx.select(d, t).copy_(acc)
+    prev = torch.cat([torch.zeros_like(h.narrow(d, 0, 1)), h.narrow(d, 0, L - 1)], d)
+    want = {s.decays: dx * prev, s.inputs: dx}
+    tol = 1e-6 if dt == torch.float64 else 1e-4 if dt == torch.float32 else 3e-2
+    for ph, v in zip(phs, got):
+        if ph not in want:
+            continue
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(want[ph].shape):
+            return f"its backward's gradient of {ph.name} is not a tensor of its shape"
+        err = float((v.double().cpu() - want[ph]).abs().max() / want[ph].abs().max().clamp_min(1e-30))
+        if not err <= tol:
+            return (f"its backward's gradient of {ph.name} is not the scan's (relative error {err:.2g} on a "
+                    "random check): the function runs as written, its own backward kept")
+    return None

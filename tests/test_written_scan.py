@@ -46,6 +46,22 @@ def sweep_scan(a, x, skip_level=False, snoop=None):
     return x.transpose(2, 1)[:, :L]
 
 
+class SweepScan(torch.autograd.Function):
+    """`sweep_scan` with the gradient autograd cannot take through its writes in place: the
+    adjoint recurrence (dh_t = g_t + a_(t+1) dh_(t+1)) swept on the reversed steps."""
+
+    @staticmethod
+    def forward(ctx, a, x):
+        h = sweep_scan(a, x)
+        ctx.save_for_backward(a, h)
+        return h
+
+    @staticmethod
+    def backward(ctx, g):
+        a, h = ctx.saved_tensors
+        return _adjoint(a, h, g)
+
+
 def doubling_cat(a, h):
     L, s = h.shape[1], 1
     while s < L:
@@ -65,7 +81,7 @@ def doubling_pad(a, h):
     return h
 
 
-SCANS = {"sweep": sweep_scan, "doubling_cat": doubling_cat, "doubling_pad": doubling_pad}
+SCANS = {"sweep": SweepScan.apply, "doubling_cat": doubling_cat, "doubling_pad": doubling_pad}
 
 
 def mixer(scan):
@@ -115,6 +131,7 @@ def test_written_scans_compile_to_one_region(scan, L):
         return
     assert len(report.regions) == 1, str(report)
     assert "parallel scan (written out)" in str(report), str(report)
+    assert ("autograd.Function" in str(report)) == (scan == "sweep"), str(report)
     assert not report.fallbacks, str(report)
     assert _err(out, want) < 1e-12, str(report)
     gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(L), dtype=out.dtype)
@@ -224,6 +241,45 @@ def test_reshape_then_a_write_is_not_trusted():
     out, report = ssmc_run(fn, ins)
     assert not report.regions, str(report)
     assert _err(out, fn(*ins)) < 1e-12
+
+
+def _adjoint(a, h, g, scale=1.0):
+    a_next = F.pad(a[:, 1:], (0, 0, 0, 0, 0, 1))
+    dh = sweep_scan(a_next.flip(1), g.flip(1)).flip(1) * scale
+    return dh * F.pad(h[:, :-1], (0, 0, 0, 0, 1, 0)), dh
+
+
+class HalvedGradient(SweepScan):
+    """The same forward with a backward that is not its gradient (halved, as a user might damp
+    it on purpose): ssmc must keep it."""
+
+    @staticmethod
+    def backward(ctx, g):
+        a, h = ctx.saved_tensors
+        return _adjoint(a, h, g, 0.5)
+
+
+def test_a_function_whose_backward_is_not_the_scans_gradient_keeps_it():
+    """The forward is a proven scan, but the function's own backward is something else: no
+    region, the reason shown, and the gradients are the function's (halved), as eagerly."""
+    fn = mixer(HalvedGradient.apply)
+    ins = [t.requires_grad_() for t in inputs(L=8, seed=11)]
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions and "is not the scan's" in str(report), str(report)
+    want = fn(*ins)
+    assert _err(out, want) < 1e-12
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    for p, q in zip(torch.autograd.grad(out, ins, gy), torch.autograd.grad(want, ins, gy)):
+        assert _err(p, q) < 1e-12
+
+
+def test_the_function_without_gradients_is_inlined_and_compiled():
+    """Called with no input needing a gradient, Dynamo inlines the function's forward: the
+    written scan is found in the graph itself."""
+    ins = inputs(L=12, seed=12)
+    out, report = ssmc_run(mixer(SweepScan.apply), ins)
+    assert len(report.regions) == 1 and "parallel scan (written out) capture" in str(report), str(report)
+    assert _err(out, loop_mixer(*ins)) < 1e-12
 
 
 def test_the_sweep_on_the_triton_target_under_the_interpreter(interp, monkeypatch):
