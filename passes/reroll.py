@@ -80,7 +80,7 @@ class Reroll(Pass):
             ctx.fallbacks.append(("inlined associative_scan", f"search failed: {type(e).__name__}: {e}"))
         written = []
         try:
-            written = loops_from_written_scans(ctx)
+            written = loops_from_written_scans(ctx, {n for lp in loops for n in lp.erase})
         except Exception as e:      # best effort, as the inlined scans' search
             log.debug("ssmc: written scan search failed", exc_info=True)
             ctx.fallbacks.append(("written parallel scan", f"search failed: {type(e).__name__}: {e}"))
@@ -1341,7 +1341,7 @@ def loops_from_inlined_scans(gm: fx.GraphModule) -> list[Loop]:
             for s in find_inlined_scans(gm.graph)]
 
 
-def loops_from_written_scans(ctx) -> list[Loop]:
+def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
     """Parallel scans written out in torch ops (ssmc.written_scan: doubling, or up- and
     down-sweeps on views in place). Each output's readers are moved to a new node standing for
     the scan, placed before the first of them: the region goes there, and the scan's own nodes
@@ -1350,7 +1350,8 @@ def loops_from_written_scans(ctx) -> list[Loop]:
     gm = ctx.gm
     loops = []
     afa = getattr(torch.ops.higher_order, "autograd_function_apply", None)
-    for hop in [n for n in gm.graph.nodes if afa is not None and n.op == "call_function" and n.target is afa]:
+    for hop in [n for n in gm.graph.nodes if afa is not None and n.op == "call_function" and n.target is afa
+                and n not in claimed]:
         f = function_scan(gm, hop)
         if isinstance(f, str):
             ctx.fallbacks.append((hop.name, f))
@@ -1362,6 +1363,8 @@ def loops_from_written_scans(ctx) -> list[Loop]:
     scans, why = find_written_scans(gm.graph)
     ctx.fallbacks.extend(why)
     for s in scans:
+        if claimed & set(s.erase):        # another capture (an inlined associative_scan) took it
+            continue
         own = set(s.erase)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         readers = sorted({u for n in s.outputs for u in n.users if u not in own}, key=order.__getitem__)

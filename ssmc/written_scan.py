@@ -22,9 +22,10 @@ storage, is the recurrence's output; everything between the leaves and it must h
 reader (it is erased).
 
 Leaves are found from the shapes a scan leaves behind: a tensor sliced along one dim both from an
-offset on and up to that offset from the end (``h[:, s:]``, ``h[:, :-s]``), or split into pairs
-(``view(..., T // 2, 2, ...)``) whose halves are both read; the walk goes back from there through
-clones, transposes, pads and casts to the tensor made by other ops.
+offset on and up to that offset from the end (``h[:, s:]``, ``h[:, :-s]``), shifted by a pad cut
+back to its length, read every k-th element from two offsets (``x[:, 1::2]``, ``x[:, 0::2]``), or
+split into pairs (``view(..., T // 2, 2, ...)``) whose halves are both read; the walk goes back
+from there through clones, transposes, pads and casts to the tensor made by other ops.
 """
 from __future__ import annotations
 
@@ -93,16 +94,17 @@ def _add(p, q):
 _RULES = {"mul": np.frompyfunc(_mul, 2, 1), "add": np.frompyfunc(_add, 2, 1)}
 
 
-def find_written_scans(graph: fx.Graph) -> tuple[list[WrittenScan], list[tuple[str, str]]]:
+def find_written_scans(graph: fx.Graph, free=frozenset()) -> tuple[list[WrittenScan], list[tuple[str, str]]]:
     """The recurrences that hand-written parallel scans compute, and (node, why) for each
-    proven scan that cannot be taken (its intermediate values read elsewhere)."""
+    proven scan that cannot be taken (its intermediate values read elsewhere). Readers in `free`
+    may read any of the scan's values (an autograd.Function's output: what it saves)."""
     seeds = _seeds(graph)
     if not seeds:
         return [], []
     s = _Follow(graph, seeds)
     if not s.run():
         return [], []
-    return s.results()
+    return s.results(free)
 
 
 # -- where the leaves are ------------------------------------------------------------------------
@@ -148,6 +150,18 @@ def _shifts(n: fx.Node) -> set:
                     if e.start in (None, 0) and isinstance(e.stop, int) and e.stop < 0:
                         stops.add((d, -e.stop))
     return {d for d, k in starts if (d, k) in stops}
+
+
+def _strided(n: fx.Node) -> set:
+    """The dims along which n is read every k-th element (k >= 2) from two different offsets
+    (``x[:, 1::2]`` and ``x[:, 0::2]``; ``x[:, 2s-1::2s]`` and ``x[:, s-1::2s]``)."""
+    nd, seen = len(shape(n)), {}
+    for u in n.users:
+        if u.op == "call_function" and u.target is operator.getitem and u.args[0] is n:
+            for d, e in _dims_of_index(_index_tuple(u), nd) or ():
+                if isinstance(e, slice) and (e.step or 1) >= 2:
+                    seen.setdefault((d, e.step), set()).add(e.start or 0)
+    return {d for (d, _), starts in seen.items() if len(starts) >= 2}
 
 
 def _pair_split(n: fx.Node) -> int | None:
@@ -238,7 +252,7 @@ def _seeds(graph: fx.Graph) -> dict:
     for n in graph.nodes:
         if not isinstance(n.meta.get("example_value"), torch.Tensor) or not n.meta["example_value"].is_floating_point():
             continue
-        dims = _shifts(n) | _pad_shift(n)
+        dims = _shifts(n) | _pad_shift(n) | _strided(n)
         p = _pair_split(n)
         if p is not None:
             dims.add(p)
@@ -517,7 +531,7 @@ class _Follow:
 
     # the outcome
 
-    def results(self):
+    def results(self, free=frozenset()):
         found, why = {}, []
         for n, t in self.t.items():
             if n in self.leaves:
@@ -547,7 +561,7 @@ class _Follow:
         out = []
         for (a, b), nodes in found.items():
             own = self._own(a, b)
-            bad = [m for m in own if m not in nodes and any(u not in own for u in m.users)]
+            bad = [m for m in own if m not in nodes and any(u not in own and u not in free for u in m.users)]
             if bad:
                 why.append((bad[0].name, "a hand-written parallel scan's intermediate values are read elsewhere "
                             f"({bad[0].name}): it runs as written"))
@@ -606,7 +620,8 @@ def function_scan(gm: fx.GraphModule, hop: fx.Node):
                 for x in hop.args[:2])
     if not isinstance(fwd, fx.GraphModule) or not isinstance(bwd, fx.GraphModule):
         return None
-    scans, _ = find_written_scans(fwd.graph)
+    ret = next(n for n in fwd.graph.nodes if n.op == "output")
+    scans, _ = find_written_scans(fwd.graph, free={ret})
     if not scans:
         return None
     what = "an autograd.Function's forward is a written scan, but "
@@ -615,16 +630,14 @@ def function_scan(gm: fx.GraphModule, hop: fx.Node):
     s = scans[0]
     phs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     args = list(hop.args[2:])
-    if len(args) != len(phs) or s.decays not in phs or s.inputs not in phs:
-        return what + "its operands are not the function's arguments"
-    out = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
+    if len(args) != len(phs) or set(phs) != {s.decays, s.inputs}:
+        return what + "its arguments are not the scan's two operands"
+    out = ret.args[0]
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], (tuple, list))):
         return what + "its outputs are not laid out as Dynamo lays them out"
-    outs, saved = out[0], list(out[1] or ())
+    outs = out[0]
     if len(outs) != 1 or outs[0] not in s.outputs:
         return what + "it returns more than the states"
-    if any(v not in (s.decays, s.inputs) and v not in s.outputs for v in saved):
-        return what + "it saves other values for its backward"
     own = set(s.erase) | set(s.outputs) | set(phs)
     extra = [n for n in fwd.graph.nodes if n.op != "output" and n not in own
              and not (n.op == "call_function" and n.target is torch._C._set_grad_enabled)]
@@ -633,57 +646,60 @@ def function_scan(gm: fx.GraphModule, hop: fx.Node):
     users = list(hop.users)
     if not users or any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] != 0 for u in users):
         return what + "its output is used other than as the states"
-    why = _check_backward(bwd, s, phs, saved)
+    why = _check_backward(fwd, bwd, s, phs)
     if why:
         return what + why
     return FunctionScan(args[phs.index(s.decays)], args[phs.index(s.inputs)], s.dim, users)
 
 
-def _check_backward(bwd: fx.GraphModule, s: WrittenScan, phs: list, saved: list) -> str | None:
-    """Why the function's backward is not the scan's gradient (None: it is, on a random
-    evaluation at the graph's sizes, on the device and in the dtype of its operands)."""
+def _check_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, s: WrittenScan, phs: list) -> str | None:
+    """Why the function's backward is not the scan's gradient (None: it is). Checked on a random
+    evaluation at the graph's sizes, on the device and in the dtype of its operands: its forward
+    (which must give the scan's states) then its backward on what the forward saved."""
     ex = s.inputs.meta.get("example_value")
-    bph = [n for n in bwd.graph.nodes if n.op == "placeholder"]
-    if not isinstance(ex, torch.Tensor) or len(bph) != 1 + len(saved):
-        return "its backward takes other inputs than the states' gradient and what it saved"
+    if not isinstance(ex, torch.Tensor):
+        return "its operands' sizes are not known"
     if ex.numel() * 8 * 8 > CHECK_BYTES:
         return f"its backward is too large to check here ({ex.numel()} elements a tensor)"
     d, dev, dt = s.dim, ex.device, ex.dtype
     gen = torch.Generator().manual_seed(0)
-    a = (torch.rand(ex.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.5)
+    a = torch.rand(ex.shape, generator=gen, dtype=torch.float64) * 0.5 + 0.5
     b, g = (torch.randn(ex.shape, generator=gen, dtype=torch.float64) for _ in range(2))
     a, b, g = (t.to(dt).double() for t in (a, b, g))          # the values the function sees
-    h = torch.empty_like(b)
+    L = b.shape[d]
+    h, dx = torch.empty_like(b), torch.empty_like(b)
     acc = torch.zeros_like(b.select(d, 0))
-    for t in range(b.shape[d]):
+    for t in range(L):
         acc = a.select(d, t) * acc + b.select(d, t)
         h.select(d, t).copy_(acc)
-    vals = {s.decays: a, s.inputs: b}
-    feed = [g] + [vals[v] if v in vals else h for v in saved]
-    try:
-        with torch.no_grad():
-            got = bwd(*[t.to(dev, dt) for t in feed])
-    except Exception as e:      # noqa: BLE001 - its own error, reported
-        return f"its backward failed on a check: {type(e).__name__}: {e}"
-    got = list(got) if isinstance(got, (tuple, list)) else [got]
-    if len(got) != len(phs):
-        return "its backward returns another number of gradients than it has arguments"
-    dx = torch.empty_like(b)
     acc = torch.zeros_like(b.select(d, 0))
-    L = b.shape[d]
     for t in reversed(range(L)):
         acc = g.select(d, t) + (a.select(d, t + 1) * acc if t + 1 < L else 0)
         dx.select(d, t).copy_(acc)
     prev = torch.cat([torch.zeros_like(h.narrow(d, 0, 1)), h.narrow(d, 0, L - 1)], d)
     want = {s.decays: dx * prev, s.inputs: dx}
     tol = 1e-6 if dt == torch.float64 else 1e-4 if dt == torch.float32 else 3e-2
+    vals = {s.decays: a, s.inputs: b}
+    try:
+        with torch.no_grad():
+            outs, saved = fwd(*[vals[p].to(dev, dt) for p in phs])
+            got = bwd(g.to(dev, dt), *saved)
+    except Exception as e:      # noqa: BLE001 - its own error, reported
+        return f"running it on a check failed: {type(e).__name__}: {e}"
+    if _rel(outs[0], h) > tol:
+        return "its forward's states differ from the scan's on a check"
+    got = list(got) if isinstance(got, (tuple, list)) else [got]
+    if len(got) != len(phs):
+        return "its backward returns another number of gradients than it has arguments"
     for ph, v in zip(phs, got):
-        if ph not in want:
-            continue
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(want[ph].shape):
             return f"its backward's gradient of {ph.name} is not a tensor of its shape"
-        err = float((v.double().cpu() - want[ph]).abs().max() / want[ph].abs().max().clamp_min(1e-30))
+        err = _rel(v, want[ph])
         if not err <= tol:
             return (f"its backward's gradient of {ph.name} is not the scan's (relative error {err:.2g} on a "
                     "random check): the function runs as written, its own backward kept")
     return None
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30))
