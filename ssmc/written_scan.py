@@ -289,7 +289,14 @@ class _Follow:
             tracked = [x for x in n.all_input_nodes if x in self.t or x in self.maybe]
             if not tracked:
                 continue
-            if self._inplace(n):
+            try:
+                if self._inplace(n):
+                    continue
+            except (ValueError, IndexError, TypeError):      # a write not followed: its storage unknown
+                dst = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+                for r in ({self.t[dst].root} if dst in self.t else self.maybe.get(dst, set())):
+                    self._poison(r, n)
+                self.maybe[n] = {self.t[dst].root} if dst in self.t else set(self.maybe.get(dst, set()))
                 continue
             try:
                 v = self._value(n) if all(type(s) is int for s in shape(n)) else None
