@@ -377,7 +377,7 @@ class _Follow:
         op = _INPLACE.get(name)
         other = n.args[1] if len(n.args) > 1 else None
         ok = (op is not None and len(n.args) == 2 and not n.kwargs and isinstance(other, fx.Node)
-              and other in self.t and self._aligned(t, self.t[other]))
+              and other in self.t and self._aligned(t, self.t[other], t.shape))
         if ok:
             self._write(t, _RULES[op](self.facts(t), self.facts(self.t[other])), n)
         else:
@@ -385,8 +385,10 @@ class _Follow:
         self.t[n] = t                       # the op returns the tensor it wrote
         return True
 
-    def _aligned(self, x: _T, y: _T) -> bool:
-        return x.shape == y.shape and x.sdims == y.sdims and x.idx.shape == y.idx.shape
+    def _aligned(self, x: _T, y: _T, out: tuple) -> bool:
+        """x and y at the same positions along the scan, their other dims broadcasting to `out`."""
+        return (x.sdims == y.sdims and x.idx.shape == y.idx.shape and len(x.shape) == len(y.shape) == len(out)
+                and all(u in (o, 1) and v in (o, 1) for u, v, o in zip(x.shape, y.shape, out)))
 
     # values
 
@@ -408,15 +410,17 @@ class _Follow:
             if same and (t in ("reshape", "flatten") or t in (torch.reshape, torch.flatten)):
                 r = self._reshape(n, tx)
                 return None if r is None else self._copy_or_view(n, tx, r)
+            if t in (torch.ones_like, torch.zeros_like) and tuple(shape(n)) == tx.shape:
+                fill = np.empty(tx.idx.shape, dtype=object)
+                fill.reshape(-1)[:] = [ONE if t is torch.ones_like else ZERO] * fill.size
+                return self._new(n, fill, tx.sdims)
         if t is torch.cat:
             return self._cat(n)
         c = canonical(n)
         if c is None or c.kind != "ew" or c.op not in ("mul", "add") or c.params or len(c.args) != 2:
             return None
         a, b = c.args
-        if a not in self.t or b not in self.t or not self._aligned(self.t[a], self.t[b]):
-            return None
-        if tuple(shape(n)) != self.t[a].shape:
+        if a not in self.t or b not in self.t or not self._aligned(self.t[a], self.t[b], tuple(shape(n))):
             return None
         return self._new(n, _RULES[c.op](self.facts(self.t[a]), self.facts(self.t[b])), self.t[a].sdims)
 
@@ -558,7 +562,9 @@ class _Follow:
             d = self.leaves[b]
             if a in self.writes or b in self.writes:      # a leaf written in place: not the values read
                 continue
-            if self.leaves[a] != d or t.sdims != (d,) or t.shape != tuple(shape(b)) or tuple(shape(a)) != t.shape:
+            sa = tuple(shape(a))
+            if self.leaves[a] != d or t.sdims != (d,) or t.shape != tuple(shape(b)) or len(sa) != len(t.shape) \
+                    or sa[d] != t.shape[d] or any(u not in (o, 1) for u, o in zip(sa, t.shape)):
                 continue
             last = self.writes.get(t.root)
             if last is not None and any(self.pos[u] < self.pos[last] for u in ext):
@@ -678,7 +684,10 @@ def _check_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, s: WrittenScan, ph
     elif need > CHECK_BYTES:
         return f"checking its backward needs {need / 2**30:.1f} GiB (more than {CHECK_BYTES / 2**30:.0f} on a CPU)"
     gen = torch.Generator(device=dev).manual_seed(0)
-    a = (torch.rand(ex.shape, generator=gen, device=dev) * 0.5 + 0.5).to(dt)
+    ea = s.decays.meta.get("example_value")
+    if not isinstance(ea, torch.Tensor) or ea.dtype != dt:
+        return "its operands' sizes or dtypes are not known alike"
+    a = (torch.rand(ea.shape, generator=gen, device=dev) * 0.5 + 0.5).to(dt)
     b, g = (torch.randn(ex.shape, generator=gen, device=dev).to(dt) for _ in range(2))
     try:
         with torch.no_grad():
@@ -699,7 +708,9 @@ def _check_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, s: WrittenScan, ph
         acc = g.select(d, t) + (a.select(d, t + 1) * acc if t + 1 < L else 0)
         dx.select(d, t).copy_(acc)
     prev = torch.cat([torch.zeros_like(h.narrow(d, 0, 1)), h.narrow(d, 0, L - 1)], d)
-    want = {s.decays: dx * prev, s.inputs: dx}
+    da = dx * prev
+    wide = [k for k, (u, v) in enumerate(zip(a.shape, da.shape)) if u == 1 and v != 1]
+    want = {s.decays: da.sum(wide, keepdim=True) if wide else da, s.inputs: dx}
     tol = 1e-8 if dt == torch.float64 else 1e-4 if dt == torch.float32 else 3e-2
     if _rel(outs[0], h) > tol:
         return "its forward's states differ from the scan's on a check"
@@ -707,7 +718,11 @@ def _check_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, s: WrittenScan, ph
     if len(got) != len(phs):
         return "its backward returns another number of gradients than it has arguments"
     for ph, v in zip(phs, got):
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(want[ph].shape):
+        w = tuple(want[ph].shape)
+        if isinstance(v, torch.Tensor) and tuple(v.shape) != w and len(v.shape) == len(w) \
+                and all(u in (x, 1) for u, x in zip(w, v.shape)):
+            v = v.sum_to_size(w)                   # as autograd takes a gradient of the broadcast shape
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != w:
             return f"its backward's gradient of {ph.name} is not a tensor of its shape"
         err = _rel(v, want[ph])
         if not err <= tol:

@@ -18,8 +18,7 @@ def sweep_(a, x, dim, skip_level=False, snoop=None):
     views, av, xv = [], a, x
     while xv.shape[dim] > 1:
         T = xv.shape[dim]
-        pre, post = xv.shape[:dim], xv.shape[dim + 1:]
-        av, xv = av.view(*pre, T // 2, 2, *post), xv.view(*pre, T // 2, 2, *post)
+        av, xv = (v.view(*v.shape[:dim], T // 2, 2, *v.shape[dim + 1:]) for v in (av, xv))
         views.append((av, xv))
         lo = (slice(None),) * dim
         xv[lo + (slice(None), 1)] += av[lo + (slice(None), 1)] * xv[lo + (slice(None), 0)]
@@ -132,19 +131,20 @@ SCANS = {"sweep": SweepScan.apply, "strided": StridedPScan.apply, "doubling_cat"
          "doubling_pad": doubling_pad}
 
 
-def mixer(scan):
-    """A Mamba-1 selective scan around a parallel scan: discretization, scan, readout, skip."""
+def mixer(scan, per_channel=False):
+    """A Mamba-1 selective scan around a parallel scan: discretization, scan, readout, skip;
+    `per_channel`: one decay per channel (A's first column), broadcast over the state."""
     def fn(dt, A, B, C, x, D):
-        dA = torch.exp(dt.unsqueeze(-1) * A)
+        dA = torch.exp(dt.unsqueeze(-1) * (A[:, :1] if per_channel else A))
         BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
         hs = scan(dA, BX)
         return (hs @ C.unsqueeze(-1)).squeeze(3) + D * x
     return fn
 
 
-def loop_mixer(dt, A, B, C, x, D):
+def loop_mixer(dt, A, B, C, x, D, per_channel=False):
     """The same as a plain loop."""
-    dA = torch.exp(dt.unsqueeze(-1) * A)
+    dA = torch.exp(dt.unsqueeze(-1) * (A[:, :1] if per_channel else A))
     BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
     h, ys = torch.zeros_like(BX[:, 0]), []
     for t in range(x.shape[1]):
@@ -186,6 +186,20 @@ def test_written_scans_compile_to_one_region(scan, L):
     got, ref = torch.autograd.grad(out, ins, gy), torch.autograd.grad(want, ins, gy)
     for name, p, q in zip("dt A B C x D".split(), got, ref):
         assert _err(p, q) < 1e-10, f"d{name}: {_err(p, q):.3g}\n{report}"
+
+
+@pytest.mark.parametrize("scan", list(SCANS))
+def test_a_decay_per_channel_broadcast_over_the_state(scan):
+    """Decays (b, L, d, 1) against inputs (b, L, d, n): the products broadcast; one region, values
+    and gradients (A's first column only) equal to the loop."""
+    ins = [t.requires_grad_() for t in inputs(L=11, seed=20 + len(scan))]
+    out, report = ssmc_run(mixer(SCANS[scan], per_channel=True), ins)
+    want = loop_mixer(*ins, per_channel=True)
+    assert len(report.regions) == 1 and not report.fallbacks, str(report)
+    assert _err(out, want) < 1e-12, str(report)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    for p, q in zip(torch.autograd.grad(out, ins, gy), torch.autograd.grad(want, ins, gy)):
+        assert _err(p, q) < 1e-10, str(report)
 
 
 def test_the_sweep_fuses_its_discretization_and_readout():
