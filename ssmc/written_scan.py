@@ -36,8 +36,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from ssmc.capture import _changed_in_place
 from ssmc.inlined_scan import _add as _add_facts, _mul as _mul_facts
-from ssmc.ops import canonical, shape
+from ssmc.ops import canonical, mutated, shape
 
 ZERO, ONE, UNKNOWN = ("zero",), ("one",), ("unknown",)
 BUDGET = 1_000_000           # facts followed in one graph at most (tracked nodes x their elements)
@@ -560,7 +561,8 @@ class _Follow:
                     or any(e != ("scan", a, b, 0, k) for k, e in enumerate(f) if k):
                 continue
             d = self.leaves[b]
-            if a in self.writes or b in self.writes:      # a leaf written in place: not the values read
+            if a in self.writes or b in self.writes or _changed_in_place(a, mutated) \
+                    or _changed_in_place(b, mutated):     # a leaf (or what it views) written in place
                 continue
             sa = tuple(shape(a))
             if self.leaves[a] != d or t.sdims != (d,) or t.shape != tuple(shape(b)) or len(sa) != len(t.shape) \

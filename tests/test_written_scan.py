@@ -276,6 +276,22 @@ def test_a_leaf_written_in_place_is_not_a_leaf():
     assert _err(out, fn(*ins)) < 1e-12
 
 
+def test_a_leaf_viewing_a_tensor_written_later_is_not_a_leaf():
+    """The inputs are views (a slice) of a buffer that is written in place after the scan read
+    them: the region would read the written values; no region."""
+    def fn(dt, A, B, C, x, D):
+        dA = torch.exp(dt.unsqueeze(-1) * A)
+        BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+        buf = torch.stack([dA, BX])
+        hs = doubling_cat(buf[0], buf[1])
+        buf.mul_(3)
+        return (hs @ C.unsqueeze(-1)).squeeze(3) + buf[0].sum(-1)
+    ins = inputs(L=8, seed=13)
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions, str(report)
+    assert _err(out, fn(*ins)) < 1e-12
+
+
 def test_a_write_through_an_op_it_does_not_follow_is_not_lost():
     """The swept tensor written through an unsqueezed view (an op the proof does not follow)
     between the sweeps: its storage becomes unknown; no region, values as written."""
