@@ -16,7 +16,8 @@ Other dims must pass through untouched. Sound by construction where it is not su
   storages: a later write to either makes them unknown;
 - any other in-place op on a tracked tensor, or on what an unknown op made from one (it may be a
   view), makes that storage unknown;
-- a leaf written in place is not a leaf: no scan of it is taken.
+- a leaf written in place, or sharing memory with a tensor written in place anywhere in the
+  graph, is not a leaf: no scan of it is taken.
 A node all of whose elements k are scan(a, b, 0, k), read only after the last write of its
 storage, is the recurrence's output; everything between the leaves and it must have no other
 reader (it is erased).
