@@ -91,7 +91,8 @@ class Reroll(Pass):
             ctx.fallbacks.append((n.name, "associative_scan (generic, inlined) not taken: its length is "
                                   "symbolic (Dynamo recompiled for another length), the tree runs as captured"))
         before = len(ctx.fallbacks)
-        spans = [(lp.erase[0], lp.erase[-2]) for lp in written]    # (the last is the scan's stand-in)
+        order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
+        spans = [(min(lp.erase, key=order.__getitem__), max(lp.erase, key=order.__getitem__)) for lp in written]
         unrolled = find_unrolled(ctx.gm, ctx, spans)
         if not unrolled:            # a list of per-step tensors passed in: stacked, then searched again
             lists = stack_list_inputs(ctx.gm)
@@ -1346,7 +1347,7 @@ def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
     down-sweeps on views in place). Each output's readers are moved to a new node standing for
     the scan, placed before the first of them: the region goes there, and the scan's own nodes
     (its writes in place included) go."""
-    from ssmc.written_scan import find_written_scans, function_scan
+    from ssmc.written_scan import find_log_scans, find_written_scans, function_scan
     gm = ctx.gm
     loops = []
     afa = getattr(torch.ops.higher_order, "autograd_function_apply", None)
@@ -1360,6 +1361,16 @@ def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
             outs = sorted(f.outputs, key=order.__getitem__)
             loops.append(_pair_loop(gm, f.decays, f.inputs, outs, [hop, *outs], outs[0],
                                     "parallel scan (written out) in an autograd.Function", f.dim))
+    for s in find_log_scans(gm.graph):
+        if s.output in claimed:
+            continue
+        with gm.graph.inserting_before(s.output):
+            a, b = (gm.graph.call_function(torch.exp, (x,)) for x in (s.log_decays, s.log_inputs))
+        for e, x in ((a, s.log_decays), (b, s.log_inputs)):
+            e.meta["example_value"] = _exp_value(x)
+        loops.append(_pair_loop(gm, a, b, [s.output], [s.output], s.output, "log-space scan (written out)",
+                                s.dim))
+        loops[-1].made = [a, b]
     scans, why = find_written_scans(gm.graph)
     ctx.fallbacks.extend(why)
     for s in scans:
@@ -1378,6 +1389,13 @@ def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
         loops.append(_pair_loop(gm, s.decays, s.inputs, [stand], [*s.erase, stand], stand,
                                 "parallel scan (written out)", s.dim))
     return loops
+
+
+def _exp_value(x: fx.Node):
+    """The example value of exp(x), under the graph's fake mode."""
+    mode = _fake_mode(x.graph)
+    with (mode if mode is not None else contextlib.nullcontext()):
+        return torch.exp(value_of(x))
 
 
 def _pair_loop(gm, a, b, replace, erase, anchor, origin, dim: int = 0) -> Loop:

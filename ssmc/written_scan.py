@@ -3,7 +3,8 @@
 up- and down-sweep on views written in place (Blelloch's, as mamba.py's ``pscan`` writes it:
 ``xv = x.view(B, T // 2, 2, ...)``, ``xv[:, :, 1].add_(av[:, :, 1] * xv[:, :, 0])``). This module
 proves which node holds the linear recurrence ``h_t = a_t * h_(t-1) + b_t`` of two tensors along
-one of their dims, so `reroll` can hand it on as one loop, as it does the scan node.
+one of their dims, so `reroll` can hand it on as one loop, as it does the scan node. (Also the
+log-space form, `find_log_scans`: an identity, matched as written.)
 
 The proof follows every element along that dim as a fact, with ssmc.inlined_scan's algebra
 (leaf, prod, scan, part; here also "zero" and "one" for padding, "unknown" for anything else).
@@ -737,3 +738,57 @@ def _check_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, s: WrittenScan, ph
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     want = want.double()
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+# -- the log-space scan (Heinsen's) --------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LogScan:
+    log_decays: fx.Node        # log a
+    log_inputs: fx.Node        # log b
+    dim: int
+    output: fx.Node            # exp(A + logcumsumexp(log b - A)), A = cumsum(log a): the states
+
+
+def _scan_op(n, names) -> tuple | None:
+    """(input, dim) of a cumsum/logcumsumexp node named in `names`, else None."""
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
+        return None
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if name not in names or not n.args or not isinstance(n.args[0], fx.Node) or set(n.kwargs) - {"dim"}:
+        return None
+    d = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    return (n.args[0], d) if isinstance(d, int) else None
+
+
+def find_log_scans(graph: fx.Graph) -> list[LogScan]:
+    """``exp(A + logcumsumexp(log_b - A, d))`` with ``A = cumsum(log_a, d)``: the scan
+    h_t = exp(log_a_t) h_(t-1) + exp(log_b_t) from zero, exactly (exp(A_t - A_s) is the product of
+    the decays s+1..t), as minGRU's and Heinsen's log-space parallel scan writes it."""
+    out = []
+    for n in graph.nodes:
+        c = canonical(n) if n.op in ("call_function", "call_method") else None
+        if c is None or c.kind != "ew" or c.op != "exp" or c.params:
+            continue
+        s = canonical(c.args[0]) if isinstance(c.args[0], fx.Node) else None
+        if s is None or s.kind != "ew" or s.op != "add" or s.params or len(s.tensor_args()) != 2:
+            continue
+        for A, lse in (s.args, s.args[::-1]):
+            cs, ls = _scan_op(A, ("cumsum",)), _scan_op(lse, ("logcumsumexp",))
+            if cs is None or ls is None:
+                continue
+            la, d = cs
+            nd = len(shape(A))
+            if ls[1] % nd != d % nd:
+                continue
+            diff = canonical(ls[0]) if isinstance(ls[0], fx.Node) else None
+            if diff is None or diff.kind != "ew" or diff.op != "sub" or diff.params or diff.args[1] is not A \
+                    or not isinstance(diff.args[0], fx.Node):
+                continue
+            lb = diff.args[0]
+            if tuple(shape(lb)) != tuple(shape(n)) or tuple(shape(A)) != tuple(shape(n)) \
+                    or not all(type(x) is int for x in shape(n)):
+                continue
+            out.append(LogScan(la, lb, d % nd, n))
+            break
+    return out

@@ -387,3 +387,81 @@ def test_written_scans_on_the_gpu():
         ref = torch.autograd.grad(want, ins64, gy.double())
         for p, q in zip(got, ref):
             assert _err(p.double(), q) < 1e-4, f"{name}\n{report}"
+
+
+# -- the log-space scan (minGRU's, after Heinsen) ------------------------------------------------
+
+def log_scan(log_coeffs, log_values, dim=1):
+    a_star = log_coeffs.cumsum(dim=dim)
+    log_h0_plus_b_star = (log_values - a_star).logcumsumexp(dim=dim)
+    return (a_star + log_h0_plus_b_star).exp()
+
+
+def _log_g(x):
+    return torch.where(x >= 0, (F.relu(x) + 0.5).log(), -F.softplus(-x))
+
+
+def min_gru(x, W, h0=None):
+    """minGRU in log space: gate z = sigmoid(k), h = (1 - z) h + z g(v), scanned as one."""
+    hidden, gate = (x @ W).chunk(2, dim=-1)
+    log_coeffs, log_values = -F.softplus(gate), -F.softplus(-gate) + _log_g(hidden)
+    if h0 is not None:          # the state carried in as step 0, as minGRU does
+        log_values = torch.cat((h0.log(), log_values), dim=1)
+        log_coeffs = F.pad(log_coeffs, (0, 0, 1, 0))
+    return log_scan(log_coeffs, log_values)[:, -x.shape[1]:]
+
+
+def min_gru_loop(x, W, h0=None):
+    hidden, gate = (x @ W).chunk(2, dim=-1)
+    z, g = torch.sigmoid(gate), torch.where(hidden >= 0, hidden + 0.5, torch.sigmoid(hidden))
+    h, out = (torch.zeros_like(hidden[:, 0]) if h0 is None else h0[:, 0]), []
+    for t in range(x.shape[1]):
+        h = (1 - z[:, t]) * h + z[:, t] * g[:, t]
+        out.append(h)
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_a_log_space_scan_is_one_region(with_h0):
+    """minGRU's log-space form (cumsum of log gates, logcumsumexp, exp): one region, its gates
+    fused; values and gradients equal to the plain loop in float64."""
+    g = torch.Generator().manual_seed(21 + with_h0)
+    x = torch.randn(2, 37, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(8, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    ins = (x, W) + ((torch.rand(2, 1, 16, generator=g, dtype=torch.float64).add(0.1).requires_grad_(),) if with_h0 else ())
+    out, report = ssmc_run(min_gru, ins)
+    assert len(report.regions) == 1 and "log-space scan" in str(report), str(report)
+    want = min_gru_loop(*ins)
+    assert _err(out, want) < 1e-12, str(report)
+    gy = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    for p, q in zip(torch.autograd.grad(out, ins, gy), torch.autograd.grad(want, ins, gy)):
+        assert _err(p, q) < 1e-10, str(report)
+
+
+def test_a_log_space_near_miss_runs_as_written():
+    """logcumsumexp of log b minus another cumsum than the one added back: no scan."""
+    def fn(la, lb):
+        A = la.cumsum(1)
+        return (A + (lb - 2 * A).logcumsumexp(1)).exp()
+    g = torch.Generator().manual_seed(23)
+    la, lb = -torch.rand(2, 9, 4, generator=g, dtype=torch.float64), torch.randn(2, 9, 4, generator=g, dtype=torch.float64)
+    out, report = ssmc_run(fn, (la, lb))
+    assert not report.regions, str(report)
+    assert _err(out, fn(la, lb)) < 1e-12
+
+
+@pytest.mark.gpu
+def test_a_log_space_scan_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    g = torch.Generator().manual_seed(24)
+    x = torch.randn(4, 300, 64, generator=g).cuda().requires_grad_()
+    W = (torch.randn(64, 256, generator=g) / 8).cuda().requires_grad_()
+    out, report = ssmc_run(min_gru, (x, W))
+    assert len(report.regions) == 1, str(report)
+    x64, W64 = (t.detach().double().requires_grad_() for t in (x, W))
+    want = min_gru_loop(x64, W64)
+    assert _err(out.double(), want) < 1e-5, str(report)
+    gy = torch.randn_like(out)
+    for p, q in zip(torch.autograd.grad(out, (x, W), gy), torch.autograd.grad(want, (x64, W64), gy.double())):
+        assert _err(p.double(), q) < 1e-4, str(report)
