@@ -1364,6 +1364,10 @@ def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
     for s in find_log_scans(gm.graph):
         if s.output in claimed:
             continue
+        if s.linear:
+            loops.append(_pair_loop(gm, s.log_decays, s.log_inputs, [s.output], [s.output], s.output,
+                                    "prefix-product scan (written out)", s.dim))
+            continue
         with gm.graph.inserting_before(s.output):
             a, b = (gm.graph.call_function(torch.exp, (x,)) for x in (s.log_decays, s.log_inputs))
         for e, x in ((a, s.log_decays), (b, s.log_inputs)):

@@ -744,10 +744,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class LogScan:
-    log_decays: fx.Node        # log a
-    log_inputs: fx.Node        # log b
+    log_decays: fx.Node        # log a (or a itself where `linear`)
+    log_inputs: fx.Node        # log b (or b)
     dim: int
-    output: fx.Node            # exp(A + logcumsumexp(log b - A)), A = cumsum(log a): the states
+    output: fx.Node            # the node holding the states
+    linear: bool = False       # decays and inputs given as they are, not as logs
 
 
 def _scan_op(n, names) -> tuple | None:
@@ -790,5 +791,32 @@ def find_log_scans(graph: fx.Graph) -> list[LogScan]:
                     or not all(type(x) is int for x in shape(n)):
                 continue
             out.append(LogScan(la, lb, d % nd, n))
+            break
+    return out + _prefix_products(graph)
+
+
+def _prefix_products(graph: fx.Graph) -> list[LogScan]:
+    """``P * cumsum(b / P, d)`` with ``P = cumprod(a, d)`` (either product order): the scan
+    h_t = a_t h_(t-1) + b_t from zero (P_t / P_s is the product of the decays s+1..t), as simple
+    linear-RNN listings write it; the loop needs no division (nor P's underflow)."""
+    out = []
+    for n in graph.nodes:
+        c = canonical(n) if n.op in ("call_function", "call_method") else None
+        if c is None or c.kind != "ew" or c.op != "mul" or c.params or len(c.tensor_args()) != 2:
+            continue
+        for P, cs in (c.args, c.args[::-1]):
+            cp, sm = _scan_op(P, ("cumprod",)), _scan_op(cs, ("cumsum",))
+            if cp is None or sm is None:
+                continue
+            a, d = cp
+            nd = len(shape(P))
+            q = canonical(sm[0]) if isinstance(sm[0], fx.Node) else None
+            if sm[1] % nd != d % nd or q is None or q.kind != "ew" or q.op != "div" or q.params \
+                    or q.args[1] is not P or not isinstance(q.args[0], fx.Node):
+                continue
+            b = q.args[0]
+            if not (tuple(shape(b)) == tuple(shape(P)) == tuple(shape(n))) or not all(type(x) is int for x in shape(n)):
+                continue
+            out.append(LogScan(a, b, d % nd, n, linear=True))
             break
     return out

@@ -465,3 +465,27 @@ def test_a_log_space_scan_on_the_gpu():
     gy = torch.randn_like(out)
     for p, q in zip(torch.autograd.grad(out, (x, W), gy), torch.autograd.grad(want, (x64, W64), gy.double())):
         assert _err(p.double(), q) < 1e-4, str(report)
+
+
+def test_a_prefix_product_scan_is_one_region():
+    """``P * cumsum(x / P)`` with ``P = cumprod(a)``: the loop, with no division; values and
+    gradients equal to the plain loop, and finite where the products underflow (eager: nan)."""
+    def fn(dt, A, B, C, x, D):
+        dA = torch.exp(dt.unsqueeze(-1) * A)
+        BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+        P = torch.cumprod(dA, dim=1)
+        hs = P * torch.cumsum(BX / P, dim=1)
+        return (hs @ C.unsqueeze(-1)).squeeze(3) + D * x
+    ins = [t.requires_grad_() for t in inputs(L=17, seed=25)]
+    out, report = ssmc_run(fn, ins)
+    assert len(report.regions) == 1 and "prefix-product scan" in str(report), str(report)
+    want = loop_mixer(*ins)
+    assert _err(out, want) < 1e-10, str(report)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=out.dtype)
+    for p, q in zip(torch.autograd.grad(out, ins, gy), torch.autograd.grad(want, ins, gy)):
+        assert _err(p, q) < 1e-8, str(report)
+    long = [t.float() for t in inputs(L=3000, seed=26)]        # cumprod underflows in float32
+    long[0] = long[0] + 1.0
+    got, _ = ssmc_run(fn, long)
+    assert torch.isfinite(got).all() and not torch.isfinite(fn(*long)).all()
+    assert _err(got.double(), loop_mixer(*[t.double() for t in long])) < 1e-4
