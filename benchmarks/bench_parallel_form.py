@@ -82,17 +82,27 @@ def main(argv=None):
                 row["inductor_rel_err_y"] = _err(yi, fn(*ins64)[0])
                 row["ms_fwd"]["inductor"] = bench(lambda: ind(*ins))
                 row["ms_fwd_bwd"]["inductor"] = bench(train(ind))
-            for k in ("ms_fwd", "ms_fwd_bwd"):
-                t = row[k]
-                row[k + "_ratio"] = {o: t[o] / t["ssmc"] for o in t if o != "ssmc"}
+            ratios(row)
         except Exception as e:      # noqa: BLE001 - recorded, the next shape goes on
             row["error"] = f"{type(e).__name__}: {e}"
             row["traceback"] = traceback.format_exc()[-2000:]
-        print(json.dumps(row), flush=True)
-        res["rows"].append(row)
-        Path(a.out).write_text(json.dumps(res, indent=1))
-        if gpu:
-            torch.cuda.empty_cache()
+        record(row, res, a.out, gpu)
+
+
+def ratios(row: dict) -> None:
+    """Each baseline's time over ssmc's, forward and forward + backward."""
+    for k in ("ms_fwd", "ms_fwd_bwd"):
+        t = row[k]
+        row[k + "_ratio"] = {o: t[o] / t["ssmc"] for o in t if o != "ssmc"}
+
+
+def record(row: dict, res: dict, out: str, gpu: bool) -> None:
+    """Print the row, add it to the results and write them all (a later failure loses nothing)."""
+    print(json.dumps(row), flush=True)
+    res["rows"].append(row)
+    Path(out).write_text(json.dumps(res, indent=1))
+    if gpu:
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ on the CPU (perf_counter medians; use a tiny --shape).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import ssmc  # noqa: E402
 from test_written_scan import SCANS, inputs, loop_mixer, mixer  # noqa: E402
 from benchmarks.bench_block_sparse import timer  # noqa: E402
+from benchmarks.bench_parallel_form import ratios, record  # noqa: E402
 from benchmarks.bench_gpu import env_info  # noqa: E402
 
 
@@ -84,17 +84,11 @@ def main(argv=None):
                     ind = _compiled(fn)
                     row["ms_fwd"]["inductor"] = bench(lambda: ind(*ins))
                     row["ms_fwd_bwd"]["inductor"] = bench(train(ind))
-                for k in ("ms_fwd", "ms_fwd_bwd"):
-                    t = row[k]
-                    row[k + "_ratio"] = {o: t[o] / t["ssmc"] for o in t if o != "ssmc"}
+                ratios(row)
             except Exception as e:      # noqa: BLE001 - recorded, the next row goes on
                 row["error"] = f"{type(e).__name__}: {e}"
                 row["traceback"] = traceback.format_exc()[-2000:]
-            print(json.dumps(row), flush=True)
-            res["rows"].append(row)
-            Path(a.out).write_text(json.dumps(res, indent=1))
-            if gpu:
-                torch.cuda.empty_cache()
+            record(row, res, a.out, gpu)
 
 
 if __name__ == "__main__":

@@ -763,60 +763,49 @@ def _scan_op(n, names) -> tuple | None:
 
 
 def find_log_scans(graph: fx.Graph) -> list[LogScan]:
-    """``exp(A + logcumsumexp(log_b - A, d))`` with ``A = cumsum(log_a, d)``: the scan
-    h_t = exp(log_a_t) h_(t-1) + exp(log_b_t) from zero, exactly (exp(A_t - A_s) is the product of
-    the decays s+1..t), as minGRU's and Heinsen's log-space parallel scan writes it."""
+    """Closed forms of the scan h_t = a_t h_(t-1) + b_t from zero, each an identity, matched as
+    written:
+    - ``exp(A + logcumsumexp(log_b - A, d))`` with ``A = cumsum(log_a, d)`` (exp(A_t - A_s) is
+      the product of the decays s+1..t), as minGRU's and Heinsen's log-space scan writes it;
+    - ``P * cumsum(b / P, d)`` with ``P = cumprod(a, d)`` (either product order), as simple
+      linear-RNN listings write it; the loop needs no division (nor P's underflow)."""
     out = []
     for n in graph.nodes:
-        c = canonical(n) if n.op in ("call_function", "call_method") else None
-        if c is None or c.kind != "ew" or c.op != "exp" or c.params:
-            continue
-        s = canonical(c.args[0]) if isinstance(c.args[0], fx.Node) else None
-        if s is None or s.kind != "ew" or s.op != "add" or s.params or len(s.tensor_args()) != 2:
-            continue
-        for A, lse in (s.args, s.args[::-1]):
-            cs, ls = _scan_op(A, ("cumsum",)), _scan_op(lse, ("logcumsumexp",))
-            if cs is None or ls is None:
-                continue
-            la, d = cs
-            nd = len(shape(A))
-            if ls[1] % nd != d % nd:
-                continue
-            diff = canonical(ls[0]) if isinstance(ls[0], fx.Node) else None
-            if diff is None or diff.kind != "ew" or diff.op != "sub" or diff.params or diff.args[1] is not A \
-                    or not isinstance(diff.args[0], fx.Node):
-                continue
-            lb = diff.args[0]
-            if tuple(shape(lb)) != tuple(shape(n)) or tuple(shape(A)) != tuple(shape(n)) \
-                    or not all(type(x) is int for x in shape(n)):
-                continue
-            out.append(LogScan(la, lb, d % nd, n))
-            break
-    return out + _prefix_products(graph)
-
-
-def _prefix_products(graph: fx.Graph) -> list[LogScan]:
-    """``P * cumsum(b / P, d)`` with ``P = cumprod(a, d)`` (either product order): the scan
-    h_t = a_t h_(t-1) + b_t from zero (P_t / P_s is the product of the decays s+1..t), as simple
-    linear-RNN listings write it; the loop needs no division (nor P's underflow)."""
-    out = []
-    for n in graph.nodes:
-        c = canonical(n) if n.op in ("call_function", "call_method") else None
-        if c is None or c.kind != "ew" or c.op != "mul" or c.params or len(c.tensor_args()) != 2:
-            continue
-        for P, cs in (c.args, c.args[::-1]):
-            cp, sm = _scan_op(P, ("cumprod",)), _scan_op(cs, ("cumsum",))
-            if cp is None or sm is None:
-                continue
-            a, d = cp
-            nd = len(shape(P))
-            q = canonical(sm[0]) if isinstance(sm[0], fx.Node) else None
-            if sm[1] % nd != d % nd or q is None or q.kind != "ew" or q.op != "div" or q.params \
-                    or q.args[1] is not P or not isinstance(q.args[0], fx.Node):
-                continue
-            b = q.args[0]
-            if not (tuple(shape(b)) == tuple(shape(P)) == tuple(shape(n))) or not all(type(x) is int for x in shape(n)):
-                continue
-            out.append(LogScan(a, b, d % nd, n, linear=True))
-            break
+        s = _log_form(n) or _product_form(n)
+        if s is not None:
+            out.append(s)
     return out
+
+
+def _ew(n, op: str):
+    """n's canonical form if it is the elementwise `op` (no parameters), else None."""
+    c = canonical(n) if isinstance(n, fx.Node) and n.op in ("call_function", "call_method") else None
+    return c if c is not None and c.kind == "ew" and c.op == op and not c.params else None
+
+
+def _form(n, outer: str, first: str, second: str, inner: str, linear: bool) -> LogScan | None:
+    """n = outer(X, second(inner(y, X))) with X = first(x) along one dim, the operands of n's
+    shape: (x, y, that dim) as a LogScan."""
+    c = _ew(n, outer)
+    if c is None or len(c.tensor_args()) != 2:
+        return None
+    for X, S in (c.args, c.args[::-1]):
+        f, g = _scan_op(X, (first,)), _scan_op(S, (second,))
+        q = _ew(g[0], inner) if f is not None and g is not None else None
+        if q is None or q.args[1] is not X or not isinstance(q.args[0], fx.Node):
+            continue
+        nd, sh = len(shape(X)), tuple(shape(n))
+        if g[1] % nd == f[1] % nd and tuple(shape(q.args[0])) == tuple(shape(X)) == sh \
+                and all(type(v) is int for v in sh):
+            return LogScan(f[0], q.args[0], f[1] % nd, n, linear)
+    return None
+
+
+def _log_form(n) -> LogScan | None:
+    c = _ew(n, "exp")
+    s = _form(c.args[0], "add", "cumsum", "logcumsumexp", "sub", False) if c is not None else None
+    return None if s is None else dataclasses.replace(s, output=n)      # the states: exp of the logs
+
+
+def _product_form(n) -> LogScan | None:
+    return _form(n, "mul", "cumprod", "cumsum", "div", True)
