@@ -554,6 +554,8 @@ class _Follow:
             if not ext or len(t.sdims) != 1:
                 continue
             f = self.facts(t)
+            if f.size < 2:
+                continue
             first = f[0]
             if first[0] != "leaf" or first[1] not in self.leaves:
                 continue
@@ -652,9 +654,9 @@ def function_scan(gm: fx.GraphModule, hop: fx.Node):
     out = ret.args[0]
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], (tuple, list))):
         return what + "its outputs are not laid out as Dynamo lays them out"
-    outs = out[0]
-    if len(outs) != 1 or outs[0] not in s.outputs:
-        return what + "it returns more than the states"
+    outs = out[0]      # (torch 2.11 lists the forward's intermediates after its output; none read outside)
+    if not outs or outs[0] not in s.outputs:
+        return what + "its output is not the states"
     own = set(s.erase) | set(s.outputs) | set(phs)
     extra = [n for n in fwd.graph.nodes if n.op != "output" and n not in own
              and not (n.op == "call_function" and n.target is torch._C._set_grad_enabled)]
@@ -662,7 +664,7 @@ def function_scan(gm: fx.GraphModule, hop: fx.Node):
         return what + f"its forward also computes {extra[0].name}"
     users = list(hop.users)
     if not users or any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] != 0 for u in users):
-        return what + "its output is used other than as the states"
+        return what + "its outputs are used other than as the states"
     why = _check_backward(fwd, bwd, s, phs)
     if why:
         return what + why
@@ -697,7 +699,11 @@ def _check_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, s: WrittenScan, ph
         with torch.no_grad():
             vals = {s.decays: a, s.inputs: b}
             outs, saved = fwd(*[vals[p] for p in phs])
-            got = bwd(g, *saved)
+            # a gradient for each forward output (torch 2.11 lists its intermediates too, as
+            # placeholders its backward does not read), then what the forward saved
+            if sum(n.op == "placeholder" for n in bwd.graph.nodes) != len(outs) + len(saved):
+                return "its backward takes other inputs than its outputs' gradients and what it saved"
+            got = bwd(g, *[None] * (len(outs) - 1), *saved)
     except Exception as e:      # noqa: BLE001 - its own error, reported
         return f"running it on a check failed: {type(e).__name__}: {e}"
     a, b, g = (t.to(ref) for t in (a, b, g))
