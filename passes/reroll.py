@@ -1343,10 +1343,13 @@ def loops_from_inlined_scans(gm: fx.GraphModule) -> list[Loop]:
 
 
 def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
-    """Parallel scans written out in torch ops (ssmc.written_scan: doubling, or up- and
-    down-sweeps on views in place). Each output's readers are moved to a new node standing for
-    the scan, placed before the first of them: the region goes there, and the scan's own nodes
-    (its writes in place included) go."""
+    """Scans written out in torch ops (ssmc.written_scan), skipping what `claimed` (other
+    captures' nodes) holds: an autograd.Function whose forward is one and whose backward checks
+    out (the function goes whole); the log-space and prefix-product closed forms (their output
+    node stands for the states; the log form's exps are made here); doubling, or up- and
+    down-sweeps on views in place, where each output's readers are moved to a new node standing
+    for the scan, placed before the first of them: the region goes there, and the scan's own
+    nodes (its writes in place included) go."""
     from ssmc.written_scan import find_log_scans, find_written_scans, function_scan
     gm = ctx.gm
     loops = []
