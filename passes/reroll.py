@@ -1350,7 +1350,7 @@ def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
     down-sweeps on views in place, where each output's readers are moved to a new node standing
     for the scan, placed before the first of them: the region goes there, and the scan's own
     nodes (its writes in place included) go."""
-    from ssmc.written_scan import find_log_scans, find_written_scans, function_scan
+    from ssmc.written_scan import find_closed_forms, find_written_scans, function_scan
     gm = ctx.gm
     loops = []
     afa = getattr(torch.ops.higher_order, "autograd_function_apply", None)
@@ -1364,16 +1364,16 @@ def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
             outs = sorted(f.outputs, key=order.__getitem__)
             loops.append(_pair_loop(gm, f.decays, f.inputs, outs, [hop, *outs], outs[0],
                                     "parallel scan (written out) in an autograd.Function", f.dim))
-    for s in find_log_scans(gm.graph):
+    for s in find_closed_forms(gm.graph):
         if s.output in claimed:
             continue
-        if s.linear:
-            loops.append(_pair_loop(gm, s.log_decays, s.log_inputs, [s.output], [s.output], s.output,
+        if not s.logs:
+            loops.append(_pair_loop(gm, s.decays, s.inputs, [s.output], [s.output], s.output,
                                     "prefix-product scan (written out)", s.dim))
             continue
         with gm.graph.inserting_before(s.output):
-            a, b = (gm.graph.call_function(torch.exp, (x,)) for x in (s.log_decays, s.log_inputs))
-        for e, x in ((a, s.log_decays), (b, s.log_inputs)):
+            a, b = (gm.graph.call_function(torch.exp, (x,)) for x in (s.decays, s.inputs))
+        for e, x in ((a, s.decays), (b, s.inputs)):
             e.meta["example_value"] = _exp_value(x)
         loops.append(_pair_loop(gm, a, b, [s.output], [s.output], s.output, "log-space scan (written out)",
                                 s.dim))

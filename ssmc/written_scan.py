@@ -3,8 +3,10 @@
 up- and down-sweep on views written in place (Blelloch's, as mamba.py's ``pscan`` writes it:
 ``xv = x.view(B, T // 2, 2, ...)``, ``xv[:, :, 1].add_(av[:, :, 1] * xv[:, :, 0])``). This module
 proves which node holds the linear recurrence ``h_t = a_t * h_(t-1) + b_t`` of two tensors along
-one of their dims, so `reroll` can hand it on as one loop, as it does the scan node. (Also the
-log-space form, `find_log_scans`: an identity, matched as written.)
+one of their dims, so `reroll` can hand it on as one loop, as it does the scan node. Inside a
+``torch.autograd.Function`` the same proof runs on its forward, and its backward is checked by
+evaluation (`function_scan`). The closed forms (log-space, prefix products: `find_closed_forms`)
+are identities, matched as written.
 
 The proof follows every element along that dim as a fact, with ssmc.inlined_scan's algebra
 (leaf, prod, scan, part; here also "zero" and "one" for padding, "unknown" for anything else).
@@ -749,12 +751,12 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 # -- the log-space scan (Heinsen's) --------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class LogScan:
-    log_decays: fx.Node        # log a (or a itself where `linear`)
-    log_inputs: fx.Node        # log b (or b)
+class ClosedForm:
+    decays: fx.Node            # a, or log a where `logs`
+    inputs: fx.Node            # b, or log b
     dim: int
     output: fx.Node            # the node holding the states
-    linear: bool = False       # decays and inputs given as they are, not as logs
+    logs: bool                 # decays and inputs given as their logs
 
 
 def _scan_op(n, names) -> tuple | None:
@@ -768,7 +770,7 @@ def _scan_op(n, names) -> tuple | None:
     return (n.args[0], d) if isinstance(d, int) else None
 
 
-def find_log_scans(graph: fx.Graph) -> list[LogScan]:
+def find_closed_forms(graph: fx.Graph) -> list[ClosedForm]:
     """Closed forms of the scan h_t = a_t h_(t-1) + b_t from zero, each an identity, matched as
     written:
     - ``exp(A + logcumsumexp(log_b - A, d))`` with ``A = cumsum(log_a, d)`` (exp(A_t - A_s) is
@@ -789,9 +791,9 @@ def _ew(n, op: str):
     return c if c is not None and c.kind == "ew" and c.op == op and not c.params else None
 
 
-def _form(n, outer: str, first: str, second: str, inner: str, linear: bool) -> LogScan | None:
+def _form(n, outer: str, first: str, second: str, inner: str, logs: bool) -> ClosedForm | None:
     """n = outer(X, second(inner(y, X))) with X = first(x) along one dim, the operands of n's
-    shape: (x, y, that dim) as a LogScan."""
+    shape: (x, y, that dim) as a ClosedForm."""
     c = _ew(n, outer)
     if c is None or len(c.tensor_args()) != 2:
         return None
@@ -803,15 +805,15 @@ def _form(n, outer: str, first: str, second: str, inner: str, linear: bool) -> L
         nd, sh = len(shape(X)), tuple(shape(n))
         if g[1] % nd == f[1] % nd and tuple(shape(q.args[0])) == tuple(shape(X)) == sh \
                 and all(type(v) is int for v in sh):
-            return LogScan(f[0], q.args[0], f[1] % nd, n, linear)
+            return ClosedForm(f[0], q.args[0], f[1] % nd, n, logs)
     return None
 
 
-def _log_form(n) -> LogScan | None:
+def _log_form(n) -> ClosedForm | None:
     c = _ew(n, "exp")
-    s = _form(c.args[0], "add", "cumsum", "logcumsumexp", "sub", False) if c is not None else None
+    s = _form(c.args[0], "add", "cumsum", "logcumsumexp", "sub", True) if c is not None else None
     return None if s is None else dataclasses.replace(s, output=n)      # the states: exp of the logs
 
 
-def _product_form(n) -> LogScan | None:
-    return _form(n, "mul", "cumprod", "cumsum", "div", True)
+def _product_form(n) -> ClosedForm | None:
+    return _form(n, "mul", "cumprod", "cumsum", "div", False)
