@@ -582,6 +582,9 @@ class _Follow:
         out = []
         for (a, b), nodes in found.items():
             own = self._own(a, b)
+            # views of a leaf read elsewhere too stay (the scan's writes never reach a leaf)
+            own -= {m for m in own if m in self.t and self.t[m].root in self.leaves and m not in self.machinery
+                    and any(u not in own and u not in free for u in m.users)}
             bad = [m for m in own if m not in nodes and any(u not in own and u not in free for u in m.users)]
             if bad:
                 why.append((bad[0].name, "a hand-written parallel scan's intermediate values are read elsewhere "

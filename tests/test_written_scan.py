@@ -244,6 +244,23 @@ def test_the_running_products_read_elsewhere_leave_the_scan_as_written():
         assert _err(o, w) < 1e-12
 
 
+def test_a_view_of_an_operand_read_elsewhere_stays():
+    """The doubling slices the decays, and one of those slices (the last step's decays) is also
+    returned: it stays in the graph, the scan becomes the region."""
+    def fn(dt, A, B, C, x, D):
+        dA = torch.exp(dt.unsqueeze(-1) * A)
+        BX = dt.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)
+        h = torch.cat([BX[:, :1], BX[:, 1:] + dA[:, 1:] * BX[:, :-1]], 1)
+        a = torch.cat([dA[:, :1], dA[:, 1:] * dA[:, :-1]], 1)
+        h = torch.cat([h[:, :2], h[:, 2:] + a[:, 2:] * h[:, :-2]], 1)
+        return (h @ C.unsqueeze(-1)).squeeze(3), dA[:, 1:].sum()
+    ins = inputs(L=4, seed=14)
+    out, report = ssmc_run(fn, ins)
+    assert len(report.regions) == 1, str(report)
+    want = fn(*ins)
+    assert _err(out[0], loop_mixer(*ins) - ins[5] * ins[4]) < 1e-12 and _err(out[1], want[1]) < 1e-12
+
+
 def test_states_read_between_the_sweeps_leave_the_scan_as_written():
     """A sum of the half-swept states taken between the sweeps: read before the last write."""
     seen = []
