@@ -1353,6 +1353,7 @@ def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
     from ssmc.written_scan import find_closed_forms, find_written_scans, function_scan
     gm = ctx.gm
     loops = []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}     # the nodes made below are no readers
     afa = getattr(torch.ops.higher_order, "autograd_function_apply", None)
     for hop in [n for n in gm.graph.nodes if afa is not None and n.op == "call_function" and n.target is afa
                 and n not in claimed]:
@@ -1360,7 +1361,6 @@ def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
         if isinstance(f, str):
             ctx.fallbacks.append((hop.name, f))
         elif f is not None:
-            order = {n: i for i, n in enumerate(gm.graph.nodes)}
             outs = sorted(f.outputs, key=order.__getitem__)
             loops.append(_pair_loop(gm, f.decays, f.inputs, outs, [hop, *outs], outs[0],
                                     "parallel scan (written out) in an autograd.Function", f.dim))
@@ -1384,7 +1384,6 @@ def loops_from_written_scans(ctx, claimed=frozenset()) -> list[Loop]:
         if claimed & set(s.erase):        # another capture (an inlined associative_scan) took it
             continue
         own = set(s.erase)
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         readers = sorted({u for n in s.outputs for u in n.users if u not in own}, key=order.__getitem__)
         with gm.graph.inserting_before(readers[0]):
             stand = gm.graph.call_function(torch.Tensor.view_as, (s.outputs[0], s.outputs[0]))

@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from ssmc.capture import _changed_in_place
 from ssmc.inlined_scan import _add as _add_facts, _mul as _mul_facts
-from ssmc.ops import canonical, mutated, shape
+from ssmc.ops import _arg, canonical, dtype, mutated, shape
 
 ZERO, ONE, UNKNOWN = ("zero",), ("one",), ("unknown",)
 BUDGET = 1_000_000           # facts followed in one graph at most (tracked nodes x their elements)
@@ -114,8 +114,23 @@ def find_written_scans(graph: fx.Graph, free=frozenset()) -> tuple[list[WrittenS
 
 # -- where the leaves are ------------------------------------------------------------------------
 
-def _arg(n: fx.Node, i: int, name: str, default):
-    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+def _filled(dims: tuple, fact) -> np.ndarray:
+    """An object array of shape `dims` holding `fact` everywhere (np.full would spread a tuple)."""
+    out = np.empty(dims, dtype=object)
+    out.reshape(-1)[:] = [fact] * out.size
+    return out
+
+
+def _pad_widths(p: fx.Node, nd: int) -> list | None:
+    """(before, after) for each of the nd dims a pad node pads (F.pad lists the last dim first);
+    None where its list does not fit nd dims."""
+    pad = list(_arg(p, 1, "pad", ()))
+    if len(pad) % 2 or len(pad) > 2 * nd:
+        return None
+    widths = [(0, 0)] * nd
+    for k in range(len(pad) // 2):
+        widths[nd - 1 - k] = (pad[2 * k], pad[2 * k + 1])
+    return widths
 
 
 def _index_tuple(n: fx.Node):
@@ -198,10 +213,9 @@ def _pad_shift(n: fx.Node) -> set:
     for p in n.users:
         if p.op != "call_function" or p.target not in _PAD or p.args[0] is not n:
             continue
-        pad = list(_arg(p, 1, "pad", ()))
-        widths = [(pad[2 * k], pad[2 * k + 1]) for k in range(len(pad) // 2)]
-        moved = [len(sh) - 1 - k for k, w in enumerate(widths) if w != (0, 0)]
-        if len(moved) != 1 or widths[len(sh) - 1 - moved[0]][0] <= 0:
+        widths = _pad_widths(p, len(sh))
+        moved = [d for d, w in enumerate(widths or ()) if w != (0, 0)]
+        if len(moved) != 1 or widths[moved[0]][0] <= 0:
             continue
         d = moved[0]
         for u in p.users:
@@ -409,16 +423,14 @@ class _Follow:
                 return self._new(n, self.facts(tx), tx.sdims)
             if t in _PAD:
                 return self._pad(n, tx)
-            same = value_dtype(n) == value_dtype(x)
+            same = dtype(n) == dtype(x)
             if same and tuple(shape(n)) == tx.shape and t in ("contiguous", "to", "float", "type_as"):
                 return self._copy_or_view(n, tx, tx)
             if same and (t in ("reshape", "flatten") or t in (torch.reshape, torch.flatten)):
                 r = self._reshape(n, tx)
                 return None if r is None else self._copy_or_view(n, tx, r)
             if t in (torch.ones_like, torch.zeros_like) and tuple(shape(n)) == tx.shape:
-                fill = np.empty(tx.idx.shape, dtype=object)
-                fill.reshape(-1)[:] = [ONE if t is torch.ones_like else ZERO] * fill.size
-                return self._new(n, fill, tx.sdims)
+                return self._new(n, _filled(tx.idx.shape, ONE if t is torch.ones_like else ZERO), tx.sdims)
         if t is torch.cat:
             return self._cat(n)
         c = canonical(n)
@@ -515,20 +527,15 @@ class _Follow:
         return _T(tx.root, np.transpose(tx.idx, order), tuple(new_sdims), tuple(tx.shape[p] for p in perm))
 
     def _pad(self, n, tx: _T) -> _T | None:
-        pad = list(_arg(n, 1, "pad", ()))
         mode, value = _arg(n, 2, "mode", "constant"), _arg(n, 3, "value", None)
         fill = {None: ZERO, 0: ZERO, 0.0: ZERO, 1: ONE, 1.0: ONE}.get(value) if mode == "constant" else None
-        nd = len(tx.shape)
-        if fill is None or len(pad) % 2 or len(pad) > 2 * nd:
+        widths = _pad_widths(n, len(tx.shape))
+        if fill is None or widths is None:
             return None
-        widths = [(0, 0)] * nd
-        for k in range(len(pad) // 2):
-            widths[nd - 1 - k] = (pad[2 * k], pad[2 * k + 1])
         if any(w != (0, 0) for d, w in enumerate(widths) if d not in tx.sdims) or any(v < 0 for w in widths for v in w):
             return None
         f = self.facts(tx)
-        out = np.empty(tuple(s + a + b for s, (a, b) in zip(f.shape, (widths[d] for d in tx.sdims))), dtype=object)
-        out.reshape(-1)[:] = [fill] * out.size
+        out = _filled(tuple(s + a + b for s, (a, b) in zip(f.shape, (widths[d] for d in tx.sdims))), fill)
         inner = tuple(slice(a, a + s) for s, (a, _) in zip(f.shape, (widths[d] for d in tx.sdims)))
         out[inner] = f
         return self._new(n, out, tx.sdims)
@@ -614,11 +621,6 @@ class _Follow:
             seen.add(m)
             todo.extend(m.all_input_nodes)
         return False
-
-
-def value_dtype(n):
-    v = n.meta.get("example_value")
-    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 # -- the same scan inside an autograd.Function ---------------------------------------------------
