@@ -133,6 +133,34 @@ def _pad_widths(p: fx.Node, nd: int) -> list | None:
     return widths
 
 
+_FILLS = {torch.zeros: ZERO, torch.ones: ONE, torch.zeros_like: ZERO, torch.ones_like: ONE,
+          "new_zeros": ZERO, "new_ones": ONE}
+_FULLS = (torch.full, torch.full_like, "new_full")
+
+
+def _scalar_fact(v):
+    """ZERO or ONE for the numbers 0 and 1, else None."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return {0: ZERO, 1: ONE}.get(v)
+    return None
+
+
+def _const_fill(n) -> tuple | None:
+    """ZERO or ONE where n is a tensor made full of that number (zeros, ones, full, their _like
+    and new_ forms) and never written in place; None otherwise."""
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
+        return None
+    t = n.target
+    if t in _FULLS:
+        k = 2 if t == torch.full_like or t == "new_full" else 1
+        fact = _scalar_fact(_arg(n, k, "fill_value", None))
+    else:
+        fact = _FILLS.get(t) if isinstance(t, str) or callable(t) else None
+    if fact is None or any(mutated(u) is n for u in n.users):
+        return None
+    return fact
+
+
 def _index_tuple(n: fx.Node):
     idx = n.args[1]
     return idx if isinstance(idx, tuple) else (idx,)
@@ -206,6 +234,42 @@ def _pair_split(n: fx.Node) -> int | None:
     return None
 
 
+def _fill_shift(n: fx.Node) -> set:
+    """The dims along which n cut short at the end (``x[:, :-s]``) is concatenated after a fill
+    of s elements (``torch.cat([x.new_zeros(.., s, ..), x[:, :-s]], 1)``): x shifted by s."""
+    out, nd = set(), len(shape(n))
+    for u in n.users:
+        if not (u.op == "call_function" and u.target is operator.getitem and u.args[0] is n):
+            continue
+        items = [(d, e) for d, e in _dims_of_index(_index_tuple(u), nd) or ()
+                 if not (isinstance(e, slice) and e == slice(None))]
+        if len(items) != 1 or not isinstance(items[0][1], slice):
+            continue
+        d, e = items[0]
+        if not (e.start in (None, 0) and e.step in (None, 1) and isinstance(e.stop, int) and e.stop < 0):
+            continue
+        for c in u.users:
+            if c.op == "call_function" and c.target is torch.cat and _arg(c, 1, "dim", 0) % nd == d:
+                parts = list(c.args[0])
+                k = parts.index(u) if u in parts else 0
+                if k == 1 and _const_fill(parts[0]) is not None and shape(parts[0])[d] == -e.stop:
+                    out.add(d)
+    return out
+
+
+def _rolled(n: fx.Node) -> set:
+    """The dim along which n is rolled by a whole number of steps (``torch.roll(x, s, d)``)."""
+    out, nd = set(), len(shape(n))
+    for u in n.users:
+        if (u.target is torch.roll or u.target == "roll") and u.args[0] is n:
+            dims = _arg(u, 2, "dims", None)
+            if isinstance(dims, (tuple, list)) and len(dims) == 1:
+                dims = dims[0]
+            if isinstance(dims, int):
+                out.add(dims % nd)
+    return out
+
+
 def _pad_shift(n: fx.Node) -> set:
     """The dims along which n is padded at the front and the result cut back to n's length
     (``F.pad(h, (.., s, 0))[:, :L]``: h shifted by s)."""
@@ -271,7 +335,7 @@ def _seeds(graph: fx.Graph) -> dict:
     for n in graph.nodes:
         if not isinstance(n.meta.get("example_value"), torch.Tensor) or not n.meta["example_value"].is_floating_point():
             continue
-        dims = _shifts(n) | _pad_shift(n) | _strided(n)
+        dims = _shifts(n) | _pad_shift(n) | _strided(n) | _fill_shift(n) | _rolled(n)
         p = _pair_split(n)
         if p is not None:
             dims.add(p)
@@ -387,7 +451,9 @@ class _Follow:
         if is_set:
             view = self._index(t, n.args[1], shape(dst))
             src = n.args[2]
-            if view is None or src not in self.t or tuple(self.t[src].idx.shape) != tuple(view.idx.shape) \
+            if view is not None and _scalar_fact(src) is not None:
+                self._write(view, _filled(view.idx.shape, _scalar_fact(src)), n)
+            elif view is None or src not in self.t or tuple(self.t[src].idx.shape) != tuple(view.idx.shape) \
                     or self.t[src].free != view.free:
                 self._write(view if view is not None else t, UNKNOWN, n)
             else:
@@ -429,6 +495,8 @@ class _Follow:
             if same and (t in ("reshape", "flatten") or t in (torch.reshape, torch.flatten)):
                 r = self._reshape(n, tx)
                 return None if r is None else self._copy_or_view(n, tx, r)
+            if t is torch.roll or t == "roll":
+                return self._roll(n, tx)
             if t in (torch.ones_like, torch.zeros_like) and tuple(shape(n)) == tx.shape:
                 return self._new(n, _filled(tx.idx.shape, ONE if t is torch.ones_like else ZERO), tx.sdims)
         if t is torch.cat:
@@ -541,16 +609,39 @@ class _Follow:
         return self._new(n, out, tx.sdims)
 
     def _cat(self, n) -> _T | None:
+        """A cat along a scan dim of tracked tensors and of fills (zeros, ones) shaped like them."""
         parts, d = n.args[0], _arg(n, 1, "dim", 0)
-        if not parts or not all(isinstance(p, fx.Node) and p in self.t for p in parts):
+        if not parts or not all(isinstance(p, fx.Node) and (p in self.t or _const_fill(p)) for p in parts):
             return None
-        ts = [self.t[p] for p in parts]
-        nd = len(ts[0].shape)
+        ts = [self.t[p] for p in parts if p in self.t]
+        if not ts:
+            return None
+        nd, like = len(ts[0].shape), ts[0]
         d %= nd
-        if d not in ts[0].sdims or any(t.sdims != ts[0].sdims or t.free != ts[0].free for t in ts):
+        if d not in like.sdims or any(t.sdims != like.sdims or t.free != like.free for t in ts):
             return None
-        ax = ts[0].sdims.index(d)
-        return self._new(n, np.concatenate([self.facts(t) for t in ts], axis=ax), ts[0].sdims)
+        ax = like.sdims.index(d)
+        facts = []
+        for p in parts:
+            if p in self.t:
+                facts.append(self.facts(self.t[p]))
+                continue
+            sh = tuple(shape(p))
+            if len(sh) != nd or any(sh[k] != like.shape[k] for k in range(nd) if k != d):
+                return None
+            dims = list(like.idx.shape)
+            dims[ax] = sh[d]
+            facts.append(_filled(tuple(dims), _const_fill(p)))
+        return self._new(n, np.concatenate(facts, axis=ax), like.sdims)
+
+    def _roll(self, n, tx: _T) -> _T | None:
+        """``torch.roll`` by a whole number of steps along one scan dim: the facts rolled."""
+        sh, dims = _arg(n, 1, "shifts", None), _arg(n, 2, "dims", None)
+        sh = sh[0] if isinstance(sh, (tuple, list)) and len(sh) == 1 else sh
+        dims = dims[0] if isinstance(dims, (tuple, list)) and len(dims) == 1 else dims
+        if not isinstance(sh, int) or not isinstance(dims, int) or dims % len(tx.shape) not in tx.sdims:
+            return None
+        return self._new(n, np.roll(self.facts(tx), sh, axis=tx.sdims.index(dims % len(tx.shape))), tx.sdims)
 
     # the outcome
 
@@ -608,6 +699,9 @@ class _Follow:
                 own.add(n)
                 roots.add(t.root)
         own |= {m for m in self.machinery if self.t.get(m.args[0]) is not None and self.t[m.args[0]].root in roots}
+        # fills made after a tracked tensor (``h.new_zeros(...)``: its dtype and device only) for
+        # the scan's own cats
+        own |= {u for m in own for u in m.users if _const_fill(u) and u.users and all(w in own for w in u.users)}
         return own
 
     def _derives(self, n, leaves) -> bool:

@@ -127,8 +127,32 @@ def doubling_pad(a, h):
     return h
 
 
+def doubling_zeros(a, h):
+    """Doubling with the shifted-in fill made from scratch (``new_zeros``, ``torch.ones``)."""
+    L, s = h.shape[1], 1
+    while s < L:
+        rest = h.shape[2:]
+        h = h + a * torch.cat([h.new_zeros(h.shape[0], s, *rest), h[:, :-s]], 1)
+        a = a * torch.cat([torch.ones(a.shape[0], s, *a.shape[2:], dtype=a.dtype, device=a.device), a[:, :-s]], 1)
+        s *= 2
+    return h
+
+
+def doubling_roll(a, h):
+    """Doubling by ``torch.roll``, the wrapped-around front overwritten with the fill."""
+    L, s = h.shape[1], 1
+    while s < L:
+        hp, ap = torch.roll(h, s, 1), torch.roll(a, shifts=s, dims=1)
+        hp[:, :s] = 0
+        ap[:, :s] = 1.0
+        h = h + a * hp
+        a = a * ap
+        s *= 2
+    return h
+
+
 SCANS = {"sweep": SweepScan.apply, "strided": StridedPScan.apply, "doubling_cat": doubling_cat,
-         "doubling_pad": doubling_pad}
+         "doubling_pad": doubling_pad, "doubling_zeros": doubling_zeros, "doubling_roll": doubling_roll}
 
 
 def mixer(scan, per_channel=False):
@@ -223,6 +247,37 @@ def test_a_wrong_sweep_is_not_taken():
     assert not report.regions, str(report)
     assert _err(out, fn(*ins)) < 1e-12
     assert _err(out, loop_mixer(*ins)) > 1e-3       # the program really is wrong
+
+
+@pytest.mark.parametrize("miss", ["wrapped", "half_fill", "fill_written", "short_fill"])
+def test_near_misses_of_the_fill_and_roll_doublings_run_as_written(miss):
+    """A roll whose wrapped-around front is kept, a fill of 0.5 where the fill must be 0, a fill
+    written in place before the cat, a fill one step short: no region, the function as written."""
+    def scan(a, h):
+        L, s = h.shape[1], 1
+        while s < L:
+            if miss == "wrapped":
+                hp, ap = torch.roll(h, s, 1), torch.roll(a, s, 1)
+                ap[:, :s] = 1.0
+            else:
+                z = h.new_full((h.shape[0], s, *h.shape[2:]), 0.5 if miss == "half_fill" else 0.0)
+                if miss == "fill_written":
+                    z[:, :1] += 1.0
+                hp = torch.cat([z, h[:, :-s]], 1)
+                if miss == "short_fill":
+                    hp = torch.cat([h.new_zeros(h.shape[0], s - 1, *h.shape[2:]), h[:, :-s],
+                                    h.new_zeros(h.shape[0], 1, *h.shape[2:])], 1)
+                ap = torch.cat([torch.ones_like(a[:, :s]), a[:, :-s]], 1)
+            h = h + a * hp
+            a = a * ap
+            s *= 2
+        return h
+    fn = mixer(scan)
+    ins = inputs(L=8, seed=9)
+    out, report = ssmc_run(fn, ins)
+    assert not report.regions, str(report)
+    assert _err(out, fn(*ins)) < 1e-12
+    assert _err(out, loop_mixer(*ins)) > 1e-3       # each really is another function
 
 
 def test_the_running_products_read_elsewhere_leave_the_scan_as_written():
