@@ -644,7 +644,7 @@ def _rotated(gm, seg: _Segment, found: Loop):
             continue
         if lp is None:
             continue
-        _recompute_delays(lp)
+        _recompute_delays(lp, seg.step)
         if seg.step > 0:
             _shift_passed_values(gm, lp)
         if not _reads_previous_state(lp) and lp.n_carry <= found.n_carry:
@@ -696,11 +696,13 @@ def _delay_previous_states(gm, lp: Loop) -> None:
                  "step as states of their own", len(new_outs))
 
 
-def _recompute_delays(lp: Loop) -> None:
+def _recompute_delays(lp: Loop, step: int = 1) -> None:
     """Carried values that are no state: a value computed from the step's inputs alone and used
     by the next step (``ek = exp(k[t])`` made before a cut and used after it) is computed again
-    in the step that uses it, from its inputs one step back (reads at start - 1), and stops
-    being carried. Left carried where a read would start before index 0."""
+    in the step that uses it, from its inputs one step back (reads at start - 1; at start + 1
+    in a loop over decreasing indices, `step` < 0), and stops being carried. Left carried where
+    such a read would start outside its source."""
+    back = -1 if step > 0 else 1
     for j in reversed(range(lp.n_carry)):
         o = lp.carry_outputs()[j]
         if not isinstance(o, fx.Node) or o in lp.carry_nodes():
@@ -711,9 +713,9 @@ def _recompute_delays(lp: Loop) -> None:
         anc = ancestors([o], stop=set(others))
         reads = dict(zip(lp.read_nodes(), lp.reads))
         used = [p for p in lp.read_nodes() if p in anc]
-        if any(c in anc for c in lp.carry_nodes()) or any(reads[p].start < 1 for p in used):
+        if any(c in anc for c in lp.carry_nodes()) or not all(_inside(reads[p], back) for p in used):
             continue
-        phs = _add_reads(lp, [Read(reads[p].source, reads[p].dim, reads[p].start - 1, reads[p].width) for p in used],
+        phs = _add_reads(lp, [Read(reads[p].source, reads[p].dim, reads[p].start + back, reads[p].width) for p in used],
                          [p.meta.get("example_value") for p in used])
         env = {**{v: c for v, c in others.items() if v in anc}, **dict(zip(used, phs))}
         init = _drop_carry(lp, j, _copy_from(lp, anc - set(others), o, env))
@@ -721,6 +723,15 @@ def _recompute_delays(lp: Loop) -> None:
             init.graph.erase_node(init)
             lp.made.remove(init)
     lp.body.recompile()
+
+
+def _inside(r: Read, back: int) -> bool:
+    """Whether read r moved `back` steps still starts inside its source (moved up, a size Dynamo
+    keeps symbolic: not known, so no)."""
+    if back < 0:
+        return r.start + back >= 0
+    n = shape(r.source)[r.dim]
+    return type(n) is int and (r.start + back + 1) * r.width <= n
 
 
 def _shift_passed_values(gm, lp: Loop) -> None:

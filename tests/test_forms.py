@@ -634,6 +634,29 @@ def test_reverse_loop_with_output_before_update():
                torch.randn(2, 7, 4, generator=g), torch.randn(2, 7, 4, generator=g)))
 
 
+@pytest.mark.parametrize("sink", ["setitem", "list"])
+def test_reverse_loop_cut_later_recomputes_a_value_of_the_step(sink):
+    """Reversed indices, the output read before the update, and a value of the step's input made
+    before the output and used by the update: the loop cut one step later computes that value
+    again from the step before (in a reverse loop, the index above). Was an internal error (the
+    read taken one index below, past the start)."""
+    def fn(x, k, a):
+        h = torch.zeros_like(x[:, 0])
+        out, ys = torch.zeros_like(x), []
+        for t in range(x.shape[1] - 1, -1, -1):
+            e = torch.exp(k[:, t])
+            if sink == "setitem":
+                out[:, t] = h * e
+            else:
+                ys.append((h * e).sum(-1))
+            h = a * h + e * x[:, t]
+        return (out if sink == "setitem" else torch.stack(ys, 1)), h
+    g = torch.Generator().manual_seed(12)
+    ins = (torch.randn(2, 6, 3, generator=g), 0.1 * torch.randn(2, 6, 3, generator=g), torch.rand(2, 3, generator=g))
+    rep = check(fn, ins)
+    assert not rep.fallbacks, str(rep)
+
+
 def test_unit_slice_writes():
     """``out[:, t:t+1] = y[:, None]``: a write of one step that keeps its size-1 time dim."""
     def fn(x, a):
