@@ -48,7 +48,7 @@ PIPE_COST = (6, 1, 1, 2)  # a step's cost, in units of about an mma tile's: a st
 SMEM_STATIC = 48 * 1024   # a block's static shared memory
 SMEM_W = 40 * 1024        # W's fragments: terms * tiles * 32 lanes * 16 bytes
 HOIST_TILES = 16          # up to this many tiles, W's fragments may stay in registers across steps
-PREFETCH = 8             # steps ahead of the L2 prefetch hints
+PREFETCH = 8             # steps ahead of the L2 prefetch hints (0: none)
 U = "@U@"                 # the unrolled step's slot in the load rings, replaced per copy
 
 
@@ -593,11 +593,11 @@ def _role(r: ir.Region, p: CudaBSPlan, depth: int, vec: bool, shared: bool, owne
             refill.append(f"r{v}[{U}] = *p{v};")
     walk = [f"p{v} += d{v};" for v, _, _ in pr.fetch]
     # L2 prefetch PREFETCH steps ahead: a run's lanes cover the warp's pairs (lane g: its tile g % tiles)
-    hint = [f"ssmc_prefetch_l2(p{v} + po{v});" for v, _, _ in pr.fetch]
+    hint = [f"ssmc_prefetch_l2(p{v} + po{v});" for v, _, _ in pr.fetch] if PREFETCH else []
     nibbles = sum(j << (4 * i) for i, j in enumerate(own))
     offsets = [f"const long long po{v} = {PREFETCH} * d{v}"
                + (f" + (long long)(8 * (({nibbles:#x}u >> (4 * ((lane >> 2) % {len(own)}))) & 15u)) * s{v};"
-                  if run else ";") for v, run, _ in pr.fetch]
+                  if run else ";") for v, run, _ in pr.fetch] if PREFETCH else []
     for u in range(depth):
         prologue.append(f"if ({u} < L) {{ " + " ".join(x.replace(U, str(u)) for x in refill) + " }")
         prologue += walk
