@@ -786,8 +786,7 @@ class CudaBlockSparseKernel:
         for i, (x, s) in enumerate(zip(inputs, r.inputs)):
             if ir.dtype_name(x.dtype) != s.dtype:
                 raise TypeError(f"input {i} ({s.name}) is {x.dtype}; the kernel was generated for {s.dtype}")
-        inputs = [torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x) if k in self.widen else x
-                  for k, x in enumerate(inputs)]          # widened: contiguous (vector loads)
+        inputs = [x.float() if k in self.widen else x for k, x in enumerate(inputs)]
         sizes = {a: int(inputs[i].shape[d]) for a, (i, d) in zip(r.axes, r.axis_size)}
         if sizes[p.reg] != p.n:
             raise ValueError(f"the mixed axis {p.reg} has {sizes[p.reg]} elements; the kernel was compiled for {p.n}")
