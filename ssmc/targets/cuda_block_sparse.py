@@ -645,12 +645,6 @@ class CudaBlockSparseKernel:
         self.arch: int | None = None          # the device's sm_XX once known (tensor cores: 80 and later)
         from .cuda_bsp_mma import mma_unsupported
         self.mma_why = mma_unsupported(region, p)
-        # 16-bit inputs read along the state at every step and shared by the rows of a channel
-        # axis (B and C of (batch, L, n)) are widened to fp32 before the launch, once for all
-        # rows: the kernels then read them without a conversion per element and step
-        self.widen = widened(region, p)
-        self._kregion = dataclasses.replace(region, inputs=tuple(
-            dataclasses.replace(s, dtype="float32") if k in self.widen else s for k, s in enumerate(region.inputs)))
 
     def choices(self) -> list[tuple[int, bool | str]]:
         """(warps, variant) keys, computed once: split only where a block moves and its partial
@@ -694,9 +688,9 @@ class CudaBlockSparseKernel:
             if _is_mma(key):
                 from .cuda_bsp_mma import _variant, render_mma
                 depth, split, page = _variant(variant)
-                self._rendered[key] = render_mma(self._kregion, self.plan, g, depth, vec, shared, split, page)
+                self._rendered[key] = render_mma(self.region, self.plan, g, depth, vec, shared, split, page)
             else:
-                self._rendered[key] = render(self._kregion, self.plan, g, variant, vec)
+                self._rendered[key] = render(self.region, self.plan, g, variant, vec)
         return self._rendered[key]
 
     @property
@@ -786,7 +780,6 @@ class CudaBlockSparseKernel:
         for i, (x, s) in enumerate(zip(inputs, r.inputs)):
             if ir.dtype_name(x.dtype) != s.dtype:
                 raise TypeError(f"input {i} ({s.name}) is {x.dtype}; the kernel was generated for {s.dtype}")
-        inputs = [x.float() if k in self.widen else x for k, x in enumerate(inputs)]
         sizes = {a: int(inputs[i].shape[d]) for a, (i, d) in zip(r.axes, r.axis_size)}
         if sizes[p.reg] != p.n:
             raise ValueError(f"the mixed axis {p.reg} has {sizes[p.reg]} elements; the kernel was compiled for {p.n}")
@@ -884,23 +877,6 @@ class CudaBlockSparseKernel:
                     warnings.simplefilter("ignore", DeprecationWarning)
                     s = self._streams[(idx, stream_ptr)] = cupy.cuda.ExternalStream(stream_ptr, idx)
             fn((grid, 1, 1), (block, 1, 1), values, stream=s)
-
-
-def widened(r: Region, p: CudaBSPlan) -> frozenset:
-    """The 16-bit inputs every load of which reads along the mixed axis and time and not along
-    the last parallel axis (B and C of (batch, L, n) beside a state of (batch, channels, n)):
-    small next to the state's history, read by every channel at every step."""
-    if not p.rows:
-        return frozenset()
-    loads: dict = {}
-    exprs = [r.decay, r.drive, *(o.expr for o in r.outputs)] + ([r.mix.expr] if r.mix is not None else [])
-    for e in exprs:
-        for x in ir.walk(e):
-            if isinstance(x, Load):
-                loads.setdefault(x.input, []).append(x.index)
-    return frozenset(k for k, idx in loads.items()
-                     if r.inputs[k].dtype in ("bfloat16", "float16") and k != r.init
-                     and all(p.reg in ix and "t" in ix and p.rows[-1] not in ix for ix in idx))
 
 
 def _choice(key) -> tuple:
