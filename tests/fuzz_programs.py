@@ -2,7 +2,9 @@
 traces them exactly as it would a user's code.
 
 A program has a state of random rank (b, d[, n[, m]]), per-step inputs with random broadcast
-patterns, random decay / drive / epilogue expressions, a random capture form, and is either a
+patterns, random decay / drive / epilogue expressions, a random capture form, a loop over
+increasing or (a quarter of them) decreasing t, the readout after the update or (a quarter) of
+the state before it, and is either a
 linear recurrence (ssmc must compile it and match eager) or deliberately not one (ssmc must
 leave it alone). Tensors it creates live on its first input's device, so the same program runs
 on CPU or CUDA inputs. `programs(dtypes=...)` picks the dtypes drawn from (default fp32, fp32,
@@ -117,7 +119,10 @@ def programs(draw, linear=None, dtypes=None, max_len=6):
     if rank == 2 and ".sum(-1)" in readout or form.startswith("after"):
         readout = "h"
     state = ", ".join(["u0.shape[0]"] + [str(s) for s in sizes[1:rank]])
-    body = f"{update}\ny = {readout}"
+    # the readout of the state before its update (not the bare state: the stack of the initial
+    # state and the loop's states is no sink form yet, and such a loop runs as written)
+    early = form != "scan" and readout != "h" and draw(st.integers(0, 3)) == 0
+    body = f"y = {readout}\n{update}" if early else f"{update}\ny = {readout}"
     sdt = "torch.float32" if cast else "u0.dtype"
     zeros = f"torch.zeros({state}, dtype={sdt}, device=u0.device)"
     if form == "scan":
@@ -138,7 +143,8 @@ def programs(draw, linear=None, dtypes=None, max_len=6):
     else:
         head = {"stack": "ys = []", "cat": "ys = []", "unbind": "ys = []", "final": "ys = []",
                 "h0": "ys = []", "setitem": None, "after": "ys = []", "after_setitem": None}[form]
-        loop = "for t in range(u0.shape[1]):"
+        backward = form != "unbind" and draw(st.integers(0, 3)) == 0       # over decreasing t
+        loop = "for t in range(u0.shape[1] - 1, -1, -1):" if backward else "for t in range(u0.shape[1]):"
         init = zeros if form != "h0" else "h0"
         lines = [f"h = {init}"]
         if form in ("setitem", "after_setitem"):
