@@ -531,6 +531,22 @@ def _first_loop(gm, nodes, pos, reads, a0, K, L, step, deadline: float = float("
                 erase_unused(gm, lp.made)
         if deep is not None:
             return (*deep, why)
+    # no start takes all L steps: cut one step later, L - 1 steps (what follows the steps' results,
+    # a stack of the state before each update, ``ys.append(h)`` then ``h = ...``, holds the
+    # initial state and the first L - 1 new states; the last update is peeled)
+    for s in range(a0 + 1, a0 + K) if L >= 3 else ():
+        seg = _Segment(nodes, pos, reads, s, K, L - 1, step, False)
+        if seg.e >= len(nodes) or not _last_two_equal(seg):
+            continue
+        try:
+            lp = _try_segment(gm, seg)
+        except _NotALoop:
+            continue
+        if lp is not None and seg.depth == 1:
+            log.info("ssmc: no start takes the %d steps; cut one step later, %d steps", L, L - 1)
+            return lp, seg, why
+        if lp is not None:
+            erase_unused(gm, lp.made)
     return None, None, why
 
 

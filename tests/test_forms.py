@@ -657,6 +657,26 @@ def test_reverse_loop_cut_later_recomputes_a_value_of_the_step(sink):
     assert not rep.fallbacks, str(rep)
 
 
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("sink", ["stack", "setitem"])
+def test_the_state_before_its_update_returned_as_is(sink, backward):
+    """``ys.append(h)`` before ``h = ...``: the outputs are the initial state and the first L - 1
+    new states (the last update feeds nothing). No start takes all L steps; the loop cut one
+    step later takes L - 1, the last update peeled. Forward and over decreasing t."""
+    def fn(x, a):
+        h = torch.zeros_like(x[:, 0])
+        out, ys = torch.empty_like(x), []
+        for t in (range(x.shape[1] - 1, -1, -1) if backward else range(x.shape[1])):
+            if sink == "setitem":
+                out[:, t] = h
+            else:
+                ys.append(h)
+            h = torch.sigmoid(a[:, t]) * h + x[:, t]
+        return out if sink == "setitem" else torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(13)
+    check(fn, (torch.randn(2, 6, 3, generator=g), torch.randn(2, 6, 3, generator=g)))
+
+
 def test_unit_slice_writes():
     """``out[:, t:t+1] = y[:, None]``: a write of one step that keeps its size-1 time dim."""
     def fn(x, a):
