@@ -152,7 +152,7 @@ def _const_fill(n) -> tuple | None:
         return None
     t = n.target
     if t in _FULLS:
-        k = 2 if t == torch.full_like or t == "new_full" else 1
+        k = 2 if t == "new_full" else 1          # (size, fill) / (input, fill) / (self, size, fill)
         fact = _scalar_fact(_arg(n, k, "fill_value", None))
     else:
         fact = _FILLS.get(t) if isinstance(t, str) or callable(t) else None

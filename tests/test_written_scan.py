@@ -249,6 +249,22 @@ def test_a_wrong_sweep_is_not_taken():
     assert _err(out, loop_mixer(*ins)) > 1e-3       # the program really is wrong
 
 
+def test_fills_by_full_and_full_like():
+    """The fills written as ``torch.full_like(h[:, :s], 0.0)`` and ``torch.full((..), 1.0)``:
+    one region, equal to the loop."""
+    def scan(a, h):
+        L, s = h.shape[1], 1
+        while s < L:
+            h = h + a * torch.cat([torch.full_like(h[:, :s], 0.0), h[:, :-s]], 1)
+            a = a * torch.cat([torch.full((a.shape[0], s, *a.shape[2:]), 1.0, dtype=a.dtype), a[:, :-s]], 1)
+            s *= 2
+        return h
+    ins = inputs(L=9, seed=14)
+    out, report = ssmc_run(mixer(scan), ins)
+    assert len(report.regions) == 1 and not report.fallbacks, str(report)
+    assert _err(out, loop_mixer(*ins)) < 1e-12
+
+
 @pytest.mark.parametrize("miss", ["wrapped", "half_fill", "fill_written", "short_fill"])
 def test_near_misses_of_the_fill_and_roll_doublings_run_as_written(miss):
     """A roll whose wrapped-around front is kept, a fill of 0.5 where the fill must be 0, a fill
