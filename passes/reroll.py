@@ -535,6 +535,8 @@ def _first_loop(gm, nodes, pos, reads, a0, K, L, step, deadline: float = float("
     # a stack of the state before each update, ``ys.append(h)`` then ``h = ...``, holds the
     # initial state and the first L - 1 new states; the last update is peeled)
     for s in range(a0 + 1, a0 + K) if L >= 3 else ():
+        if time.monotonic() > deadline:
+            raise _OutOfTime(f"at a run of {L} steps of {K} nodes")
         seg = _Segment(nodes, pos, reads, s, K, L - 1, step, False)
         if seg.e >= len(nodes) or not _last_two_equal(seg):
             continue

@@ -139,10 +139,8 @@ _FULLS = (torch.full, torch.full_like, "new_full")
 
 
 def _scalar_fact(v):
-    """ZERO or ONE for the numbers 0 and 1, else None."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return {0: ZERO, 1: ONE}.get(v)
-    return None
+    """ZERO or ONE for the numbers 0 and 1 (True and False as they convert), else None."""
+    return {0: ZERO, 1: ONE}.get(v) if isinstance(v, (int, float)) else None
 
 
 def _const_fill(n) -> tuple | None:
@@ -155,7 +153,7 @@ def _const_fill(n) -> tuple | None:
         k = 2 if t == "new_full" else 1          # (size, fill) / (input, fill) / (self, size, fill)
         fact = _scalar_fact(_arg(n, k, "fill_value", None))
     else:
-        fact = _FILLS.get(t) if isinstance(t, str) or callable(t) else None
+        fact = _FILLS.get(t)
     if fact is None or any(mutated(u) is n for u in n.users):
         return None
     return fact
@@ -251,23 +249,25 @@ def _fill_shift(n: fx.Node) -> set:
         for c in u.users:
             if c.op == "call_function" and c.target is torch.cat and _arg(c, 1, "dim", 0) % nd == d:
                 parts = list(c.args[0])
-                k = parts.index(u) if u in parts else 0
-                if k == 1 and _const_fill(parts[0]) is not None and shape(parts[0])[d] == -e.stop:
+                if len(parts) >= 2 and parts[1] is u and _const_fill(parts[0]) and shape(parts[0])[d] == -e.stop:
                     out.add(d)
     return out
 
 
+def _roll_args(n: fx.Node) -> tuple | None:
+    """(shift, dim) of ``torch.roll(x, s, d)`` / ``x.roll(s, d)`` by a whole number of steps
+    along one dim (one-element lists unwrapped); None for anything else."""
+    if not (n.target is torch.roll or n.target == "roll"):
+        return None
+    sh, d = _arg(n, 1, "shifts", None), _arg(n, 2, "dims", None)
+    sh, d = (x[0] if isinstance(x, (tuple, list)) and len(x) == 1 else x for x in (sh, d))
+    return (sh, d) if isinstance(sh, int) and isinstance(d, int) else None
+
+
 def _rolled(n: fx.Node) -> set:
-    """The dim along which n is rolled by a whole number of steps (``torch.roll(x, s, d)``)."""
-    out, nd = set(), len(shape(n))
-    for u in n.users:
-        if (u.target is torch.roll or u.target == "roll") and u.args[0] is n:
-            dims = _arg(u, 2, "dims", None)
-            if isinstance(dims, (tuple, list)) and len(dims) == 1:
-                dims = dims[0]
-            if isinstance(dims, int):
-                out.add(dims % nd)
-    return out
+    """The dims along which n is rolled (``torch.roll(x, s, d)``)."""
+    nd = len(shape(n))
+    return {r[1] % nd for u in n.users if u.args and u.args[0] is n and (r := _roll_args(u)) is not None}
 
 
 def _pad_shift(n: fx.Node) -> set:
@@ -495,7 +495,7 @@ class _Follow:
             if same and (t in ("reshape", "flatten") or t in (torch.reshape, torch.flatten)):
                 r = self._reshape(n, tx)
                 return None if r is None else self._copy_or_view(n, tx, r)
-            if t is torch.roll or t == "roll":
+            if _roll_args(n) is not None:
                 return self._roll(n, tx)
             if t in (torch.ones_like, torch.zeros_like) and tuple(shape(n)) == tx.shape:
                 return self._new(n, _filled(tx.idx.shape, ONE if t is torch.ones_like else ZERO), tx.sdims)
@@ -596,7 +596,7 @@ class _Follow:
 
     def _pad(self, n, tx: _T) -> _T | None:
         mode, value = _arg(n, 2, "mode", "constant"), _arg(n, 3, "value", None)
-        fill = {None: ZERO, 0: ZERO, 0.0: ZERO, 1: ONE, 1.0: ONE}.get(value) if mode == "constant" else None
+        fill = (ZERO if value is None else _scalar_fact(value)) if mode == "constant" else None
         widths = _pad_widths(n, len(tx.shape))
         if fill is None or widths is None:
             return None
@@ -636,12 +636,11 @@ class _Follow:
 
     def _roll(self, n, tx: _T) -> _T | None:
         """``torch.roll`` by a whole number of steps along one scan dim: the facts rolled."""
-        sh, dims = _arg(n, 1, "shifts", None), _arg(n, 2, "dims", None)
-        sh = sh[0] if isinstance(sh, (tuple, list)) and len(sh) == 1 else sh
-        dims = dims[0] if isinstance(dims, (tuple, list)) and len(dims) == 1 else dims
-        if not isinstance(sh, int) or not isinstance(dims, int) or dims % len(tx.shape) not in tx.sdims:
+        sh, d = _roll_args(n)
+        d %= len(tx.shape)
+        if d not in tx.sdims:
             return None
-        return self._new(n, np.roll(self.facts(tx), sh, axis=tx.sdims.index(dims % len(tx.shape))), tx.sdims)
+        return self._new(n, np.roll(self.facts(tx), sh, axis=tx.sdims.index(d)), tx.sdims)
 
     # the outcome
 
