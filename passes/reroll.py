@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, _maybe_view, _name, _scatter_of,
-                          _unit_slice, copies_as_writes, decompose_composites, diagonal_products, erase_unused,
+                          _unit_slice, copies_as_writes, decompose_composites, detach_no_grad_values, diagonal_products, erase_unused,
                           find_reads, forward_stored_values, functionalize_updates, stack_list_inputs, transformed,
                           unstack)
 from ssmc.gauge import gauge_states
@@ -54,6 +54,9 @@ class Reroll(Pass):
     required = True
 
     def run(self, ctx) -> bool:
+        n = detach_no_grad_values(ctx.gm)
+        if n:
+            ctx.note(f"reroll: {n} value(s) computed under no_grad read through .detach() after it")
         n = copies_as_writes(ctx.gm)
         if n:
             ctx.note(f"reroll: {n} copy_ into a view of one index rewritten as writes (out[:, t] = y)")
@@ -215,9 +218,16 @@ def _freeze(a, ref):
         return ("obj", repr(a))
 
 
+# ops whose Python-number operand may differ step to step (read from a table at t): arithmetic,
+# and comparisons (``x[:, t] * (lengths > t)``, the mask of padded sequences of different lengths)
 _ARITH = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, torch.add, torch.sub,
-          torch.mul, torch.div, torch.true_divide, torch.pow, torch.rsub}
-_ARITH_METHODS = {"add", "sub", "mul", "div", "true_divide", "pow", "rsub"}
+          torch.mul, torch.div, torch.true_divide, torch.pow, torch.rsub,
+          operator.gt, operator.lt, operator.ge, operator.le, operator.eq, operator.ne,
+          torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne,
+          torch.greater, torch.less, torch.greater_equal, torch.less_equal}
+_ARITH_METHODS = {"add", "sub", "mul", "div", "true_divide", "pow", "rsub",
+                  "gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal",
+                  "__gt__", "__lt__", "__ge__", "__le__"}
 
 
 def _arith(n: fx.Node) -> bool:

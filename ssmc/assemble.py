@@ -170,13 +170,15 @@ def _label_moves(lab: Labels, n: fx.Node) -> None:
 
 
 def _input_views(body: fx.Graph, loop) -> frozenset:
-    """View nodes of the body whose tensor is a per-step read or a loop invariant."""
+    """View nodes of the body whose tensor is a per-step read or a loop invariant, directly or
+    through other such views (``kt = k[:, t, :, None]; kt @ kt.transpose(-1, -2)``)."""
     leaves = set(loop.read_nodes()) | set(loop.invariant_nodes())
     out = set()
     for n in body.nodes:
         if n.op in ("call_function", "call_method") and is_tensor(n):
             c = canonical(n)
-            if c is not None and c.kind == "view" and not c.params["consts"] and c.args[0] in leaves:
+            if c is not None and c.kind == "view" and not c.params["consts"] and (c.args[0] in leaves
+                                                                                  or c.args[0] in out):
                 out.add(n)
     return frozenset(out)
 
@@ -298,7 +300,12 @@ class _Builder:
         """A view of a loop input labelled apart from it (`Labels.split`): a load of that input
         indexed through the view, so one input read along two state axes (k k^T) is two loads."""
         a = c.args[0]
-        return self.leaf(a, tuple(_through_view(c, self.index(n, None), len(shape(a)))))
+        idx = _through_view(c, self.index(n, None), len(shape(a)))
+        while a in self.lab.split:           # a view of a view: through each to the input
+            c = canonical(a)
+            a = c.args[0]
+            idx = _through_view(c, idx, len(shape(a)))
+        return self.leaf(a, tuple(idx))
 
     def build(self, n) -> ir.Expr:
         if not isinstance(n, fx.Node):

@@ -350,7 +350,7 @@ def _fresh(r: fx.Node) -> bool:
     return name in _FRESH or not (_maybe_view(r) or name in _MAY_ALIAS or r.target in _AUGMENTED)
 
 
-_COMPOSITE = {"lerp", "addmm", "baddbmm", "addbmm", "addmv", "addr", "einsum"}
+_COMPOSITE = {"lerp", "addmm", "baddbmm", "addbmm", "addmv", "addr", "einsum", "addcdiv"}
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _SHAPED_AS = {"expand_as": torch.broadcast_to, "view_as": torch.reshape, "reshape_as": torch.reshape}
 
@@ -358,7 +358,7 @@ _SHAPED_AS = {"expand_as": torch.broadcast_to, "view_as": torch.reshape, "reshap
 def decompose_composites(graph: fx.Graph) -> int:
     """Composite ops of a step body written as the plain ops they are, so that the passes after
     re-rolling see the linear ops they know: ``lerp(h, x, w)`` is ``h + w * (x - h)``;
-    ``addmm(b, h, W)`` is ``beta * b + alpha * (h @ W)``, and ``baddbmm``, ``addbmm`` (summed
+    ``addcdiv(x, t1, t2)`` is ``x + value * t1 / t2``; ``addmm(b, h, W)`` is ``beta * b + alpha * (h @ W)``, and ``baddbmm``, ``addbmm`` (summed
     over the batch), ``addmv`` and ``addr`` (an outer product) alike; ``F.linear(h, W, b)`` (an
     ``nn.Linear`` applied to the state) is ``h @ W.T + b``; a matrix times a vector through a
     size-1 dim (``(A @ h[..., None])[..., 0]``, ``torch.bmm(A_t, h.unsqueeze(-1)).squeeze(-1)``),
@@ -401,6 +401,11 @@ def decompose_composites(graph: fx.Graph) -> int:
             r = _einsum_as_product(b, n)
             if r is None:
                 continue
+        elif op == "addcdiv":                 # x + value * t1 / t2
+            if len(args) < 3 or set(kw) - {"value"}:
+                continue
+            q = b.call(n, torch.div, (args[1], args[2]))
+            r = b.call(n, torch.add, (args[0], q if kw.get("value", 1) == 1 else b.call(n, torch.mul, (q, kw["value"]))))
         elif op == "lerp":
             if len(args) < 3 and "weight" not in kw:
                 continue
@@ -433,6 +438,12 @@ def decompose_composites(graph: fx.Graph) -> int:
 
 
 _MATMULS = (torch.matmul, operator.matmul, torch.bmm)
+
+
+def _is_matmul(m: fx.Node) -> bool:
+    """``a @ b``, ``torch.matmul``/``bmm``, or their methods (``a.matmul(b)``, ``a.bmm(b)``)."""
+    return (m.op == "call_function" and m.target in _MATMULS) or \
+        (m.op == "call_method" and m.target in ("matmul", "__matmul__", "bmm"))
 
 
 def _unit_dim(n: fx.Node, pos: int, added: bool) -> bool:
@@ -476,7 +487,7 @@ def _matvec_as_einsum(b: _Builder, n: fx.Node) -> fx.Node | None:
     if n.op not in ("call_function", "call_method") or not n.args or not isinstance(n.args[0], fx.Node):
         return None
     m = n.args[0]
-    if m.op != "call_function" or m.target not in _MATMULS or len(m.args) != 2 or m.kwargs or len(m.users) != 1:
+    if not _is_matmul(m) or len(m.args) != 2 or m.kwargs or len(m.users) != 1:
         return None
     if _is_transpose(n) and all(isinstance(a, fx.Node) for a in m.args):    # (W @ v.T).T
         w, u = m.args
@@ -717,6 +728,40 @@ def _view_index(view: fx.Node):
     return tuple([slice(None)] * r.dim + [at])
 
 
+def detach_no_grad_values(gm: fx.GraphModule) -> int:
+    """Values computed under ``torch.no_grad()`` (Dynamo brackets them with
+    ``torch._C._set_grad_enabled(False)`` ... ``(True)``) are read through ``.detach()`` wherever
+    they are used outside that bracket: no gradient flows through them however the passes
+    regroup the graph (a region fuses work from both sides of the bracket, and its backward
+    would otherwise differentiate all of it). In-place updates inside the bracket are left as
+    they are. Returns the values detached."""
+    g = gm.graph
+    enabled, span, span_of = True, 0, {}
+    for n in g.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            enabled, span = bool(n.args[0]), span + 1
+        elif not enabled and n.op in ("call_function", "call_method") and is_tensor(value(n)):
+            span_of[n] = span
+    count = 0
+    for n, sp in span_of.items():
+        if _name(n).endswith("_") or n.target is operator.setitem or _name(n) == "detach":
+            continue
+        outside = [u for u in n.users if span_of.get(u) != sp
+                   and not (u.op == "call_function" and u.target is torch._C._set_grad_enabled)]
+        if not outside:
+            continue
+        with g.inserting_after(n):
+            d = g.call_method("detach", (n,))
+        d.meta["example_value"] = value(n).detach()
+        for u in outside:
+            u.args = fx.node.map_arg(u.args, lambda a: d if a is n else a)
+            u.kwargs = fx.node.map_arg(u.kwargs, lambda a: d if a is n else a)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def functionalize_updates(gm: fx.GraphModule) -> int:
     """Rewrite in-place updates of a tensor the graph allocates itself (``h = torch.zeros(..)``
     then ``h.mul_(dA).add_(dBx)`` each step) as new values: each update becomes its out-of-place
@@ -735,6 +780,7 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
     members: dict = {}
     for n, r in root.items():
         members.setdefault(r, []).append(n)
+    order = {n: i for i, n in enumerate(g.nodes)}
     ok = set()
     for r, ms in members.items():
         if not _fresh(r):
@@ -754,7 +800,8 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
                     continue
                 if u.op == "output" or (u.op in ("call_function", "call_method") and not _maybe_view(u)):
                     continue
-                safe = False
+                if not _used_before_next_write(u, ms, order):
+                    safe = False
         for m in ms:
             if m.target is operator.setitem:         # x[idx] = v: v of x's dtype, broadcast to the slice
                 v = value(m.args[2]) if isinstance(m.args[2], fx.Node) else None
@@ -825,6 +872,26 @@ _VIEWS = {"getitem", "select", "narrow", "view", "view_as", "reshape", "reshape_
           "unbind", "split", "chunk", "diagonal", "as_strided", "movedim", "swapaxes", "contiguous",
           "detach", "unfold", "view_as_real", "view_as_complex", "real", "imag", "to", "type_as",
           "float", "double", "half", "bfloat16", "getattr", "__getitem__"}
+
+
+def _used_before_next_write(u: fx.Node, writes: list, order: dict) -> bool:
+    """Whether view (or alias) `u` of a tensor updated in place by `writes` is used up before the
+    tensor's next update: every use of it an op that is neither a view nor a write, placed before
+    that update (``s.copy_(a * s + b); y = einsum("bdn,bn->bd", s.to(dtype), C)``, mamba_ssm's
+    step). Then reading the latest value instead of the alias changes no result."""
+    if _name(u) not in _VIEWS or _name(u).endswith("_"):
+        return False
+    later = [order[w] for w in writes if order[w] > order[u]]
+    end = min(later) if later else len(order)
+    for w in u.users:
+        if w.op == "output":
+            if later:
+                return False
+            continue
+        if w.op not in ("call_function", "call_method") or _maybe_view(w) or w.target is operator.setitem \
+                or _name(w) in _WRITES or "out" in w.kwargs or order[w] >= end:
+            return False
+    return True
 
 
 def _maybe_view(u: fx.Node) -> bool:

@@ -138,6 +138,8 @@ class Lowering:
                         v = g.call_function(torch.flip, (v, [r.dim]))
                     if how[2] is not None:
                         v = g.call_function(torch.flatten, (v, how[2], how[2] + 1))
+                    if r.kind != "last":   # laid out as eager's stack or cat (a target may not)
+                        v = g.call_method("contiguous", (v,))
                 else:
                     v = self._post(r, how[1], outs)
                 if len(vals) in lp.complex_results:     # real (..., 2) pairs -> complex
@@ -203,7 +205,9 @@ class Lowering:
             res = self.g.call_function(torch.flip, (res, [r.dim]))
         if r.sink == "cat":
             res = self.g.call_function(torch.flatten, (res, r.dim, r.dim + 1))
-        return res
+        # laid out as eager's stack, cat or buffer (contiguous), not time-major: user code may
+        # `.view` it
+        return self.g.call_method("contiguous", (res,))
 
     def _reroute(self, r, v):
         g = self.g

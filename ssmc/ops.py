@@ -192,6 +192,8 @@ def canonical(node: fx.Node) -> Canon | None:
             return _reduce(node, "sum" if t is torch.sum else "mean")
         if t is torch.addcmul:
             return Canon("ew", "addcmul", tuple(node.args[:3]), {"value": node.kwargs.get("value", 1)})
+        if str(t) == "prims.fma.default" and len(node.args) == 3 and not node.kwargs:   # a * b + c: Dynamo's addcmul_(value=)
+            return Canon("ew", "addcmul", (node.args[2], node.args[0], node.args[1]), {"value": 1})
         if t is torch.clone:
             return Canon("identity", "identity", (node.args[0],))
         if t in (torch.clamp, torch.clip):
@@ -211,7 +213,7 @@ def canonical(node: fx.Node) -> Canon | None:
             return Canon("identity", "identity", (node.args[0],))
         if m in ("sum", "mean"):
             return _reduce(node, m)
-        if m in ("matmul", "__matmul__"):
+        if m in ("matmul", "__matmul__", "bmm", "mm"):
             return _contract(node, "matmul")
         if m in ("clamp", "clip", "clamp_min", "clamp_max"):
             return _clamp(node)
@@ -299,9 +301,14 @@ def _contract(node: fx.Node, op: str) -> Canon | None:
             return None
         return Canon("contract", "einsum", tuple(ops), {"subs": tuple(subs), "out": out})
     a, b = node.args[0], node.args[1]
-    na, nb = len(shape(a)), len(shape(b))
+    sa, sb = shape(a), shape(b)
+    na, nb = len(sa), len(sb)
     if na == 0 or nb == 0:
         return None
+    if na >= 2 and nb >= 2 and sa[-1] == 1 and sb[-2] == 1 and not node.kwargs:
+        # a column times a row (``k[..., :, None] @ u[..., None, :]``, bmm alike): nothing is summed,
+        # it is the broadcast product, with the batch dims broadcast the same way
+        return Canon("ew", "mul", (a, b))
     letters = iter(string.ascii_letters)
     k = next(letters)  # contracted letter
     if na == 1 and nb == 1:

@@ -1759,3 +1759,207 @@ def test_a_list_of_steps_passed_in():
     f = torch.compile(_list_not_steps, backend=lambda gm, ex: ssmc.ssmc_backend(gm, ex, _report=rep))
     assert torch.equal(f(ws, x), _list_not_steps(ws, x))
     assert not rep.regions and rep.graphs[0].nodes_out == rep.graphs[0].nodes_in, str(rep)
+
+
+# -- spellings found by probing code written elsewhere (2026-12-07) --------------------------
+
+def _outer_by_matmul(k, v):
+    """Delta rule with its outer product a column times a row by `@`: nothing is summed."""
+    S = torch.zeros(k.shape[0], k.shape[2], v.shape[2], dtype=k.dtype)
+    ys = []
+    for t in range(k.shape[1]):
+        u = v[:, t] - (k[:, t, :, None] * S).sum(1)
+        S = S + k[:, t, :, None] @ u[:, None, :]
+        ys.append(S.sum(1))
+    return torch.stack(ys, 1)
+
+
+def _outer_by_bmm(k, v):
+    S = torch.zeros(k.shape[0], k.shape[2], v.shape[2], dtype=k.dtype)
+    for t in range(k.shape[1]):
+        u = v[:, t] - (k[:, t, :, None] * S).sum(1)
+        S = S + torch.bmm(k[:, t].unsqueeze(2), u.unsqueeze(1))
+    return S
+
+
+def _paper_delta_rule(k, v):
+    """S (dv, dk) with column vectors: S - (S k - v) k^T, k^T as a transpose of the step's view."""
+    S = torch.zeros(k.shape[0], v.shape[2], k.shape[2], dtype=k.dtype)
+    for t in range(k.shape[1]):
+        kt = k[:, t, :, None]
+        S = S - (S @ kt - v[:, t, :, None]) @ kt.transpose(-1, -2)
+    return S
+
+
+def _covariance_by_transpose(k, v):
+    """A diagonal recurrence whose drive is k k^T, both factors views of one step's read."""
+    S = torch.zeros(k.shape[0], k.shape[2], k.shape[2], dtype=k.dtype)
+    ys = []
+    for t in range(k.shape[1]):
+        kt = k[:, t, :, None]
+        S = 0.9 * S + kt @ kt.transpose(-1, -2)
+        ys.append((S * v[:, t, :3, None]).sum(1))
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [_outer_by_matmul, _outer_by_bmm, _paper_delta_rule, _covariance_by_transpose])
+def test_outer_products_by_matmul_and_transposed_views(fn):
+    """`a @ b` of a column and a row is the broadcast product (it mixed state axes before); a view
+    of a view of a step's read (kt.transpose of kt = k[:, t, :, None]) is loaded on its own
+    axes. One region each, values and gradients equal to float64 eager."""
+    g = torch.Generator().manual_seed(21)
+    ins = (F.normalize(torch.randn(2, 7, 3, generator=g), dim=-1), torch.randn(2, 7, 4, generator=g))
+    rep = check(fn, ins)
+    assert "rank_one" in str(rep) or fn is _covariance_by_transpose, str(rep)
+    grads_match(fn, ins)
+
+
+def _padded_by_lengths(x, a, lengths):
+    """Sequences of different lengths: the loop index compared with a lengths tensor."""
+    h = torch.zeros_like(x[:, 0])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.where((t < lengths)[:, None], a[:, t] * h + x[:, t], h)
+        ys.append(h * (lengths > t)[:, None])
+    return torch.stack(ys, 1)
+
+
+def test_loop_index_compared_with_lengths():
+    """`t < lengths` and `lengths > t` differ step to step: read from a table of the steps' indices
+    (as `x / (t + 1)` is), one region."""
+    g = torch.Generator().manual_seed(22)
+    ins = (torch.randn(3, 9, 4, generator=g), torch.rand(3, 9, 4, generator=g), torch.tensor([9, 5, 2]))
+    rep = check(_padded_by_lengths, ins)
+    assert any("read from a table" in n for n in rep.regions[0].notes), str(rep)
+    grads_match(_padded_by_lengths, ins)
+
+
+def test_in_place_state_read_through_an_alias_used_at_once():
+    """mamba_ssm's step: ``s.copy_(...)`` then ``einsum(..., s.to(dtype), C)``, and a shift
+    register written back from a cat of its own slice: aliases used up before the next update
+    read the new value, one region. An alias kept past the next update runs as written."""
+    def step_style(x, a, C):
+        s = torch.zeros(x.shape[0], x.shape[2], C.shape[2], dtype=x.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            s.copy_(a[:, t, :, None] * s + x[:, t, :, None])
+            ys.append(torch.einsum("bdn,bn->bd", s.to(x.dtype), C[:, t]))
+        return torch.stack(ys, 1)
+
+    def shift_back(x, w):
+        cs = torch.zeros(x.shape[0], x.shape[2], 3, dtype=x.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            cs.copy_(torch.cat([cs[..., 1:], x[:, t, :, None]], -1))
+            ys.append((cs * w).sum(-1))
+        return torch.stack(ys, 1)
+
+    def kept(x, a, C):
+        s = torch.zeros(x.shape[0], x.shape[2], dtype=x.dtype)
+        ys, views = [], []
+        for t in range(x.shape[1]):
+            s.copy_(a[:, t] * s + x[:, t])
+            ys.append(s * C[:, t, :1])
+            views.append(s[:, :2])            # sees every later update
+        return torch.stack(ys, 1), torch.stack(views, 1)
+    g = torch.Generator().manual_seed(23)
+    x, a, C = torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g), torch.randn(2, 6, 4, generator=g)
+    with torch.no_grad():
+        check(step_style, (x, a, C))
+        check(shift_back, (x, torch.randn(3, generator=g)))
+        out, rep = ssmc_run(kept, (x, a, C))
+        assert not rep.regions, str(rep)
+        for o, r in zip(out, kept(x, a, C)):
+            assert rel_err(o, r) < 1e-6
+
+
+def test_values_computed_under_no_grad_get_no_gradient():
+    """``with torch.no_grad():`` around a step's drive, or around a decay computed for the whole
+    sequence before the loop: a region fuses that work, and its backward must not differentiate
+    it (eager gives those inputs no gradient)."""
+    def in_step(x, a):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            with torch.no_grad():
+                u = x[:, t] * 2
+            h = a[:, t] * h + u
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+    def before(x, dt, A):
+        with torch.no_grad():
+            dA = torch.exp(dt[..., None] * A)
+        h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=x.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            h = dA[:, t] * h + dt[:, t, :, None] * x[:, t, :, None]
+            ys.append(h.sum(-1))
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(24)
+    for fn, ins in ((in_step, (torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g))),
+                    (before, (torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g),
+                              -torch.rand(3, 2, generator=g)))):
+        xs = [x.double().requires_grad_() for x in ins]
+        out, rep = ssmc_run(fn, xs)
+        assert len(rep.regions) == 1 and any("no_grad" in line for line in rep.graphs[0].log), str(rep)
+        ys = [x.double().requires_grad_() for x in ins]
+        ref = fn(*ys)
+        assert rel_err(out, ref) < 1e-10
+        got = torch.autograd.grad(out.sum(), xs, allow_unused=True)
+        want = torch.autograd.grad(ref.sum(), ys, allow_unused=True)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None), (fn.__name__, a, b)
+            if b is not None:
+                assert rel_err(a, b) < 1e-10
+
+
+def test_stacked_results_are_laid_out_as_eager():
+    """A result computed after the region (an int mask's product) and a fused readout of heads
+    come back contiguous, as eager's stack: user code may ``.view`` them."""
+    def masked(x, a, m):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            ys.append(h * m[:, t, None])
+        return torch.stack(ys, 1).view(x.shape[0], -1)
+
+    def heads(x, dt, B, C):
+        h = torch.zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[2], dtype=x.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.exp(-dt[:, t])[:, :, None, None] * h + x[:, t, :, :, None] * B[:, t, None, None, :]
+            ys.append(torch.einsum("bhpn,bn->bhp", h, C[:, t]))
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(25)
+    check(masked, (torch.randn(2, 5, 3, generator=g), torch.rand(2, 5, 3, generator=g),
+                   (torch.rand(2, 5, generator=g) > 0.3).long()))
+    ins = (torch.randn(2, 7, 2, 3, generator=g), torch.rand(2, 7, 2, generator=g), torch.randn(2, 7, 4, generator=g),
+           torch.randn(2, 7, 4, generator=g))
+    out, _ = ssmc_run(heads, ins)
+    assert out.is_contiguous() and rel_err(out, heads(*ins)) < 1e-5
+
+
+@pytest.mark.parametrize("form", ["addcmul_value", "addcdiv", "matmul_method"])
+def test_more_spellings_of_the_update(form):
+    """``h.mul_(a).addcmul_(x, w, value=v)`` (Dynamo writes it as prims.fma), ``torch.addcdiv``
+    and ``M.matmul(h.unsqueeze(-1))`` are the linear ops they are."""
+    def fn(x, a, w, M):
+        h = torch.zeros_like(x[:, 0])
+        ys = []
+        for t in range(x.shape[1]):
+            if form == "addcmul_value":
+                h = h.mul_(a[:, t]).addcmul_(x[:, t], w, value=0.5)
+            elif form == "addcdiv":
+                h = torch.addcdiv(a[:, t] * h, x[:, t], w, value=2.0)
+            else:
+                h = M.matmul(h.unsqueeze(-1)).squeeze(-1) * a[:, t] + x[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(26)
+    ins = (torch.randn(2, 6, 4, generator=g), torch.rand(2, 6, 4, generator=g), torch.rand(4, generator=g) + 1,
+           0.3 * torch.randn(4, 4, generator=g))
+    check(fn, ins)
+    if form != "addcmul_value":         # (in-place on a tensor that requires grad: eager refuses too)
+        grads_match(fn, ins)
