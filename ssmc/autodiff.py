@@ -45,6 +45,18 @@ def _where(c, x, y):
     return Op("where", (c, x, y))
 
 
+def chain(g, d):
+    """g * d, a selecting derivative (``where(c, 1, 0)``: relu, where, maximum) taken as the
+    selection of g, as torch's backward does: a gradient of inf (sqrt's at 0) through a branch
+    not taken is 0, not inf * 0 = nan."""
+    if isinstance(d, Op) and d.name == "where":
+        x, y = chain(g, d.args[1]), chain(g, d.args[2])
+        return _where(d.args[0], ZERO if x is None else x, ZERO if y is None else y)
+    if d == ZERO:
+        return None
+    return mul(g, d)
+
+
 def derivative(e: Op, j: int):
     """d e / d e.args[j] as an expression of e's arguments and e itself; None for zero."""
     a = e.args
@@ -164,7 +176,7 @@ def backprop(root: Expr, seed: Expr, point=()) -> dict:
                     continue
                 d = derivative(node, j)
                 if d is not None:
-                    adj[(arg, p)] = add(adj.get((arg, p)), mul(g, d))
+                    adj[(arg, p)] = add(adj.get((arg, p)), chain(g, d))
         elif isinstance(node, Reduce):
             copies = tuple(a for a in node.axes if a in p)
             k = (node.arg, p | frozenset(node.axes))

@@ -227,10 +227,12 @@ def _compile_bodies(gm: fx.GraphModule, report: Report, opts: Options, device, a
 
 
 def _only_regions(gm: fx.GraphModule) -> bool:
-    """Whether the graph computes nothing but region calls and their outputs' selection."""
+    """Whether the graph computes nothing but region calls, their outputs' selection and
+    `.contiguous()` of them (a result laid out as eager's)."""
     import operator
     return all(n.op in ("placeholder", "output") or
-               (n.op == "call_function" and n.target in (torch.ops.ssmc.region.default, operator.getitem))
+               (n.op == "call_function" and n.target in (torch.ops.ssmc.region.default, operator.getitem)) or
+               (n.op == "call_method" and n.target == "contiguous")
                for n in gm.graph.nodes)
 
 

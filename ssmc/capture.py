@@ -94,12 +94,13 @@ def stack_list_inputs(gm: fx.GraphModule) -> list[StackedList]:
     mode = _fake_mode(gm.graph)
     b = _Builder(gm.graph, mode)
     last_ph = [n for n in gm.graph.nodes if n.op == "placeholder"][-1:] or [None]
+    inside = transformed(gm.graph)
     for base, by_index in groups.items():
         els = []        # elements 0, 1, ... while they are there and alike
         while by_index.get(len(els)) is not None and (not els or _alike(els[0], by_index[len(els)])):
             els.append(by_index[len(els)])
-        if len(els) < 2:
-            continue
+        if len(els) < 2 or any(u in inside for e in els for u in e.users):
+            continue        # (read inside torch.vmap: batched there, no loop is searched for)
         anchor = last_ph[0].next
         st = b.call(anchor, torch.stack, (els, 0))
         reads = []

@@ -336,7 +336,8 @@ class Region:
         sizes = ", ".join(f"{a}=in{i}.shape[{d}]" for a, (i, d) in zip(self.axes, self.axis_size))
         lines.append(f"# sizes: {sizes}, t in range(in{self.length[0]}.shape[{self.length[1]}])")
         lines.append(f"h[i] = {'in%d[i]' % self.init if self.init is not None else 0}   "
-                     f"# initial state, {self.state_dtype}")
+                     f"# initial state; state {self.state_dtype}" +
+                     (" (float64 where an input is)" if self.state_dtype == "float32" else ""))
         names: dict = {}
 
         def show(e):

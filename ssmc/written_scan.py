@@ -901,10 +901,17 @@ def _form(n, outer: str, first: str, second: str, inner: str, logs: bool) -> Clo
         if q is None or q.args[1] is not X or not isinstance(q.args[0], fx.Node):
             continue
         nd, sh = len(shape(X)), tuple(shape(n))
-        if g[1] % nd == f[1] % nd and tuple(shape(q.args[0])) == tuple(shape(X)) == sh \
-                and all(type(v) is int for v in sh):
+        if g[1] % nd == f[1] % nd and _same_sizes(shape(q.args[0]), shape(X)) and _same_sizes(shape(X), sh):
             return ClosedForm(f[0], q.args[0], f[1] % nd, n, logs)
     return None
+
+
+def _same_sizes(x, y) -> bool:
+    """Equal shapes, a symbolic size (Dynamo recompiled for another length or batch) equal only
+    to the same symbol: no guard is asked for."""
+    def key(v):
+        return v if type(v) is int else str(getattr(getattr(v, "node", None), "expr", v))
+    return len(x) == len(y) and all(key(a) == key(b) for a, b in zip(x, y))
 
 
 def _log_form(n) -> ClosedForm | None:

@@ -1963,3 +1963,26 @@ def test_more_spellings_of_the_update(form):
     check(fn, ins)
     if form != "addcmul_value":         # (in-place on a tensor that requires grad: eager refuses too)
         grads_match(fn, ins)
+
+
+def test_gradients_through_a_flat_branch_are_zero_not_nan():
+    """``sqrt(relu(v))`` in the drive and in a readout: sqrt's gradient at 0 is inf, and relu's
+    backward selects it away (0, as torch gives), not inf * 0 = nan spread through the adjoint."""
+    def fn(v, a):
+        h = torch.zeros_like(v[:, 0])
+        ys = []
+        for t in range(v.shape[1]):
+            h = a[:, t] * h + torch.sqrt(torch.relu(v[:, t]))
+            ys.append(torch.sqrt(torch.clamp(h - 0.5, min=0.0)) + h)
+        return torch.stack(ys, 1)
+    v = torch.tensor([[[1.0, -1.0], [0.5, -2.0], [-1.0, 2.0], [3.0, -0.5]]]).repeat(2, 1, 1)
+    a = torch.full((2, 4, 2), 0.5)
+    xs = [v.clone().double().requires_grad_(), a.clone().double().requires_grad_()]
+    out, rep = ssmc_run(fn, xs)
+    assert len(rep.regions) == 1, str(rep)
+    got = torch.autograd.grad(out.sum(), xs)
+    ys = [v.clone().double().requires_grad_(), a.clone().double().requires_grad_()]
+    want = torch.autograd.grad(fn(*ys).sum(), ys)
+    for g, w in zip(got, want):
+        assert torch.isfinite(w).all() and torch.isfinite(g).all(), (g, w)
+        assert rel_err(g, w) < 1e-10

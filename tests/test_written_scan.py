@@ -577,3 +577,36 @@ def test_a_prefix_product_scan_is_one_region():
     got, _ = ssmc_run(fn, long)
     assert torch.isfinite(got).all() and not torch.isfinite(fn(*long)).all()
     assert _err(got.double(), loop_mixer(*[t.double() for t in long])) < 1e-4
+
+
+def test_closed_forms_keep_their_region_when_recompiled_for_other_sizes():
+    """A second length and a second batch make Dynamo trace again with symbolic sizes: the
+    log-space and prefix-product forms are matched there too (each graph one region), equal
+    to the loop at every size, gradients included."""
+    import ssmc
+    from ssmc.backend import ssmc_backend
+
+    def prefix(a, b):
+        P = torch.cumprod(a, 1)
+        return P * torch.cumsum(b / P, 1)
+    g = torch.Generator().manual_seed(31)
+    for fn in (min_gru, prefix):
+        torch._dynamo.reset()
+        rep = ssmc.Report()
+        cf = torch.compile(fn, backend=lambda gm, ex: ssmc_backend(gm, ex, options={}, _report=rep))
+        for b, L in ((2, 8), (2, 13), (3, 11)):
+            if fn is min_gru:
+                ins = (torch.randn(b, L, 4, generator=g, dtype=torch.float64).requires_grad_(),
+                       torch.randn(4, 16, generator=g, dtype=torch.float64).requires_grad_())
+                want = min_gru_loop(*ins)
+            else:
+                ins = ((torch.rand(b, L, 3, generator=g, dtype=torch.float64) * 0.5 + 0.4).requires_grad_(),
+                       torch.randn(b, L, 3, generator=g, dtype=torch.float64).requires_grad_())
+                want = prefix(*ins)
+            out = cf(*ins)
+            assert _err(out, want) < 1e-10
+            gy = torch.randn(out.shape, generator=g, dtype=out.dtype)
+            for p, q in zip(torch.autograd.grad(out, ins, gy), torch.autograd.grad(want, ins, gy)):
+                assert _err(p, q) < 1e-8
+        assert len(rep.graphs) >= 2 and all(len(gr.regions) == 1 for gr in rep.graphs), \
+            [(len(gr.regions), gr.fallbacks) for gr in rep.graphs]
