@@ -578,7 +578,8 @@ def split_complex(gm: fx.GraphModule, loop, outer_mode=None):
         raise ComplexError(f"initial state {init!r} is a non-zero constant")
     else:
         init = None
-    new = dataclasses.replace(loop, body=body, carry_init=[init],
+    made = list(loop.made) + ([init] if init is not None and init is not loop.carry_init[0] else [])
+    new = dataclasses.replace(loop, body=body, carry_init=[init], made=made,   # (kept until it is lowered)
                               complex_results=frozenset(complex_results))
     note = (f"complex state {str(cdt).replace('torch.', '')}{list(old_shape)} carried as real pairs "
             f"{str(sp.rdt).replace('torch.', '')}{[*old_shape, 2]}: h = lam * h + u is one 2x2 rotation-scale "

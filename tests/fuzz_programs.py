@@ -28,7 +28,8 @@ FORMS = ["stack", "cat", "setitem", "unbind", "final", "h0", "scan", "after", "a
 AFTER = ["({x} * {u}).sum(-1)", "{x}[:, -1]", "({x} * {u}).sum(-1, keepdim=True) + {u}",
          "{x}.transpose(1, 2)[:, :, -1] * 2.0", "{x}.mean(1)", "torch.tanh({x}) * {u}",
          "({x} * {u}).sum(-1).movedim(1, 0) * 2.0", "({x}.movedim(1, 0) * {u}.movedim(1, 0)).sum(-1) + 1.0",
-         "{x}[:, -1] + ({x} * {u}).sum(1)", "{x}[:, -1].sum(-1) * 3.0 + {x}[:, 0].sum(-1)"]
+         "{x}[:, -1] + ({x} * {u}).sum(1)", "{x}[:, -1].sum(-1) * 3.0 + {x}[:, 0].sum(-1)",
+         "{x} * {u} + 1.0", "torch.exp(-torch.abs({x})) * 2.0"]      # elementwise over every step
 UNARY_SAFE = ["torch.tanh({})", "torch.sigmoid({})", "F.silu({})", "torch.sin({})",
               "(0.5 * {})", "F.softplus({})", "torch.exp(-torch.abs({}))", "torch.sqrt(1.0 + {} * {})"]
 BINARY = ["({} + {})", "({} * {})", "({} - {})", "torch.maximum({}, {})", "({} / (1.5 + torch.abs({})))"]

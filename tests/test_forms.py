@@ -1986,3 +1986,44 @@ def test_gradients_through_a_flat_branch_are_zero_not_nan():
     for g, w in zip(got, want):
         assert torch.isfinite(w).all() and torch.isfinite(g).all(), (g, w)
         assert rel_err(g, w) < 1e-10
+
+
+@pytest.mark.parametrize("form", ["peeled", "branch", "before_update"])
+def test_work_after_a_stack_with_peeled_steps_covers_them(form):
+    """Steps run outside the region (the first one peeled, `if t == 0`, an output read before the
+    update) are stacked around its result; elementwise work after the stack (`* g`) covers them
+    too, so it is not pulled into the region (it was: one step short, the rest misaligned)."""
+    def fn(a, b, g):
+        h = b[:, 0] if form == "peeled" else torch.zeros_like(b[:, 0])
+        ys = [h] if form == "peeled" else []
+        for t in range(1 if form == "peeled" else 0, a.shape[1]):
+            if form == "before_update":
+                ys.append(h + b[:, t])
+            h = b[:, t] if form == "branch" and t == 0 else a[:, t] * h + b[:, t]
+            if form != "before_update":
+                ys.append(h)
+        return (torch.stack(ys, 1) * g).exp()
+    g = torch.Generator().manual_seed(27)
+    ins = (torch.rand(2, 10, 3, generator=g), torch.randn(2, 10, 3, generator=g), torch.randn(2, 10, 3, generator=g))
+    check(fn, ins)
+    grads_match(fn, ins)
+
+
+def test_two_complex_loops_in_one_graph():
+    """Two complex-diagonal layers: the real view of each loop's initial state is kept until its
+    own loop is lowered (lowering the other one dropped it as dead code: no region at all)."""
+    def layer(u, lam):
+        h = torch.zeros(u.shape[0], u.shape[1], lam.shape[-1], dtype=lam.dtype)
+        ys = []
+        for t in range(u.shape[-1]):
+            h = lam * h + u[:, :, t, None]
+            ys.append(h.real.sum(-1))
+        return torch.stack(ys, -1)
+
+    def two(u, l1, l2):
+        return layer(u, l1) + layer(u, l2)
+    g = torch.Generator().manual_seed(28)
+    lam = lambda: torch.polar(torch.rand(4, 2, generator=g, dtype=torch.float64) * 0.9,     # noqa: E731
+                              torch.rand(4, 2, generator=g, dtype=torch.float64))
+    u = torch.randn(2, 4, 6, generator=g, dtype=torch.float64)
+    check(two, (u, lam(), lam()), n_regions=2)
