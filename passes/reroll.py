@@ -322,6 +322,25 @@ class _Segment:
         b = self.s + k * self.K
         return [self.sig(p) for p in range(b, b + self.K)]
 
+    def same(self, k1: int, k2: int) -> bool:
+        """iteration(k1) == iteration(k2), stopping at the first slot that differs."""
+        b1, b2 = self.s + k1 * self.K, self.s + k2 * self.K
+        return all(self.sig(b1 + j) == self.sig(b2 + j) for j in range(self.K))
+
+    def depth_of(self, k: int) -> int:
+        """`_depth` of iteration(k) from the graph's edges: the most steps back a node of step
+        k (not a read) takes an argument from, at least 1."""
+        b, d = self.s + k * self.K, 1
+        for p in range(b, b + self.K):
+            n = self.nodes[p]
+            if n in self.reads:
+                continue
+            for a in n.all_input_nodes:
+                pa = self.pos.get(a)
+                if pa is not None and self.s <= pa < self.e:
+                    d = max(d, k - self.it(pa))
+        return d
+
 
 def _unify(first, later, binding, k: int, tmpl: list, seg) -> bool:
     """Step k (before the template step `tmpl`) against the template: equal, except where the
@@ -507,6 +526,24 @@ def _last_two_equal(seg: _Segment) -> bool:
     return all(seg.sig(b0 + j) == seg.sig(b1 + j) for j in range(seg.K))
 
 
+def _same_ops(nodes, reads, s_lo: int, s_hi: int, K: int, L: int):
+    """For the starts s_lo..s_hi: whether the last two steps from s run the same op at every slot
+    (a read, or the same op and target), which every loop `_try_segment` takes needs (equal
+    signatures, or unifying ones, have the same ops). One pass over the nodes for all the starts
+    (each would otherwise build its segment first: K starts of K nodes each)."""
+    if L < 2:
+        return lambda s: True
+
+    def key(n):
+        return ("read",) if n in reads else (n.op, n.target)
+    lo = s_lo + (L - 2) * K
+    miss = [0]
+    for p in range(lo, s_hi + (L - 1) * K):
+        q = p + K
+        miss.append(miss[-1] + (0 if q < len(nodes) and key(nodes[p]) == key(nodes[q]) else 1))
+    return lambda s: miss[s + (L - 2) * K - lo + K] == miss[s + (L - 2) * K - lo]
+
+
 def _first_loop(gm, nodes, pos, reads, a0, K, L, step, deadline: float = float("inf")):
     """(loop, segment, why): the latest start from a0 back whose steps line up, so that a step
     ends with what it computes from its new state (outputs) rather than beginning with the
@@ -515,12 +552,15 @@ def _first_loop(gm, nodes, pos, reads, a0, K, L, step, deadline: float = float("
     value made early in a step and used late in the next one reads two steps back from some
     starts: carried twice there for nothing)."""
     why, deep = "the steps do not repeat the same operations", None
+    same_ops = _same_ops(nodes, reads, max(0, a0 - K + 1), a0, K, L)
     for numbers in (False, True):       # then with the Python numbers of arithmetic per step
         for s in range(a0, max(0, a0 - K + 1) - 1, -1):
             if time.monotonic() > deadline:
                 if deep is not None:
                     erase_unused(gm, deep[0].made)
                 raise _OutOfTime(f"at a run of {L} steps of {K} nodes")
+            if not same_ops(s):
+                continue
             seg = _Segment(nodes, pos, reads, s, K, L, step, numbers)
             if seg.e >= len(nodes) or not _last_two_equal(seg):
                 continue
@@ -895,30 +935,42 @@ class _NotALoop(Exception):
     pass
 
 
+class _Lazy:
+    """The signatures of step k of a segment, each made on first use."""
+
+    def __init__(self, seg: _Segment, k: int):
+        self.seg, self.b, self.memo = seg, seg.s + k * seg.K, {}
+
+    def __getitem__(self, j):
+        if j not in self.memo:
+            self.memo[j] = self.seg.sig(self.b + j)
+        return self.memo[j]
+
+
 def _try_segment(gm, seg: _Segment) -> Loop | None:
     """The loop of segment `seg`, or None where its steps do not line up from this start. The
     template is step D, where D is the most steps back a step reads a value (1 for a first-order
     recurrence; 2 for ``h, hp = a*h + b*hp + x, h``): the steps before it read initial values
     where it reads earlier steps' values."""
     L = seg.L
-    last = seg.iteration(L - 1)
-    D = _depth(last)
+    D = seg.depth_of(L - 1)
     if D > MAX_DEPTH:
-        if L >= 2 and seg.iteration(L - 2) == last:      # the steps line up: a true read that far
+        if L >= 2 and seg.same(L - 2, L - 1):      # the steps line up: a true read that far
             raise _NotALoop(f"a step reads a value from {D} steps back (at most {MAX_DEPTH})")
         return None
     if L < D + 1:
         return None
-    tmpl = seg.iteration(D)
-    if last != tmpl:
+    if D != L - 1 and not seg.same(D, L - 1):
         return None
+    tmpl = _Lazy(seg, D)
     seg.depth = D
     binding: dict[tuple, object] = {}
-    for k in range(D):
-        if not all(_unify(a, b, binding, k, tmpl, seg) for a, b in zip(seg.iteration(k), tmpl)):
+    for k in range(D):          # slot by slot, each signature made when first needed
+        b = seg.s + k * seg.K
+        if not all(_unify(seg.sig(b + j), tmpl[j], binding, k, tmpl, seg) for j in range(seg.K)):
             return None
     for k in range(D + 1, L - 1):
-        if seg.iteration(k) != tmpl:
+        if not seg.same(k, D):
             raise _NotALoop(f"step {k} differs from step {D}")
     return _build(gm, seg, D, binding)
 
