@@ -485,11 +485,13 @@ def _find_round(gm, loops, spans, failed, deadline: float = float("inf")) -> Non
         if any(lo <= a0 < hi for lo, hi in covered):
             continue
         found_lp, seg, why = _first_loop(gm, nodes, pos, reads, a0, K, L, step, deadline)
+        first = a0
         for b0, K2, L2, step2 in alts:     # a shorter chain of another stride (steps that
             if found_lp is not None:       # alternate: `if t % 2`, a loop over pairs of steps)
                 break
             if not any(lo <= b0 < hi for lo, hi in covered):
                 found_lp, seg, _ = _first_loop(gm, nodes, pos, reads, b0, K2, L2, step2, deadline)
+                first = b0
         if found_lp is None:
             src = nodes[key[0]]
             msg = f"reads of {src.name} along dim {key[1]} ({L} steps) were not re-rolled: {why}"
@@ -501,6 +503,9 @@ def _find_round(gm, loops, spans, failed, deadline: float = float("inf")) -> Non
         if seg.step > 0:                # a reverse loop's reads run forward first (below)
             _shift_passed_values(gm, found_lp)
         cover(seg)
+        if first < seg.s:               # cut later (the first step's reads run as written, before
+            spans.append((nodes[first], nodes[seg.s - 1]))    # it): its reads are this loop's too
+            covered.append((first, seg.s))
         if _reads_previous_state(found_lp):
             found_lp, seg = _rotated(gm, seg, found_lp)
             cover(seg)

@@ -2027,3 +2027,21 @@ def test_two_complex_loops_in_one_graph():
                               torch.rand(4, 2, generator=g, dtype=torch.float64))
     u = torch.randn(2, 4, 6, generator=g, dtype=torch.float64)
     check(two, (u, lam(), lam()), n_regions=2)
+
+
+def test_a_loop_cut_later_is_found_once():
+    """A reverse loop of 3 steps collecting the bare state before its update is cut one step
+    later (2 steps); its first step's reads, before the cut, are this loop's too: a second
+    round of the search took the same steps again as a second loop (an internal error in
+    lowering; found by the fuzzer)."""
+    def fn(u0, u1):
+        h = torch.zeros(u0.shape[0], 3, 4, 2, dtype=u0.dtype)
+        ys = []
+        for t in range(u0.shape[1] - 1, -1, -1):
+            y = h
+            h = torch.sigmoid(u0[:, t] + u1[:, t]) * h + u0[:, t]
+            ys.append(y)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(29)
+    rep = check(fn, (torch.randn(2, 3, 1, 1, 1, generator=g), torch.randn(2, 3, 1, 1, 1, generator=g)))
+    assert not rep.fallbacks, str(rep)
