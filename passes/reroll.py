@@ -379,16 +379,6 @@ def _distance(sig) -> int | None:
     return None
 
 
-def _depth(sigs) -> int:
-    """The most steps back any of `sigs` reads a value (1 when none does)."""
-    m = _distance(sigs)
-    if m is not None:
-        return m
-    if isinstance(sigs, (tuple, list)):
-        return max((_depth(x) for x in sigs), default=1)
-    return 1
-
-
 MAX_DEPTH = 8      # a step may read values computed up to this many steps back (h, h_prev = ..., h)
 
 
@@ -525,10 +515,7 @@ def _last_two_equal(seg: _Segment) -> bool:
     """Whether the last two steps have the same signatures, compared node by node until the
     first difference. Needed where a loop is longer than MAX_DEPTH + 1 steps (its template step
     is then at most MAX_DEPTH, and every step after it equals it); shorter runs pass."""
-    if seg.L < MAX_DEPTH + 2:
-        return True
-    b0, b1 = seg.s + (seg.L - 2) * seg.K, seg.s + (seg.L - 1) * seg.K
-    return all(seg.sig(b0 + j) == seg.sig(b1 + j) for j in range(seg.K))
+    return seg.L < MAX_DEPTH + 2 or seg.same(seg.L - 2, seg.L - 1)
 
 
 def _same_ops(nodes, reads, s_lo: int, s_hi: int, K: int, L: int):
@@ -589,9 +576,12 @@ def _first_loop(gm, nodes, pos, reads, a0, K, L, step, deadline: float = float("
     # no start takes all L steps: cut one step later, L - 1 steps (what follows the steps' results,
     # a stack of the state before each update, ``ys.append(h)`` then ``h = ...``, holds the
     # initial state and the first L - 1 new states; the last update is peeled)
+    same_ops = _same_ops(nodes, reads, a0 + 1, a0 + K - 1, K, L - 1)
     for s in range(a0 + 1, a0 + K) if L >= 3 else ():
         if time.monotonic() > deadline:
             raise _OutOfTime(f"at a run of {L} steps of {K} nodes")
+        if not same_ops(s):
+            continue
         seg = _Segment(nodes, pos, reads, s, K, L - 1, step, False)
         if seg.e >= len(nodes) or not _last_two_equal(seg):
             continue

@@ -880,7 +880,7 @@ def _used_before_next_write(u: fx.Node, writes: list, order: dict) -> bool:
     tensor's next update: every use of it an op that is neither a view nor a write, placed before
     that update (``s.copy_(a * s + b); y = einsum("bdn,bn->bd", s.to(dtype), C)``, mamba_ssm's
     step). Then reading the latest value instead of the alias changes no result."""
-    if _name(u) not in _VIEWS or _name(u).endswith("_"):
+    if _name(u) not in _VIEWS:
         return False
     later = [order[w] for w in writes if order[w] > order[u]]
     end = min(later) if later else len(order)

@@ -566,7 +566,7 @@ def split_complex(gm: fx.GraphModule, loop, outer_mode=None):
     sp = _Splitter(loop, outer_mode)
     old_shape, cdt = shape(loop.carry_nodes()[0]), sp.cdt
     body, complex_results = sp.run()
-    init = loop.carry_init[0]
+    init, made = loop.carry_init[0], list(loop.made)
     if isinstance(init, fx.Node):
         with gm.graph.inserting_after(init):     # unused (and dropped) if the loop declines later
             real_init = gm.graph.call_function(torch.view_as_real, (init,))
@@ -574,12 +574,12 @@ def split_complex(gm: fx.GraphModule, loop, outer_mode=None):
         with mode if mode is not None else contextlib.nullcontext():
             real_init.meta["example_value"] = torch.view_as_real(value(init))
         init = real_init
+        made.append(real_init)                  # kept until this loop is lowered
     elif init not in (None, 0, 0.0, 0j):
         raise ComplexError(f"initial state {init!r} is a non-zero constant")
     else:
         init = None
-    made = list(loop.made) + ([init] if init is not None and init is not loop.carry_init[0] else [])
-    new = dataclasses.replace(loop, body=body, carry_init=[init], made=made,   # (kept until it is lowered)
+    new = dataclasses.replace(loop, body=body, carry_init=[init], made=made,
                               complex_results=frozenset(complex_results))
     note = (f"complex state {str(cdt).replace('torch.', '')}{list(old_shape)} carried as real pairs "
             f"{str(sp.rdt).replace('torch.', '')}{[*old_shape, 2]}: h = lam * h + u is one 2x2 rotation-scale "

@@ -54,6 +54,7 @@ _EW_METHODS = {
     "__add__": "add", "__radd__": "add", "__mul__": "mul", "__rmul__": "mul", "__sub__": "sub",
     "__truediv__": "div", "__neg__": "neg",
 }
+MATMUL_METHODS = ("matmul", "__matmul__", "bmm", "mm")     # x.matmul(y) and alike: a matrix product
 _CAST_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
                  "bfloat16": torch.bfloat16}
 _IDENTITY_METHODS = {"contiguous", "clone"}
@@ -213,7 +214,7 @@ def canonical(node: fx.Node) -> Canon | None:
             return Canon("identity", "identity", (node.args[0],))
         if m in ("sum", "mean"):
             return _reduce(node, m)
-        if m in ("matmul", "__matmul__", "bmm", "mm"):
+        if m in MATMUL_METHODS:
             return _contract(node, "matmul")
         if m in ("clamp", "clip", "clamp_min", "clamp_max"):
             return _clamp(node)
