@@ -1383,40 +1383,57 @@ def loop_from_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
 
 # -- the associative_scan higher-order op -----------------------------------------------------
 
-def _is_pair_combine(sub: fx.GraphModule) -> bool:
-    """True when the combine function is the linear-recurrence pair
-    ((a1, b1), (a2, b2)) -> (a1 * a2, a2 * b1 + b2), up to commutativity."""
-    from ssmc.ops import canonical
+def _pair_roles(sub: fx.GraphModule) -> int | None:
+    """Which of the two scanned operands is the decay: 0 when the combine function is the
+    linear-recurrence pair ((a1, b1), (a2, b2)) -> (a1 * a2, a2 * b1 + b2), 1 when it is that pair
+    with the operands the other way round ((b, a)); None for any other function. Decided by
+    running the combine in float64 on random operands twice (two polynomials that agree on random
+    points are equal), so any spelling counts: `torch.addcmul`, `mul`/`add` methods, either order
+    of the factors."""
     phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-    if len(phs) != 4 or len(out) != 2:
-        return False
-    a1, b1, a2, b2 = phs
-
-    def is_op(n, op, operands):
-        c = canonical(n) if isinstance(n, fx.Node) and n.op != "placeholder" else None
-        return c is not None and c.kind == "ew" and c.op == op and not c.params and \
-            sorted(map(id, c.args)) == sorted(map(id, operands))
-    if not is_op(out[0], "mul", (a1, a2)):
-        return False
-    c = canonical(out[1]) if isinstance(out[1], fx.Node) else None
-    if c is None or c.kind != "ew" or c.op != "add" or c.params:
-        return False
-    x, y = c.args
-    return (is_op(x, "mul", (a2, b1)) and y is b2) or (is_op(y, "mul", (a2, b1)) and x is b2)
+    if len(phs) != 4:
+        return None
+    shapes = []
+    for n in phs:
+        v = n.meta.get("example_value", n.meta.get("val"))
+        shapes.append(tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor)
+                      and all(isinstance(d, int) for d in v.shape) else (3,))
+    g = torch.Generator().manual_seed(0)
+    runs = []
+    for _ in range(2):
+        xs = [torch.rand(sh, generator=g, dtype=torch.float64) + 0.5 for sh in shapes]
+        try:
+            out = sub(*xs)
+        except Exception:             # noqa: BLE001 -- a combine that will not run on these is no pair
+            return None
+        if not isinstance(out, (tuple, list)) or len(out) != 2 or \
+                not all(isinstance(o, torch.Tensor) for o in out):
+            return None
+        runs.append((xs, out))
+    for r in (0, 1):
+        ok = True
+        for (l0, l1, r0, r1), out in runs:
+            (a1, b1), (a2, b2) = ((l0, l1), (r0, r1)) if r == 0 else ((l1, l0), (r1, r0))
+            want = {r: a1 * a2, 1 - r: a2 * b1 + b2}
+            ok &= all(out[k].shape == want[k].shape and torch.allclose(out[k], want[k], rtol=1e-12, atol=0)
+                      for k in (0, 1))
+        if ok:
+            return r
+    return None
 
 
 def loop_from_associative_scan(gm: fx.GraphModule, node: fx.Node) -> Loop:
     fn, xs, extra = (list(node.args) + [[]])[:3]
     if fn.op != "get_attr" or len(xs) != 2 or extra:
         raise ValueError("only associative_scan(combine, (a, b)) with the linear-recurrence pair")
-    if not _is_pair_combine(getattr(gm, fn.target)):
-        raise ValueError("the combine function is not (a1*a2, a2*b1 + b2)")
+    r = _pair_roles(getattr(gm, fn.target))
+    if r is None:
+        raise ValueError("the combine function is not (a1*a2, a2*b1 + b2) of the pair (a, b) or (b, a)")
     getitems = _getitems(node, "associative_scan")
-    dead = _dead_users(getitems.get(0, []))
+    dead = _dead_users(getitems.get(r, []))
     if dead is None:
-        raise ValueError("the running product of the decays (output 0) is used")
-    return _pair_loop(gm, *xs, getitems.get(1, []),
+        raise ValueError(f"the running product of the decays (output {r}) is used")
+    return _pair_loop(gm, xs[r], xs[1 - r], getitems.get(1 - r, []),
                       [node, *[u for us in getitems.values() for u in us], *dead], node,
                       "associative_scan")
 

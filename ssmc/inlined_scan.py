@@ -18,8 +18,9 @@ tensors play:
   ("zero",)                    padding
 A product of products over adjacent runs is a product; a product times a scan of the run just
 before it is a part; a part plus the scan of the rest of its run is the scan of the whole run.
-Only mul and add of two followed values of one shape are taken; any other op on one ends the
-trail there. A node all of whose elements k are scan(a, b, 0, k) is the recurrence's output.
+Only mul and add of two followed values of one shape (and addcmul, the two in one) are taken;
+any other op on one ends the trail there. A node all of whose elements k are scan(a, b, 0, k)
+is the recurrence's output.
 """
 from __future__ import annotations
 
@@ -126,6 +127,13 @@ def _step(n: fx.Node, vals: dict) -> list | None:
             return None
         return [("zero",)] * before + vals[args[0]] + [("zero",)] * after
     c = canonical(n)
+    if c is not None and c.kind == "ew" and c.op == "addcmul" and c.params.get("value", 1) == 1:
+        x, y, z = c.args                   # x + y * z, as `torch.addcmul(b2, a2, b1)` spells the combine
+        if all(e in vals for e in c.args) and len({len(vals[e]) for e in c.args}) == 1 and _same_shape(x, y, z):
+            prods = [_mul(q, r) for q, r in zip(vals[y], vals[z])]
+            out = [None if m is None else _add(p, m) for p, m in zip(vals[x], prods)]
+            return None if any(e is None for e in out) else out
+        return None
     if c is None or c.kind != "ew" or c.op not in ("mul", "add") or c.params or len(c.args) != 2:
         return None
     x, y = c.args

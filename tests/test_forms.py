@@ -158,6 +158,33 @@ def test_associative_scan_with_an_unused_running_product():
     assert torch.allclose(prod, torch.cumprod(xa, 0), atol=1e-6)
 
 
+@pytest.mark.parametrize("combine, order", [
+    (lambda a1, b1, a2, b2: (a2 * a1, torch.addcmul(b2, a2, b1)), "ab"),
+    (lambda a1, b1, a2, b2: (torch.mul(a1, a2), b2.add(b1.mul(a2))), "ab"),
+    (lambda b1, a1, b2, a2: (torch.addcmul(b2, b1, a2), a1 * a2), "ba"),
+], ids=["addcmul", "methods", "inputs_first"])
+def test_associative_scan_hop_combine_in_other_spellings(combine, order):
+    """The combine is recognised by what it computes (run in float64 on random operands), not by
+    its ops: addcmul, methods, and the pair given as (b, a)."""
+    import ssmc
+    gm, (xa, xb) = _assoc_scan_graph(combine)
+    if order == "ba":          # the scan reads (b, a): swap the placeholders' roles, state is output 0
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        gi = out.args[0][0]
+        gi.args = (gi.args[0], 0)
+        xa, xb = xb, xa.abs() + 0.1
+    rep = ssmc.Report()
+    fn = ssmc.ssmc_backend(gm, [xa, xb], _report=rep)
+    assert len(rep.regions) == 1, str(rep)
+    (y,) = fn(xa, xb)
+    a, b = (xa, xb) if order == "ab" else (xb, xa)
+    h, ref = torch.zeros(2, 3, dtype=torch.float64), []
+    for t in range(7):
+        h = a[t].double() * h + b[t].double()
+        ref.append(h)
+    assert torch.allclose(y.double(), torch.stack(ref), atol=1e-6)
+
+
 def test_associative_scan_other_combine_is_left_alone():
     import ssmc
     gm, (xa, xb) = _assoc_scan_graph(lambda a1, b1, a2, b2: (a1 + a2, b1 + b2))
@@ -1366,7 +1393,12 @@ def _generic_scans():
     def with_products(a, b):
         prods, hs = associative_scan(_pair, (a, b), dim=1, combine_mode="generic")
         return hs, prods
-    return [states, reversed_, swapped, with_products]
+
+    def addcmul(a, b):
+        def comb(left, right):
+            return left[0] * right[0], torch.addcmul(right[1], right[0], left[1])
+        return associative_scan(comb, (a, b), dim=1, combine_mode="generic")[1]
+    return [states, reversed_, swapped, with_products, addcmul]
 
 
 @pytest.mark.parametrize("L", [2, 5, 8, 11])
