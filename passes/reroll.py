@@ -73,7 +73,10 @@ class Reroll(Pass):
         for node in list(ctx.gm.graph.nodes):
             if node.op == "call_function" and node.target in hops:
                 try:
-                    loops.append(hops[node.target](ctx.gm, node))
+                    lp = hops[node.target](ctx.gm, node)
+                    if _reads_previous_state(lp):       # `y = f(carry)` before the update
+                        _delay_previous_states(ctx.gm, lp)
+                    loops.append(lp)
                 except ValueError as e:
                     ctx.fallbacks.append((node.name, f"{node.target} not taken: {e}"))
         try:

@@ -255,6 +255,25 @@ def test_reverse_time_scan_hop():
     check(fn, (torch.randn(6, 2, 3, generator=g), torch.rand(3, 4, generator=g), torch.randn(4, generator=g)))
 
 
+def test_scan_hop_output_read_before_the_update():
+    """`scan`'s combine returning y computed from the carry it was given (the state before the
+    update): that state is carried one step as a state of its own, and the region is taken."""
+    from torch._higher_order_ops.scan import scan
+
+    def fn(x, a, c, h0):
+        def step(h, xs):
+            xt, at, ct = xs
+            return at * h + xt, (h * ct).sum(-1)
+        hT, ys = scan(step, h0, (x, a, c))
+        return ys, hT
+    g = torch.Generator().manual_seed(5)
+    ins = (torch.randn(6, 2, 3, generator=g), torch.rand(6, 2, 3, generator=g),
+           torch.randn(6, 2, 3, generator=g), torch.randn(2, 3, generator=g))
+    rep = check(fn, ins)
+    assert not rep.fallbacks, str(rep)
+    grads_match(fn, ins)
+
+
 def test_reverse_loop_with_time_dependent_work_after_it():
     """Elementwise work on the stacked result that reads other per-step tensors is not pulled
     into a reverse loop's region (its steps run in the other order)."""
