@@ -45,6 +45,8 @@ class Split:
     members: list                        # Candidates, earlier states first
     erase: list                          # the outer nodes of the loop (erased once, at the end)
     bridges: set                         # stand-in outer nodes later pieces read (earlier pieces' outputs)
+    shifted: dict = dataclasses.field(default_factory=dict)   # stand-in of a state's values before
+    # each update -> (the stand-in of its new values, its initial value): filled one step late
 
 
 class SplitStates(Pass):
@@ -61,7 +63,7 @@ class SplitStates(Pass):
                 out.append(cand)
                 continue
             try:
-                loops, bridges, text = split(ctx.gm, cand.loop)
+                loops, bridges, text, shifted = split(ctx.gm, cand.loop)
             except Decline as e:
                 cand.decline(self.name, str(e))
                 out.append(cand)
@@ -72,7 +74,7 @@ class SplitStates(Pass):
                 out.append(cand)
                 changed = True
                 continue
-            group = Split(cand.loop.name, [], list(cand.loop.erase), bridges)
+            group = Split(cand.loop.name, [], list(cand.loop.erase), bridges, shifted)
             for lp in loops:
                 member = Candidate(loop=lp, split=group, notes=list(cand.notes))
                 member.notes.append(f"split from {group.name} (it carries {len(loops)} states): {text[lp.name]}")
@@ -84,7 +86,8 @@ class SplitStates(Pass):
 
 
 def split(gm: fx.GraphModule, lp: Loop):
-    """(loops, the stand-in nodes later loops read, {loop name: note})."""
+    """(loops, the stand-in nodes later loops read, {loop name: note}, the shifted stand-ins: see
+    `Split.shifted`)."""
     if lp.complex_results:
         raise Decline("a loop carrying several complex states is not split")
     body = lp.body.graph
@@ -116,9 +119,9 @@ def split(gm: fx.GraphModule, lp: Loop):
                f"the states {' and '.join(names[i] for i in g)} update each other")
         why = f"{how}: stacked into one state with a last axis of {len(g)} ({len(g)}x{len(g)} transition blocks)"
         if lp.n_carry == 1:
-            return [lp], set(), {lp.name: why}
-        loops, stand_ins, text = split(gm, lp)
-        return loops, stand_ins, {k: f"{why}; {v}" for k, v in text.items()}
+            return [lp], set(), {lp.name: why}, {}
+        loops, stand_ins, text, shifted = split(gm, lp)
+        return loops, stand_ins, {k: f"{why}; {v}" for k, v in text.items()}, shifted
     for i, o in enumerate(outs):
         if i not in S[o]:
             raise Decline(f"the carried value {names[i]} does not depend on its previous value "
@@ -142,6 +145,7 @@ def split(gm: fx.GraphModule, lp: Loop):
         if isinstance(v, fx.Node):
             roots[owner(v)].append(v)
     bridges = {i: [] for i in range(k)}         # per state: nodes later loops read per step
+    olds = set()                                 # states whose values before the update later loops read
     needed = {}
     for i in reversed(order):
         todo = roots[i] + bridges[i]
@@ -155,10 +159,18 @@ def split(gm: fx.GraphModule, lp: Loop):
             if j is not None and j != i:       # made by the piece of an earlier state
                 if _reads_old(n, carries[j], outs[j]):
                     bad = _not_linear(body, carries[j], outs[j])
-                    raise Decline(f"the state {names[j]} goes through {bad}, which is not linear, and "
-                                  "other states read it" if bad else
-                                  f"the step reads the state {names[j]} before its update together "
-                                  f"with other states")
+                    if bad:
+                        raise Decline(f"the state {names[j]} goes through {bad}, which is not linear, "
+                                      "and other states read it")
+                    # its value before the update (torchscale's RetNet: `prev_scale.sqrt()`):
+                    # the earlier piece's new values one step late; what reads it is made here
+                    if n is carries[j]:
+                        olds.add(j)
+                        if outs[j] not in bridges[j]:
+                            bridges[j].append(outs[j])
+                    else:
+                        todo.extend(n.all_input_nodes)
+                    continue
                 if n not in bridges[j]:
                     bridges[j].append(n)
                 continue
@@ -166,23 +178,33 @@ def split(gm: fx.GraphModule, lp: Loop):
         needed[i] = seen
     outer = _Builder(gm.graph, _fake_mode(gm.graph))
     length = lp.length or shape(lp.reads[0].source)[lp.reads[0].dim] - lp.reads[0].start
-    stand_in = {}
+    stand_in, shifted = {}, {}
     for i in order:
         for b in bridges[i]:
             stand_in[b] = outer.call(lp.anchor, torch.empty, ((length, *shape(b)),),
                                      {"dtype": dtype(b), "device": b.meta["example_value"].device})
+    for j in olds:
+        c = carries[j]
+        stand_in[c] = outer.call(lp.anchor, torch.empty, ((length, *shape(c)),),
+                                 {"dtype": dtype(c), "device": c.meta["example_value"].device})
+        shifted[stand_in[c]] = (stand_in[outs[j]], lp.carry_init[j])
     loops, text = [], {}
     for i in order:
         name = f"{lp.name}.{i}"
         loops.append(_piece(gm, lp, i, needed[i], own_results[i], bridges[i], stand_in, name))
-        reads_from = sorted({str(b) for b in needed[i] if b in stand_in and b not in bridges[i]})
+        if i in olds:
+            loops[-1].made.append(stand_in[carries[i]])
+        reads_from = sorted({str(b) for b in needed[i] if b in stand_in and b not in bridges[i]
+                             and b is not carries[i]})
         parts = [f"state {names[i]}"]
         if bridges[i]:
             parts.append(f"its per-step values {', '.join(map(str, bridges[i]))} feed later pieces")
         if reads_from:
             parts.append(f"reads {', '.join(reads_from)} from earlier pieces")
+        if i in olds:
+            parts.append("its values before each update feed later pieces (its new values one step late)")
         text[name] = "; ".join(parts)
-    return loops, set(stand_in.values()), text
+    return loops, set(stand_in.values()), text, shifted
 
 
 def _not_linear(body: fx.Graph, carry: fx.Node, new: fx.Node) -> str | None:
@@ -416,10 +438,13 @@ def _piece(gm, lp: Loop, i: int, needed: set, own: list, bridges: list, stand_in
             env[ph] = g.placeholder(f"read_{len(reads)}")
             env[ph].meta.update(ph.meta)
             reads.append(r)
-    for b in (n for n in old.nodes if n in needed and n in stand_in and n not in bridges):
+    for b in (n for n in old.nodes if n in needed and n in stand_in and n not in bridges and n not in env):
         env[b] = g.placeholder(f"read_{len(reads)}")
         env[b].meta["example_value"] = b.meta.get("example_value")
         reads.append(Read(stand_in[b], 0, 0))
+    if not reads and lp.reads:       # a state no per-step value drives: a read for the length alone
+        g.placeholder("read_0").meta.update(reads_ph[0].meta)
+        reads.append(lp.reads[0])
     for ph, inv in zip(invs_ph, lp.invariants):
         if ph in needed:
             env[ph] = g.placeholder(f"inv_{len(invariants)}")

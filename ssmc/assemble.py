@@ -552,6 +552,15 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
         unit_dims += [(len(inputs), d + extra) for d, s in enumerate(shape(node)) if _is_one(s)]
         inputs.append(InputSpec(_source_name(loop, src), len(shape(node)) + extra,
                                 ir.dtype_name(dtype(node)) if dtype(node) else "float32"))
+    exprs = [decay, drive] + [o.expr for o in outputs] + ([mix.expr] if mix else [])
+    if loop.reads and not any(ix == "t" for e in exprs for ld in ir.loads(e) for ix in ld.index):
+        # no per-step input drives the state (a step counter, RetNet's normaliser): the loop's
+        # first read, never loaded, carries the region's length
+        r = loop.reads[0]
+        src = ("outer", r.source, r.dim, r.start)
+        length = (bld.source(src), r.dim)
+        inputs.append(InputSpec(_source_name(loop, src), len(shape(r.source)),
+                                ir.dtype_name(dtype(r.source)) if dtype(r.source) else "float32"))
     if isinstance(loop.carry_init[0], fx.Node):
         init = bld.source(("init",))
         inputs.append(InputSpec(loop.carry_init[0].name, len(state_shape), ir.dtype_name(dtype(loop.carry_init[0]))))

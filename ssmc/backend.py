@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import time
 
 import torch
@@ -393,8 +394,26 @@ def _lower_split(gm, split, ctx, opts, greport, keep=frozenset()) -> list:
                 if n in split.bridges:
                     v.meta.setdefault("example_value", n.meta.get("example_value"))
                     given[n] = v
+        for old, (new, init) in split.shifted.items():
+            if new in given and old not in given:
+                given[old] = _one_step_late(gm, given[new], init)
     finish_lowering(gm, split.erase, keep)
     return list(zip(split.members, entries))
+
+
+def _one_step_late(gm, new: fx.Node, init) -> fx.Node:
+    """A state's values before each update from its new values (steps along dim 0): the initial
+    value (a node, a number, None for zeros), then the new values but the last."""
+    from .capture import _Builder, _fake_mode
+    b = _Builder(gm.graph, _fake_mode(gm.graph))
+    anchor = new.next
+    head = b.call(anchor, operator.getitem, (new, slice(0, 1)))
+    if isinstance(init, fx.Node):
+        first = b.call(anchor, torch.Tensor.expand_as, (b.call(anchor, torch.Tensor.unsqueeze, (init, 0)), head))
+    else:
+        first = b.call(anchor, torch.full_like, (head, float(init or 0.0)))
+    rest = b.call(anchor, operator.getitem, (new, slice(0, -1)))
+    return b.call(anchor, torch.cat, ([first, rest], 0))
 
 
 def _lower_group(gm, group, opts, device, arch):

@@ -354,7 +354,7 @@ def _op(e: Op, args, cdt):
     raise NotImplementedError(f"torch target: op {n}")
 
 
-def chunk_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+def chunk_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, steps: int = 1) -> torch.Tensor:
     """All h_t = a_t h_{t-1} + b_t for one chunk (time at dim 0), from h_{-1} = h0.
 
     Two-level parallel scan: the chunk is cut into m blocks of s steps; all blocks run their s
@@ -362,7 +362,7 @@ def chunk_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Tens
     pass carries the state from block to block; a last elementwise pass adds each block's carry
     times its running product. Work O(T), depth O(s + m); only products of decays, never a
     division, so decays near 0 and near 1 are as exact as in the plain loop."""
-    T = max(a.shape[0], b.shape[0])
+    T = max(a.shape[0], b.shape[0], steps)      # steps: a and b may be constant in time
     full = torch.broadcast_shapes(a.shape, b.shape, (1, *h0.shape))
     a = a.expand(T, *a.shape[1:])
     b = b.expand(T, *full[1:])
@@ -393,10 +393,10 @@ RANK_CHUNK_ELEMENTS = 1 << 20    # a rank-one region's chunk (the executor steps
                                  # 2-core CPU: forward 41-46 ms against 79-81, benchmarks/NOTES.md)
 
 
-def mix_scan(a, M, b, h0):
+def mix_scan(a, M, b, h0, steps: int = 1):
     """h_t = a_t * h_{t-1} + M_t h_{t-1} + b_t step by step (time at dim 0; M_t laid out
     (*state, j), multiplying along the state's last dim)."""
-    T = max(a.shape[0], b.shape[0], M.shape[0])
+    T = max(a.shape[0], b.shape[0], M.shape[0], steps)
     a = a.expand(T, *h0.shape)
     b = b.expand(T, *h0.shape)
     M = M.expand(T, *h0.shape, h0.shape[-1])
@@ -471,10 +471,10 @@ def _differentiated(*xs) -> bool:
     return torch.is_grad_enabled() and any(torch.is_tensor(x) and x.requires_grad for x in xs)
 
 
-def rank_one_graph(a, terms, b, h0):
+def rank_one_graph(a, terms, b, h0, steps: int = 1):
     """rank_one_scan out of place, each step a new tensor: what autograd can differentiate
     (`grads_by_autograd` through `run`)."""
-    T = max(a.shape[0], b.shape[0], *(x.shape[0] for uw in terms for x in uw))
+    T = max(a.shape[0], b.shape[0], steps, *(x.shape[0] for uw in terms for x in uw))
     a, b = (x.expand(T, *x.shape[1:]) for x in (a, b))
     terms = [(u.expand(T, *u.shape[1:]), w.squeeze(-2).expand(T, *w.shape[1:-2], w.shape[-1])) for u, w in terms]
     hs, h = [], h0
@@ -534,18 +534,18 @@ def run(region: Region, inputs, chunk: int = 0):
         t1 = min(L, t0 + chunk)
         ev = Evaluator(r, inputs, t0, t1, cdt)
         if r.mix is None:
-            H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)
+            H = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h, t1 - t0)
         elif ones is not None:
             mev = Evaluator(r, inputs, t0, t1, cdt, matrix=True)
             us = [(mev.eval(u).to(cdt)[..., 0], mev.eval(w).to(cdt)) for u, w in ones]
             if _differentiated(*inputs):     # under autograd: no writes into a buffer
-                H = rank_one_graph(ev.eval(r.decay).to(cdt), us, ev.eval(r.drive).to(cdt), h)
+                H = rank_one_graph(ev.eval(r.decay).to(cdt), us, ev.eval(r.drive).to(cdt), h, t1 - t0)
             else:                            # the drive straight into the states' buffer
                 H = ev.eval_into(r.drive, torch.empty((t1 - t0, *state_shape), dtype=cdt, device=dev))
                 H = rank_one_scan(ev.eval(r.decay).to(cdt), us, H, h)
         else:
             M = Evaluator(r, inputs, t0, t1, cdt, matrix=True).eval(r.mix.expr).to(cdt)
-            H = mix_scan(ev.eval(r.decay).to(cdt), M, ev.eval(r.drive).to(cdt), h)
+            H = mix_scan(ev.eval(r.decay).to(cdt), M, ev.eval(r.drive).to(cdt), h, t1 - t0)
         ev.state = H
         for i in steps:
             o = r.outputs[i]
@@ -645,7 +645,7 @@ def adjoint_run(region: Region, inputs, grads, needs, chunk: int = 0):
             starts.append(h)
             t1 = min(L, t0 + chunk)
             ev = Evaluator(r, g.allin, t0, t1, cdt)
-            h = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h)[-1]
+            h = chunk_scan(ev.eval(r.decay).to(cdt), ev.eval(r.drive).to(cdt), h, t1 - t0)[-1]
         lam_next = g.seed_final(r, adj, h)     # a_{t1} * lam_{t1}
         for c in reversed(range(len(starts))):
             t0, t1 = c * chunk, min(L, (c + 1) * chunk)
