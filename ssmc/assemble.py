@@ -483,8 +483,8 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
             idx.insert(t_at, "t")
         return tuple(idx)
 
-    def add_out(kind, v, t_at):
-        spec = OutputSpec(kind, bld.build(v), out_index(v, t_at), ir.dtype_name(dtype(v)))
+    def add_out(kind, v, t_at, dt=None):
+        spec = OutputSpec(kind, bld.build(v), out_index(v, t_at), ir.dtype_name(dt or dtype(v)))
         if spec not in outputs:
             outputs.append(spec)
         return outputs.index(spec)
@@ -521,7 +521,9 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
                 outputs[k] = dataclasses.replace(o, index=tuple(idx))
                 results.append(("out", k, None))
                 continue
-        results.append(("out", add_out("steps", v, t_at), flat))
+        buf = dtype(r.buffer) if r.sink == "setitem" else None      # written as the buffer holds it
+        results.append(("out", add_out("steps", v, t_at, buf if buf is not None and buf.is_floating_point
+                                        else None), flat))
 
     if fuse_epilogue:
         before = _nodes_before(loop.anchor)

@@ -765,11 +765,13 @@ def detach_no_grad_values(gm: fx.GraphModule) -> int:
 
 def functionalize_updates(gm: fx.GraphModule) -> int:
     """Rewrite in-place updates of a tensor the graph allocates itself (``h = torch.zeros(..)``
-    then ``h.mul_(dA).add_(dBx)`` each step) as new values: each update becomes its out-of-place
-    op, and every later use of the tensor reads the latest value, so the step-to-step data flow
-    a recurrence needs is in the graph. Only where that cannot change a result: the tensor is a
-    fresh allocation (not an input, not a view), no view of it is ever taken, and each update
-    keeps its shape and dtype (no broadcasting or promotion). Returns the updates rewritten."""
+    then ``h.mul_(dA).add_(dBx)`` each step) or of an input (a state cache passed in, ``h *= a;
+    h += x[:, t]``) as new values: each update becomes its out-of-place op, and every later use
+    of the tensor reads the latest value, so the step-to-step data flow a recurrence needs is in
+    the graph; an input gets its last value copied back at the end (the caller sees the update).
+    Only where that cannot change a result: the tensor is a fresh allocation or an input (not a
+    view), no view of it is ever taken, and each update keeps its shape and dtype (no
+    broadcasting or promotion). Returns the updates rewritten."""
     g = gm.graph
     root: dict = {}
     for n in g.nodes:
@@ -784,7 +786,7 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
     order = {n: i for i, n in enumerate(g.nodes)}
     ok = set()
     for r, ms in members.items():
-        if not _fresh(r):
+        if not (_fresh(r) or r.op == "placeholder"):
             continue
         rv = value(r)
         if not is_tensor(rv):
@@ -861,6 +863,11 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
             g.erase_node(n)
         elif n.target is operator.setitem and root.get(n) in ok:
             g.erase_node(n)
+    out = next(n for n in g.nodes if n.op == "output")
+    for r in ok:                   # an input updated in place: the caller's tensor gets the last value
+        if r.op == "placeholder" and current[r] is not r:
+            with g.inserting_before(out):
+                g.call_method("copy_", (r, current[r]))
     gm.recompile()
     return count
 

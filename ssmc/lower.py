@@ -10,7 +10,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from .ops import impure, mutated, shape, value
+from . import ir
+from .ops import dtype, impure, mutated, shape, value
 
 _ALLOC = {torch.empty, torch.zeros, torch.empty_like, torch.zeros_like, torch.ones, torch.full,
           "new_empty", "new_zeros", "new_full", "new_ones"}
@@ -142,6 +143,10 @@ class Lowering:
                         v = g.call_method("contiguous", (v,))
                 else:
                     v = self._post(r, how[1], outs)
+                want = dtype(r.buffer) if r.sink == "setitem" else None
+                have = ir.to_dtype(plan.region.outputs[how[1]].dtype) if how[0] == "out" else None
+                if want is not None and want != have and len(vals) not in lp.complex_results:
+                    v = g.call_method("to", (v, want))     # as each write into the buffer casts
                 if len(vals) in lp.complex_results:     # real (..., 2) pairs -> complex
                     v = g.call_function(torch.view_as_complex, (g.call_method("contiguous", (v,)),))
                 vals.append(v)

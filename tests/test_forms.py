@@ -2096,3 +2096,61 @@ def test_a_loop_cut_later_is_found_once():
     g = torch.Generator().manual_seed(29)
     rep = check(fn, (torch.randn(2, 3, 1, 1, 1, generator=g), torch.randn(2, 3, 1, 1, 1, generator=g)))
     assert not rep.fallbacks, str(rep)
+
+
+def _cache_in_place(x, a, h):
+    for t in range(x.shape[1]):
+        h *= a
+        h += x[:, t]
+    return h
+
+
+def _cache_in_place_no_return(x, a, h):
+    for t in range(x.shape[1]):
+        h.mul_(a).add_(x[:, t])
+
+
+def _accumulate_into(x, a, acc):
+    for t in range(x.shape[1]):
+        acc += a * x[:, t]
+    return acc * 2
+
+
+@pytest.mark.parametrize("fn", [_cache_in_place, _cache_in_place_no_return, _accumulate_into],
+                         ids=lambda f: f.__name__)
+def test_an_input_updated_in_place_gets_its_last_value(fn):
+    """A state cache passed in and updated in place (`h *= a; h += x[:, t]`, `h.mul_(a).add_()`,
+    an accumulator): the loop is one region and the caller's tensor ends as eager leaves it (it
+    was left unchanged: the writes were taken as new values)."""
+    g = torch.Generator().manual_seed(30)
+    x, a, h0 = torch.randn(2, 6, 3, generator=g), torch.rand(3, generator=g), torch.randn(2, 3, generator=g)
+    he, hc = h0.clone(), h0.clone()
+    want = fn(x, a, he)
+    got, rep = ssmc_run(fn, (x, a, hc))
+    assert len(rep.regions) == 1, str(rep)
+    assert rel_err(hc, he) < 1e-6
+    if want is not None:
+        assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("buf_dtype, state_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)])
+def test_a_buffer_keeps_its_dtype(buf_dtype, state_dtype):
+    """`out[:, t] = h` into a buffer of a narrower dtype than the state: each write rounds, and
+    the buffer comes back in its own dtype (it came back in the state's: a matmul with a bf16
+    weight after it then raised)."""
+    def fn(x, a, W):
+        out = torch.empty_like(x)
+        h = torch.zeros(x.shape[0], x.shape[2], dtype=a.dtype)
+        for t in range(x.shape[1]):
+            h = a * h + x[:, t].to(a.dtype)
+            out[:, t] = h
+        return out, out @ W
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(2, 6, 3, generator=g).to(buf_dtype)
+    a, W = torch.rand(3, generator=g, dtype=state_dtype), torch.randn(3, 3, generator=g).to(buf_dtype)
+    want = fn(x, a, W)
+    got, rep = ssmc_run(fn, (x, a, W))
+    assert len(rep.regions) == 1, str(rep)
+    for o, w in zip(got, want):
+        assert o.dtype == w.dtype
+        assert rel_err(o.double(), w.double()) < 1e-6
