@@ -510,8 +510,8 @@ def _find_round(gm, loops, spans, failed, deadline: float = float("inf")) -> Non
             _run_forward(gm, found_lp)
             _shift_passed_values(gm, found_lp)
         loops.append(found_lp)
-        if gather_steps(gm, found_lp):      # the graph changed: the next round reads it anew
-            return
+        if gather_steps(gm, found_lp) | own_sinks(gm, found_lp):   # the graph changed: the next
+            return                                                  # round reads it anew
 
 
 def _last_two_equal(seg: _Segment) -> bool:
@@ -1217,6 +1217,43 @@ def gather_steps(gm, lp: Loop) -> bool:
         lp.erase.append(st)
     done, lp.gathers = bool(lp.gathers), []
     return done
+
+
+def own_sinks(gm, lp: Loop) -> bool:
+    """For a loop taken: a stack or cat that holds other values around the loop's steps (steps
+    peeled off it, another loop's steps: a state reset per segment, chunks of `x.split` each
+    walked by its own loop, all appended to one list) becomes a cat of the values before, a
+    stack of the loop's steps alone, and the values after, so that each loop's result is a
+    node of its own (two loops sharing one stack failed in lowering). True when it changed the
+    graph."""
+    mode = _fake_mode(gm.graph)
+    changed = False
+    for r in lp.results:
+        if r.kind != "steps" or r.sink not in ("stack", "cat") or not (r.prefix or r.suffix) or len(r.replace) != 1:
+            continue
+        u = r.replace[0]
+        if u.op != "call_function" or u.target not in (torch.stack, torch.cat):
+            continue
+        seq = u.args[0] if u.args else u.kwargs.get("tensors")
+        if not isinstance(seq, (list, tuple)) or list(seq[:len(r.prefix)]) != r.prefix or \
+                (r.suffix and list(seq[len(seq) - len(r.suffix):]) != r.suffix):
+            continue
+        b = _Builder(gm.graph, mode)
+        steps = seq[len(r.prefix):len(seq) - len(r.suffix)]
+        mid = b.call(u, u.target, (steps, r.dim))
+        if u.target is torch.stack:
+            parts = [b.call(u, torch.stack, (list(p), r.dim)) if p else None for p in (r.prefix, r.suffix)]
+            parts = [x for x in (parts[0], mid, parts[1]) if x is not None]
+        else:
+            parts = [*r.prefix, mid, *r.suffix]
+        whole = b.call(u, torch.cat, (parts, r.dim))
+        u.replace_all_uses_with(whole)
+        if u in lp.erase:
+            lp.erase[lp.erase.index(u)] = mid
+        gm.graph.erase_node(u)
+        r.replace, r.prefix, r.suffix = [mid], [], []
+        changed = True
+    return changed
 
 
 def _tables(seg: _Segment, T: int) -> dict:

@@ -2154,3 +2154,45 @@ def test_a_buffer_keeps_its_dtype(buf_dtype, state_dtype):
     for o, w in zip(got, want):
         assert o.dtype == w.dtype
         assert rel_err(o.double(), w.double()) < 1e-6
+
+
+def _segments_reset(x, a):
+    ys = []
+    for s in range(2):
+        h = torch.zeros_like(x[:, 0])
+        for t in range(4 * s, 4 * s + 4):
+            h = a * h + x[:, t]
+            ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _chunks_of_split(x, a):
+    h, ys = torch.zeros_like(x[:, 0]), []
+    for xc in x.split(4, dim=1):
+        for j in range(xc.shape[1]):
+            h = a * h + xc[:, j]
+            ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _truncated_bptt(x, a):
+    h, ys = torch.zeros_like(x[:, 0]), []
+    for t in range(x.shape[1]):
+        if t % 4 == 0:
+            h = h.detach()
+        h = a * h + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1), h
+
+
+@pytest.mark.parametrize("fn", [_segments_reset, _chunks_of_split, _truncated_bptt], ids=lambda f: f.__name__)
+def test_loops_sharing_one_stack(fn):
+    """Several loops appending to one list stacked once (a state reset per segment, the chunks
+    of `x.split`, truncated backprop's detach every k steps): one region each, the stack a cat of
+    theirs (lowering failed on the shared stack: an internal error, the graph ran as captured);
+    gradients as eager's, truncated where it detaches."""
+    g = torch.Generator().manual_seed(32)
+    ins = (torch.randn(2, 8, 3, generator=g), torch.rand(3, generator=g))
+    rep = check(fn, ins, n_regions=2)
+    assert not rep.fallbacks, str(rep)
+    grads_match(fn, ins)
