@@ -578,9 +578,12 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
                     k = axes.index(ix)
                     if axis_size[k] is None:
                         axis_size[k] = (ld.input, d)
+    init_shape = shape(loop.carry_init[0]) if init is not None else None
+    if init_shape is not None:          # an initial state of fewer dims is broadcast from the left
+        init_shape = (1,) * (len(state_shape) - len(init_shape)) + tuple(init_shape)
     for k in range(len(axes)):
         if axis_size[k] is None:
-            if init is not None:
+            if init is not None and (init_shape[k] != 1 or _is_one(state_shape[k])):
                 axis_size[k] = (init, k)
             elif _is_one(state_shape[k]) and unit_dims:
                 # batch 1: no input is read along the axis (a size-1 dim is indexed 0), but

@@ -128,7 +128,10 @@ class Lowering:
                 elif src[0] == "pre":
                     ins.append(pre_vals[src[1]])
                 else:
-                    ins.append(lp.carry_init[0])
+                    init = lp.carry_init[0]
+                    for _ in range(len(plan.region.axes) - len(shape(init) or ())):
+                        init = g.call_method("unsqueeze", (init, 0))   # (H,) broadcast to (b, H)
+                    ins.append(init)
             call = g.call_function(torch.ops.ssmc.region.default, (self.key, ins))
             outs = [g.call_function(operator.getitem, (call, i)) for i in range(len(plan.region.outputs))]
             vals = []

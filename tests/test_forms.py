@@ -2196,3 +2196,21 @@ def test_loops_sharing_one_stack(fn):
     rep = check(fn, ins, n_regions=2)
     assert not rep.fallbacks, str(rep)
     grads_match(fn, ins)
+
+
+@pytest.mark.parametrize("h0_shape", [(3,), (), (4, 3)], ids=["vector", "scalar", "per_channel"])
+def test_initial_state_of_fewer_dims(h0_shape):
+    """A learned initial state with fewer dims than the state (`nn.Parameter(torch.zeros(H))`
+    broadcast by the first step) is broadcast from the left as eager does (the region raised:
+    "has 1 dims, expected 2"); its gradient sums over the broadcast dims."""
+    def fn(x, a, h0):
+        h, ys = h0, []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(33)
+    shape = (2, 5, 4, 3) if len(h0_shape) == 2 else (2, 5, 3)
+    ins = (torch.randn(*shape, generator=g), torch.rand(*shape, generator=g), torch.randn(h0_shape, generator=g))
+    check(fn, ins)
+    grads_match(fn, ins)
