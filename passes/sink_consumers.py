@@ -165,6 +165,8 @@ class _Sink:
             src, consts = c.params["src"], c.params["consts"]
             if k in consts:            # the last step alone, the other dims as they were
                 rest = tuple(d for d in range(len(shape(x))) if d != k)
+                if any(w.op == "output" for w in x.users):
+                    return None        # the steps are returned too: `y[:, -1]` stays a view of y
                 return _Step("last") if consts == {k: L - 1} and tuple(src) == rest else None
             if k not in src or any(d is None and size != 1 for d, size in zip(src, shape(u))):
                 return None            # (an expand makes the steps larger: left after the loop)

@@ -133,10 +133,19 @@ def _run(entry: Compiled, method: str, *args):
         return getattr(entry.kernel, method)(*args)
 
 
+def _own(outs, inputs) -> list[torch.Tensor]:
+    """The outputs as tensors of their own: a kernel may give one as a view of another (the
+    final state as the last of the stacked states) or as an input (no step taken); the caller
+    may change any in place (`h.mul_(0.5)`, `h.detach_()`) as eager's results allow."""
+    ids = {id(x) for x in inputs}
+    return [o.clone() if isinstance(o, torch.Tensor) and (o._base is not None or id(o) in ids) else o
+            for o in outs]
+
+
 def _forward(key: str, inputs) -> list[torch.Tensor]:
     entry = lookup(key)
     check_inputs(entry, inputs)
-    return list(_run(entry, "forward", list(inputs)))
+    return _own(_run(entry, "forward", list(inputs)), inputs)
 
 
 def _forward_train(key: str, inputs) -> list[torch.Tensor]:
@@ -148,15 +157,15 @@ def _forward_train(key: str, inputs) -> list[torch.Tensor]:
     if hasattr(entry.kernel, "forward_train"):
         try:
             outs, res = entry.kernel.forward_train(inputs)
-            return list(outs) + list(res)
+            return _own(outs, inputs) + list(res)
         except Exception as e:           # the plain forward (or its fallback) runs instead
             import logging
             logging.getLogger("ssmc").warning(
                 "ssmc: training forward of region %s failed (%s: %s); the forward runs without "
                 "checkpoints", entry.region.name, type(e).__name__, e)
-    outs = _run(entry, "forward", inputs)
+    outs = _own(_run(entry, "forward", inputs), inputs)
     dev = inputs[0].device
-    return list(outs) + [torch.zeros(s, dtype=dt, device=dev) for s, dt in entry.residual_specs(inputs)]
+    return outs + [torch.zeros(s, dtype=dt, device=dev) for s, dt in entry.residual_specs(inputs)]
 
 
 @torch.library.custom_op("ssmc::region", mutates_args=())

@@ -2214,3 +2214,35 @@ def test_initial_state_of_fewer_dims(h0_shape):
     ins = (torch.randn(*shape, generator=g), torch.rand(*shape, generator=g), torch.randn(h0_shape, generator=g))
     check(fn, ins)
     grads_match(fn, ins)
+
+
+def test_results_are_tensors_of_their_own():
+    """The returned final state is no view of another output (in grad mode `h.mul_(0.5)` raised
+    "Output 1 ... is a view and is being modified inplace", and `h.detach_()` "Can't detach views
+    in-place"); `y[:, -1]` of returned steps stays a view of them, as in eager (it was the final
+    state: `h.zero_()` zeroed it)."""
+    def fn(x, a):
+        h, ys = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            ys.append(h)
+        y = torch.stack(ys, 1)
+        return y, h, y[:, -1]
+    g = torch.Generator().manual_seed(34)
+    x, a = torch.randn(2, 6, 3, generator=g), torch.rand(2, 6, 3, generator=g)
+    xg = x.clone().requires_grad_()
+    (y, h, last), rep = ssmc_run(fn, (xg, a))
+    assert len(rep.regions) == 1, str(rep)
+    h.mul_(0.5)                        # raised before
+    (y.sum() + h.sum()).backward()
+    xe = x.clone().requires_grad_()
+    ye, he, _ = fn(xe, a)
+    he.mul_(0.5)
+    (ye.sum() + he.sum()).backward()
+    assert rel_err(xg.grad, xe.grad) < 1e-5
+    h.detach_()
+    (y, h, last), _ = ssmc_run(fn, (x, a))
+    h.zero_()
+    assert last.abs().sum() > 0 and last._base is not None
+    y.mul_(0)
+    assert last.abs().sum() == 0
