@@ -21,7 +21,7 @@ from .capture import erase_unused
 from .explain import Dumper, GraphReport, RegionInfo, Report
 from .lower import Lowering, finish_lowering
 from .ops import impure
-from .options import Options, make_options
+from .options import Options, check_names, make_options
 
 log = logging.getLogger("ssmc")
 
@@ -76,6 +76,9 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
                  mode: str | None = None, **kw):
     patches, mode_note = _inductor_patches(mode)
     opts = make_options(options, **kw)
+    plugins = load_plugins()
+    check_names(opts, {p.name for p in plugins if p.group == "ssmc.passes"},
+                {p.name for p in plugins if p.group == "ssmc.targets"})
     global LAST_REPORT, _LAST_COMPILE_ID
     cid = _ddp_piece_of()
     if _report is not None:

@@ -60,9 +60,11 @@ def make_options(options: Mapping[str, Any] | Options | None = None, **kw) -> Op
     if unknown:
         raise ValueError(f"ssmc: unknown option(s) {unknown}; known options are {sorted(fields)}")
     env_disabled = _split(os.environ.get("SSMC_DISABLE_PASSES"))
-    disabled = merged.get("disable_passes", ())
+    disabled = merged.get("disable_passes", ()) or ()
     if isinstance(disabled, str):
         disabled = _split(disabled)
+    if not isinstance(disabled, (list, tuple, set, frozenset)) or not all(isinstance(d, str) for d in disabled):
+        raise ValueError(f"ssmc: option disable_passes={disabled!r} must be a list of pass names")
     merged["disable_passes"] = tuple(dict.fromkeys((*env_disabled, *disabled)))
     merged.setdefault("target", os.environ.get("SSMC_TARGET") or "auto")
     merged.setdefault("debug_dir", os.environ.get("SSMC_DEBUG_DIR") or None)
@@ -77,4 +79,30 @@ def make_options(options: Mapping[str, Any] | Options | None = None, **kw) -> Op
         raise ValueError(f"ssmc: option rest_max_nodes={m!r} must be an int >= 0 (0: no limit)")
     if not isinstance(merged["target"], str):
         raise ValueError(f"ssmc: option target must be a string, got {merged['target']!r}")
+    c = merged.get("chunk", 0)
+    if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+        raise ValueError(f"ssmc: option chunk={c!r} must be an int >= 0 (0: chosen by the state's size)")
+    for name in ("deterministic", "validate"):
+        if not isinstance(merged.get(name, False), bool):
+            raise ValueError(f"ssmc: option {name}={merged[name]!r} must be True or False")
+    for name in ("cache_dir", "debug_dir"):
+        d = merged.get(name)
+        if d is not None:
+            if not isinstance(d, (str, os.PathLike)):
+                raise ValueError(f"ssmc: option {name}={d!r} must be a path")
+            merged[name] = os.fspath(d)
     return Options(**merged)
+
+
+def check_names(opts: Options, passes, targets) -> None:
+    """The pass and target names the options give are loaded ones (or failed plugins of those
+    names, see `ssmc.plugins()`): a misspelt name is an error naming it, not a silent no-op."""
+    unknown = [p for p in opts.disable_passes if p not in passes]
+    if unknown:
+        src = " (SSMC_DISABLE_PASSES or disable_passes)" if os.environ.get("SSMC_DISABLE_PASSES") else ""
+        raise ValueError(f"ssmc: option disable_passes{src} names {unknown}, not a pass; the passes are "
+                         f"{sorted(passes)}")
+    if opts.target != "auto" and opts.target not in targets:
+        src = " (from SSMC_TARGET)" if os.environ.get("SSMC_TARGET") == opts.target else ""
+        raise ValueError(f"ssmc: option target={opts.target!r}{src} is no installed target; the targets are "
+                         f"{['auto', *sorted(targets)]}")

@@ -18,6 +18,8 @@ GROUPS = ("ssmc.passes", "ssmc.targets")
 _BUILTIN = {
     "ssmc.passes": {
         "reroll": "ssmc.passes.reroll:Reroll",
+        "sink_consumers": "ssmc.passes.sink_consumers:SinkConsumers",
+        "split_states": "ssmc.passes.split_states:SplitStates",
         "detect_recurrence": "ssmc.passes.detect_recurrence:DetectRecurrence",
         "fuse_prologue": "ssmc.passes.fuse_prologue:FusePrologue",
         "fuse_epilogue": "ssmc.passes.fuse_epilogue:FuseEpilogue",

@@ -1,4 +1,6 @@
 """Structural tests, one or more per pass: what each pass leaves, and switching passes off."""
+import re
+
 import pytest
 import torch
 
@@ -165,6 +167,22 @@ def test_required_pass_cannot_be_disabled():
 def test_unknown_option_is_a_clear_error():
     with pytest.raises(Exception, match="unknown option"):
         ssmc_run(P.mamba1("stack"), P.mamba1_inputs(), targt="torch")
+
+
+@pytest.mark.parametrize("opts, what", [
+    ({"target": "trition"}, "target='trition' is no installed target"),
+    ({"disable_passes": ["fuse_epilog"]}, "names ['fuse_epilog'], not a pass"),
+    ({"disable_passes": 3}, "disable_passes=3 must be a list"),
+    ({"chunk": "abc"}, "chunk='abc' must be an int"),
+    ({"chunk": -1}, "chunk=-1 must be an int"),
+    ({"deterministic": "no"}, "deterministic='no' must be True or False"),
+    ({"cache_dir": 5}, "cache_dir=5 must be a path"),
+])
+def test_bad_option_values_are_errors_naming_them(opts, what):
+    """A misspelt target or pass name, a wrong type: an error that names the option (they ran
+    silently on another target, disabled nothing, or fell back with an unrelated message)."""
+    with pytest.raises(Exception, match=re.escape(what)):
+        ssmc_run(P.mamba1("stack"), P.mamba1_inputs(seed=40), **opts)
 
 
 def test_pass_timings_reported():
