@@ -1113,8 +1113,22 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
             results.append(Result("steps", "setitem", tpos[0], writes, buffer=buf, start=start,
                                   reverse=seg.step < 0))
             rv = fx.node.map_arg(val, body_arg)
+            bb = _Builder(body, _fake_mode(gm.graph))
             if unit:
-                rv = _Builder(body, _fake_mode(gm.graph)).call(None, torch.squeeze, (rv, tpos[0]))
+                rv = bb.call(None, torch.squeeze, (rv, tpos[0]))
+            slot = tuple(d for i, d in enumerate(shape(buf)) if i != tpos[0])
+            if isinstance(rv, fx.Node) and tuple(shape(rv)) != slot:   # as the write broadcasts:
+                vs = list(shape(rv))                                   # leading 1s dropped, expanded
+                while len(vs) > len(slot) and vs[0] == 1:
+                    vs.pop(0)
+                try:
+                    torch.broadcast_shapes(tuple(vs), slot)
+                    ok = len(vs) <= len(slot) and tuple(torch.broadcast_shapes(tuple(vs), slot)) == slot
+                except RuntimeError:
+                    ok = False
+                if not ok:
+                    raise _NotALoop(f"writes into {buf.name} a value of shape {tuple(shape(rv))} for a slot of {slot}")
+                rv = bb.call(None, torch.broadcast_to, (bb.call(None, torch.reshape, (rv, tuple(vs))), slot))
             result_vals.append(rv)
             continue
         env[n] = body.node_copy(n, body_arg)

@@ -626,6 +626,9 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
                     ok = False
                     break
                 slots[u] = (got[0], got[1] % bv.shape[got[0]])
+                if is_read and _changed_in_place(u, mutated):
+                    ok = False         # a write through the read (`C[0][:, -1] = x`: it is a view)
+                    break
                 (writes if is_write else reads).append(u)
             elif pos[u] < last_write or _maybe_view(u) or mutated(u) is not None:
                 ok = False

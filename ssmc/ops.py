@@ -89,10 +89,17 @@ def value(node: Any):
     return node
 
 
+_AUGMENTED = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+              operator.ipow, operator.imod, operator.iand, operator.ior, operator.ixor, operator.imatmul)
+
+
 def mutated(n: fx.Node):
     """The tensor an in-place node writes (``out[idx] = y``, ``out.index_copy_(...)``), or None."""
     if n.op == "call_function" and n.target is operator.setitem:
         return n.args[0]
+    if n.op == "call_function" and n.target in _AUGMENTED and n.args and isinstance(n.args[0], fx.Node) \
+            and isinstance(n.args[0].meta.get("example_value"), torch.Tensor):
+        return n.args[0]               # `h += x` on a tensor writes h
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
     if n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_") \
             and n.args and isinstance(n.args[0], fx.Node):

@@ -2246,3 +2246,64 @@ def test_results_are_tensors_of_their_own():
     assert last.abs().sum() > 0 and last._base is not None
     y.mul_(0)
     assert last.abs().sum() == 0
+
+
+def _slot_written_through_a_read(x, c0):
+    C = torch.zeros(1, x.shape[0], 3)           # a cache indexed by layer, HF Mamba2Cache-style
+    C[0] = c0
+    outs = []
+    for t in range(x.shape[1]):
+        C[0][:, -1] = x[:, t]                   # a write through the read C[0] (a view)
+        outs.append(C[0].sum(-1))
+    return torch.stack(outs, 1)
+
+
+def _slot_written_then_changed(x, y):
+    aux, outs = torch.zeros_like(x), []
+    for i in range(x.shape[1]):
+        d = x[:, i] * 2
+        aux[:, i] = d                           # the slot holds d as it is now
+        d += y[:, i]
+        outs.append(aux[:, i] * 1)
+    return torch.stack(outs, 1)
+
+
+def _buffer_later_loop(x, y):                   # fla's naive_recurrent_rwkv6_bwd, in small
+    dq = torch.zeros_like(x)
+    for i in range(x.shape[1]):
+        d = x[:, i] * 3
+        dq[:, i] = d
+        d += y[:, i]
+    dw = torch.zeros_like(x)
+    for i in range(x.shape[1] - 2, -1, -1):
+        dw[:, i] = dw[:, i + 1] + dq[:, i + 1]
+    return dw
+
+
+@pytest.mark.parametrize("fn", [_slot_written_through_a_read, _slot_written_then_changed, _buffer_later_loop],
+                         ids=lambda f: f.__name__)
+def test_slot_reads_see_every_write(fn):
+    """A read of a buffer's slot is the value written there only while nothing else writes it: a
+    write through another read of the slot (a view), or the written tensor changed afterwards by
+    `+=`, keep the read as it is (both read the first write: silently wrong values)."""
+    g = torch.Generator().manual_seed(35)
+    ins = (torch.randn(2, 5, generator=g), torch.randn(2, 3 if fn is _slot_written_through_a_read else 5, generator=g))
+    out, _ = ssmc_run(fn, ins)
+    assert rel_err(out, reference(fn, ins)[0]) < 1e-6
+
+
+def test_a_step_value_with_leading_unit_dims_into_a_buffer():
+    """SRU's CPU path: steps read from `.chunk(L)` are (1, b, d), the state starts (b, d), and
+    `h[t] = c` drops the leading 1 as eager's write does (the buffer came back (L, 1, b, d))."""
+    def fn(x, f, c0):
+        L = x.shape[0]
+        h = x.new_zeros(L, *c0.shape)
+        c = c0
+        for t, (xt, ft) in enumerate(zip(x.chunk(L), f.chunk(L))):
+            c = ft * c + (1 - ft) * xt
+            h[t] = c
+        return h, c
+    g = torch.Generator().manual_seed(36)
+    ins = (torch.randn(7, 2, 4, generator=g), torch.rand(7, 2, 4, generator=g), torch.randn(2, 4, generator=g))
+    check(fn, ins)
+    grads_match(fn, ins)
