@@ -1032,11 +1032,13 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
                 torch.narrow(src, key[1], 0, key[3])
     tables = _tables(seg, T)            # numbers that differ step to step: a table each, read at t
     table_ph = {}
+    dev = next((value_of(r.source).device for r in reads if isinstance(r.source, fx.Node)
+                and is_tensor(value_of(r.source))), torch.device("cpu"))
     for (j, i), vals in tables.items():
         reads.append(Read(None, 0, 0 if seg.step > 0 else L - 1))     # its source made below
         ph = table_ph[(j, i)] = body.placeholder(f"read_{len(reads) - 1}")
         with (mode if mode is not None else contextlib.nullcontext()):
-            ph.meta["example_value"] = torch.empty((), **_table_type(tmpl[j], vals))
+            ph.meta["example_value"] = torch.empty((), **_table_type(tmpl[j], vals, dev))
     for i, inv in enumerate(invariants):
         inv_ph[inv] = body.placeholder(f"inv_{i}")
         inv_ph[inv].meta["example_value"] = inv.meta.get("example_value")
@@ -1187,7 +1189,7 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
     outer = _Builder(gm.graph, mode)
     made = []
     for r, ((j, i), vals) in zip(reads[len(reads) - len(tables):], tables.items()):
-        r.source = outer.call(nodes[s], torch.tensor, (vals if seg.step > 0 else vals[::-1],), _table_type(tmpl[j], vals))
+        r.source = outer.call(nodes[s], torch.tensor, (vals if seg.step > 0 else vals[::-1],), _table_type(tmpl[j], vals, dev))
         made.append(r.source)
     views: dict = {}
     for r, d in zip(reads, strides):    # every d-th index: a strided view, read at consecutive ones
@@ -1288,11 +1290,16 @@ def _tables(seg: _Segment, T: int) -> dict:
     return out
 
 
-def _table_type(n: fx.Node, vals) -> dict:
+def _table_type(n: fx.Node, vals, device) -> dict:
     """dtype and device of a table standing for the numbers `vals` in `n`'s arithmetic: that of
-    its tensor operand (floating at least float32), so that the result's type is the same."""
+    its tensor operand (floating at least float32), so that the result's type is the same; where
+    the arithmetic is on numbers alone (``t / L`` with a symbolic L), int64 for ints, else the
+    default float dtype, on the loop's device."""
     ts = [value_of(a) for a in n.args if isinstance(a, fx.Node) and is_tensor(value_of(a))]
     t = ts[0] if ts else value_of(n)
+    if not is_tensor(t):
+        return {"dtype": torch.int64 if all(isinstance(v, int) for v in vals) else torch.get_default_dtype(),
+                "device": device}
     dt = t.dtype
     if not (dt.is_floating_point or dt.is_complex):
         dt = torch.int64 if all(isinstance(v, int) for v in vals) else torch.get_default_dtype()

@@ -275,6 +275,9 @@ def stack_states(gm: fx.GraphModule, lp: Loop, group: list) -> None:
         raise Decline(f"the carried values {names} update each other but differ in shape or dtype")
     if dt is None or not dt.is_floating_point:
         raise Decline(f"the carried values {names} are not floating-point")
+    if not all(isinstance(d, int) for d in sshape):
+        raise Decline(f"the carried values {names} update each other; stacking them under a symbolic "
+                      "size (a recompile for another batch or length) is not supported")
     mode = _fake_mode(lp.body.graph) or _fake_mode_outer(lp)
     b = _Builder(body, mode)
     m = len(group)

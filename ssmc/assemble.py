@@ -552,8 +552,11 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
         node = _source_node(loop, src)
         extra = 1 if src[0] == "pre" and node in bld.time_dep else 0
         unit_dims += [(len(inputs), d + extra) for d, s in enumerate(shape(node)) if _is_one(s)]
+        # a number given at run time (a symbolic float: a hyperparameter Dynamo did not
+        # specialise) goes in as a 0-d tensor of the state's dtype (float32 at least)
+        num = "float64" if dtype(rec.new) == torch.float64 else "float32"
         inputs.append(InputSpec(_source_name(loop, src), len(shape(node)) + extra,
-                                ir.dtype_name(dtype(node)) if dtype(node) else "float32"))
+                                ir.dtype_name(dtype(node)) if dtype(node) else num))
     exprs = [decay, drive] + [o.expr for o in outputs] + ([mix.expr] if mix else [])
     if loop.reads and not any(ix == "t" for e in exprs for ld in ir.loads(e) for ix in ld.index):
         # no per-step input drives the state (a step counter, RetNet's normaliser): the loop's

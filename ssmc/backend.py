@@ -147,6 +147,9 @@ def _lowered_as_map(gm, c, live, greport: GraphReport) -> bool:
         theirs |= {n for n in ol.carry_init if isinstance(n, fx.Node)} | {ol.anchor} | set(ol.erase)
     if mine & theirs:
         return False
+    refs = [r.source for r in lp.reads] + [n for n in (*lp.invariants, lp.anchor, *lp.erase) if isinstance(n, fx.Node)]
+    if any(getattr(n, "_erased", False) for n in refs):
+        return False               # it reads what a map lowered before it replaced: it runs as written
     from .lower import lower_map
     try:
         lower_map(gm, lp, keep={n for o in live for n in o.loop.made})

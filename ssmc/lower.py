@@ -93,6 +93,14 @@ class Lowering:
         self.loop, self.plan = cand.loop, cand.plan
         self.keep = keep          # nodes made for loops lowered later: no dead code yet
 
+    def _device(self):
+        """The device of the region's tensor inputs (where a number given at run time goes)."""
+        for src in self.plan.sources:
+            v = value(src[1]) if src[0] in ("outer", "pre") else None
+            if isinstance(v, torch.Tensor):
+                return v.device
+        return torch.device("cpu")
+
     def _narrow(self, node, dim, start):
         L = self.loop.length
         if dim is None or L is None or (start == 0 and shape(node)[dim] == L):
@@ -122,8 +130,11 @@ class Lowering:
         with g.inserting_before(lp.anchor):
             pre_vals = self._pre()
             ins = []
-            for src in plan.sources:
-                if src[0] == "outer":
+            for i, src in enumerate(plan.sources):
+                if src[0] == "outer" and not isinstance(value(src[1]), torch.Tensor):   # a symbolic number
+                    ins.append(g.call_function(torch.scalar_tensor, (src[1],), {
+                        "dtype": ir.to_dtype(plan.region.inputs[i].dtype), "device": self._device()}))
+                elif src[0] == "outer":
                     ins.append(self._narrow(src[1], src[2], src[3]))
                 elif src[0] == "pre":
                     ins.append(pre_vals[src[1]])
