@@ -630,16 +630,34 @@ def _run_forward(gm, lp: Loop) -> None:
         span[(r.source, r.dim)] = (min(lo, r.start - lp.length + 1), max(hi, r.start))
     flips: dict = {}
     outer = _Builder(gm.graph, _fake_mode(gm.graph))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for k, r in enumerate(lp.reads):
         key = (r.source, r.dim)
         lo, hi = span[key]
         if key not in flips:
-            at = r.source.next
+            at = _after_writes(r.source, lp.anchor, order)
             part = outer.call(at, torch.narrow, (r.source, r.dim, lo, hi - lo + 1))
             flips[key] = outer.call(at, torch.flip, (part, [r.dim]))
             lp.made.append(part)
         lp.reads[k] = Read(flips[key], r.dim, hi - r.start)
     lp.made.extend(flips.values())
+
+
+def _after_writes(src: fx.Node, anchor, order: dict) -> fx.Node:
+    """Where a copy of src taken before a loop goes: after the last write into src (or a view of
+    it) that comes before the loop (a buffer filled in place, `dq[:, i] = d`, then walked
+    backwards), else right after src."""
+    from ssmc.ops import mutated
+    alias, todo = set(), [src]
+    while todo:
+        n = todo.pop()
+        if n in alias:
+            continue
+        alias.add(n)
+        todo.extend(u for u in n.users if _maybe_view(u) and u.args and u.args[0] is n)
+    end = order.get(anchor, len(order)) if anchor is not None else len(order)
+    writes = [u for a in alias for u in a.users if mutated(u) in alias and order.get(u, end) < end]
+    return max(writes, key=order.__getitem__).next if writes else src.next
 
 
 def _cat_accumulators(lp: Loop) -> None:

@@ -626,7 +626,7 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
                     ok = False
                     break
                 slots[u] = (got[0], got[1] % bv.shape[got[0]])
-                if is_read and _changed_in_place(u, mutated):
+                if is_read and _written_through(u, mutated):
                     ok = False         # a write through the read (`C[0][:, -1] = x`: it is a view)
                     break
                 (writes if is_write else reads).append(u)
@@ -666,6 +666,18 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+def _written_through(v: fx.Node, mutated) -> bool:
+    """Whether v, or a view taken of it, is changed in place (v's own base not counted)."""
+    alias, todo = set(), [v]
+    while todo:
+        n = todo.pop()
+        if n in alias:
+            continue
+        alias.add(n)
+        todo.extend(u for u in n.users if _maybe_view(u) and u.args and u.args[0] is n)
+    return any(mutated(u) in alias for a in alias for u in a.users)
 
 
 def _changed_in_place(v: fx.Node, mutated) -> bool:
