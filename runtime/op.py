@@ -268,7 +268,18 @@ def _backward(ctx, grads):
     return None, [g if need else None for g, need in zip(out, ctx.needs)]
 
 
+def _no_double_backward(ctx, grads):
+    raise RuntimeError("ssmc: a gradient of a gradient (create_graph=True: a gradient penalty, a "
+                       "Hessian-vector product, MAML) through an ssmc region is not supported; compile "
+                       "that model without ssmc, or take the higher-order gradient outside it")
+
+
+def _setup_nothing(ctx, inputs, output):
+    pass
+
+
 region.register_autograd(_backward, setup_context=_setup)
+region_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothing)
 region_train.register_autograd(_backward, setup_context=_setup_train)
 
 
@@ -348,3 +359,4 @@ def _grouped_backward(ctx, grads):
 
 
 grouped.register_autograd(_grouped_backward, setup_context=_setup)
+grouped_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothing)

@@ -188,6 +188,19 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def _inactive_dropout(node: fx.Node) -> bool:
+    """``F.dropout(x, p, training=False)`` (an ``nn.Dropout`` in eval mode) or ``p == 0``: x."""
+    t = node.target
+    if t in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout):
+        p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
+    elif t is torch.dropout:
+        p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "train", True)
+    else:
+        return False
+    return bool(node.args) and isinstance(node.args[0], fx.Node) and (training is False or p == 0) \
+        and _arg(node, 3, "inplace", False) is False
+
+
 def canonical(node: fx.Node) -> Canon | None:
     """Describe one node in ssmc's op vocabulary; None when ssmc does not know the op."""
     if node.op == "call_function":
@@ -202,7 +215,7 @@ def canonical(node: fx.Node) -> Canon | None:
             return Canon("ew", "addcmul", tuple(node.args[:3]), {"value": node.kwargs.get("value", 1)})
         if str(t) == "prims.fma.default" and len(node.args) == 3 and not node.kwargs:   # a * b + c: Dynamo's addcmul_(value=)
             return Canon("ew", "addcmul", (node.args[2], node.args[0], node.args[1]), {"value": 1})
-        if t is torch.clone:
+        if t is torch.clone or _inactive_dropout(node):
             return Canon("identity", "identity", (node.args[0],))
         if t in (torch.clamp, torch.clip):
             return _clamp(node)

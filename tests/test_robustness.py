@@ -521,3 +521,47 @@ def test_a_map_over_another_maps_results():
     out, rep = ssmc_run(fn, ins)
     assert not any("internal error" in why for _, why in rep.fallbacks), str(rep)
     assert rel_err(out, reference(fn, ins)[0]) < 1e-6
+
+
+def test_dropout_in_eval_mode_is_the_identity():
+    """`nn.Dropout` on the state in eval mode is x (the loop was declined: "the state goes
+    through dropout"); in train mode it stays declined and runs as written."""
+    class RNN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.3)
+
+        def forward(self, x, a):
+            h, ys = x.new_zeros(x.shape[0], x.shape[2]), []
+            for t in range(x.shape[1]):
+                h = self.drop(a[:, t] * h + x[:, t])
+                ys.append(h)
+            return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(45)
+    ins = (torch.randn(2, 6, 4, generator=g), torch.rand(2, 6, 4, generator=g))
+    m = RNN().eval()
+    out, rep = ssmc_run(m, ins)
+    assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
+    assert rel_err(out, m(*ins)) < 1e-6
+    _, rep = ssmc_run(m.train(), ins)
+    assert not rep.regions and any("dropout" in why for _, why in rep.fallbacks), str(rep)
+
+
+def test_a_gradient_of_a_gradient_is_a_clear_error():
+    """create_graph=True then differentiating the gradient: an error that says ssmc does not
+    support it (it was torch's "no autograd formula was registered")."""
+    g = torch.Generator().manual_seed(46)
+    x = torch.randn(2, 6, 3, generator=g, requires_grad=True)
+    a = torch.rand(2, 6, 3, generator=g, requires_grad=True)
+    y, _ = ssmc_run(_ema, (x, a))
+    (ga,) = torch.autograd.grad(y.sum(), a, create_graph=True)
+    with pytest.raises(RuntimeError, match="gradient of a gradient"):
+        torch.autograd.grad(ga.pow(2).sum(), x)
+
+
+def _ema(x, a):
+    h, ys = torch.zeros_like(x[:, 0]), []
+    for t in range(x.shape[1]):
+        h = a[:, t] * h + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
