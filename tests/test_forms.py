@@ -2307,3 +2307,69 @@ def test_a_step_value_with_leading_unit_dims_into_a_buffer():
     ins = (torch.randn(7, 2, 4, generator=g), torch.rand(7, 2, 4, generator=g), torch.randn(2, 4, generator=g))
     check(fn, ins)
     grads_match(fn, ins)
+
+
+def _h0_vector(x, a, h0):
+    h, ys = h0, []
+    for t in range(x.shape[1]):
+        h = a[:, t] * h + x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)
+
+
+def _bf16_buffer(x, a, h0):
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    h = torch.zeros_like(x[:, 0])
+    for t in range(x.shape[1]):
+        h = a[:, t] * h + x[:, t]
+        out[:, t] = h
+    return out
+
+
+@pytest.mark.parametrize("fn", [_h0_vector, _bf16_buffer], ids=lambda f: f.__name__)
+def test_this_sessions_forms_on_the_triton_interpreter(fn, monkeypatch, tmp_path):
+    """The generated Triton kernel (interpreted) with an initial state of fewer dims and with a
+    bf16 buffer filled from an fp32 state."""
+    from ssmc.runtime.op import lookup
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(37)
+    ins = (torch.randn(2, 5, 3, generator=g), torch.rand(2, 5, 3, generator=g), torch.randn(3, generator=g))
+    out, rep = ssmc_run(fn, ins, target="triton")
+    assert [r.target for r in rep.regions] == ["triton"], str(rep)
+    entry = lookup(rep.regions[0].key)
+    assert entry.failure is None and getattr(entry.kernel, "fallback", None) is None, entry.failure
+    if fn is _h0_vector:
+        assert rel_err(out, fn(*[x.double() for x in ins])) < 1e-5
+    else:                          # bf16 written from fp32: within the rounding of one bf16 step
+        assert out.dtype == torch.bfloat16
+        assert rel_err(out.double(), fn(*[x.double() for x in ins]).double()) < 1e-2
+
+
+def test_a_symbolic_float_on_the_triton_interpreter(monkeypatch, tmp_path):
+    """A float hyperparameter that changed between calls goes into the kernel as a 0-d tensor."""
+    from ssmc.runtime.op import lookup
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
+    reports = []
+
+    def backend(gm, ex):
+        rep = ssmc.Report()
+        reports.append(rep)
+        return ssmc.ssmc_backend(gm, ex, options={"target": "triton"}, _report=rep)
+
+    def ema(x, decay):
+        h, ys = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = decay * h + (1 - decay) * x[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+    torch._dynamo.reset()
+    f = torch.compile(ema, backend=backend)
+    x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(38))
+    for d in (0.9, 0.5):
+        assert rel_err(f(x, d), ema(x.double(), d)) < 1e-5
+    rep = reports[-1]
+    assert [r.target for r in rep.regions] == ["triton"], str(rep)
+    entry = lookup(rep.regions[0].key)
+    assert entry.failure is None and getattr(entry.kernel, "fallback", None) is None, entry.failure
