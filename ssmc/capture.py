@@ -401,6 +401,8 @@ def decompose_composites(graph: fx.Graph) -> int:
         if op == "einsum":
             r = _einsum_as_product(b, n)
             if r is None:
+                r = _einsum_pairwise(b, n)
+            if r is None:
                 continue
         elif op == "addcdiv":                 # x + value * t1 / t2
             if len(args) < 3 or set(kw) - {"value"}:
@@ -592,6 +594,30 @@ def _einsum_as_product(b: _Builder, n: fx.Node) -> fx.Node | None:
             x = b.call(n, operator.getitem, (x, tuple(slice(None) if ch in s else None for ch in out)))
         r = x if r is None else b.call(n, operator.mul, (r, x))
     return r
+
+
+def _einsum_pairwise(b: _Builder, n: fx.Node) -> fx.Node | None:
+    """An einsum of three or more operands that sums over some letter (RWKV-7's
+    ``einsum("bhik,bhk,bhj->bhij", S, a, b)``, (S a) b^T) as two-operand einsums from the left,
+    each keeping the letters a later operand or the output needs: the same sums, so each
+    operand's role (the state, a vector, a matrix) is one the passes know."""
+    from ssmc.ops import canonical
+    c = canonical(n)
+    if c is None or c.kind != "contract" or len(c.args) < 3 or not all(isinstance(x, fx.Node) for x in c.args):
+        return None
+    subs, out = list(c.params["subs"]), c.params["out"]
+    cur, cs = c.args[0], subs[0]
+    for i in range(1, len(subs)):
+        later = set(out).union(*subs[i + 1:])
+        keep = out if i == len(subs) - 1 else "".join(dict.fromkeys(ch for ch in cs + subs[i] if ch in later))
+        e = b.call(n, torch.einsum, (f"{cs},{subs[i]}->{keep}", cur, c.args[i]))
+        cur = _einsum_as_product(b, e)          # an outer product, (S a) b^T's last step
+        if cur is None:
+            cur = e
+        else:
+            b.graph.erase_node(e)
+        cs = keep
+    return cur
 
 
 def forward_stored_values(gm: fx.GraphModule) -> int:

@@ -2373,3 +2373,25 @@ def test_a_symbolic_float_on_the_triton_interpreter(monkeypatch, tmp_path):
     assert [r.target for r in rep.regions] == ["triton"], str(rep)
     entry = lookup(rep.regions[0].key)
     assert entry.failure is None and getattr(entry.kernel, "fallback", None) is None, entry.failure
+
+
+def test_rwkv7_with_a_three_operand_einsum():
+    """fla's naive RWKV-7: `einsum('bhik,bhk,bhj->bhij', S, a, b)`, (S a) b^T in one einsum, is
+    taken as two-operand einsums from the left (it was declined: "contracts the state with 2
+    operands"): a rank-one transition."""
+    def fn(r, w, k, v, a, b):
+        S = torch.zeros(*r.shape[:2], r.shape[-1], r.shape[-1], dtype=r.dtype)
+        o = torch.zeros_like(v)
+        for t in range(r.shape[2]):
+            S = S * w[:, :, t, None, :] + torch.einsum('bhik,bhk,bhj->bhij', S, a[:, :, t], b[:, :, t]) \
+                + v[:, :, t, :, None] * k[:, :, t, None, :]
+            o[:, :, t] = torch.einsum('bhj,bhij->bhi', r[:, :, t], S)
+        return o
+    g = torch.Generator().manual_seed(39)
+    shp = (2, 2, 6, 4)
+    r, k, v = (torch.randn(*shp, generator=g) for _ in range(3))
+    kk = F.normalize(torch.randn(*shp, generator=g), dim=-1)
+    ins = (r, 0.5 + 0.5 * torch.rand(*shp, generator=g), k, v, -kk, kk * torch.rand(*shp, generator=g))
+    rep = check(fn, ins)
+    assert rep.regions[0].strategy == "rank_one", str(rep)
+    grads_match(fn, ins, tol=1e-4)
