@@ -1185,8 +1185,8 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
             last_uses[(j, 0)].append(n)
         else:                              # an earlier step's value, still carried at the end
             last_uses[(j, L - 1 - k)].append(n)
-    for u, (j, kind, dim, pre, post, rev) in sinks.items():
-        results.append(Result("steps", kind, dim, [u], prefix=pre, suffix=post, reverse=rev))
+    for u, (j, kind, dim, pre, post, rev, drop) in sinks.items():
+        results.append(Result("steps", kind, dim, [u], prefix=pre, suffix=post, reverse=rev, drop_last=drop))
         result_vals.append(env[tmpl[j]])
     gathers = []
     for j, uses in gathered.items():      # its stack node made once the loop is taken, in time
@@ -1365,8 +1365,10 @@ def _written(n: fx.Node):
 
 
 def _stack_sink(u: fx.Node, seg: _Segment):
-    """(template position, "stack"|"cat", dim, prefix, suffix, reverse) when u stacks one value
-    per step, in order or in reverse order (reverse); values before and after the steps (peeled
+    """(template position, "stack"|"cat", dim, prefix, suffix, reverse, drop_last) when u stacks
+    one value per step, in order or in reverse order (reverse), or, stacked in order, every
+    step's value but the last's (drop_last: `ys.append(h)` before the update with the final h
+    returned, so the last update is in the graph); values before and after the steps (peeled
     steps, an initial state) are kept."""
     if u.op != "call_function" or u.target not in (torch.stack, torch.cat):
         return None
@@ -1375,12 +1377,14 @@ def _stack_sink(u: fx.Node, seg: _Segment):
     if not isinstance(seq, (list, tuple)) or not _is_int(dim):
         return None
     inside = [i for i, x in enumerate(seq) if isinstance(x, fx.Node) and seg.inside(x)]
-    if len(inside) != seg.L or inside != list(range(inside[0], inside[0] + seg.L)):
+    n = len(inside)
+    if not inside or n not in (seg.L, seg.L - 1) or inside != list(range(inside[0], inside[0] + n)):
         return None
     js = set()
     its = [seg.it(seg.pos[seq[i]]) for i in inside]
     rev = its == list(range(seg.L - 1, -1, -1))
-    if its != list(range(seg.L)) and not rev:
+    drop_last = n == seg.L - 1 and n >= 1 and its == list(range(n)) and u.target is torch.stack
+    if its != list(range(seg.L)) and not rev and not drop_last:
         return None
     for i in inside:
         x = seq[i]
@@ -1391,7 +1395,7 @@ def _stack_sink(u: fx.Node, seg: _Segment):
     if not all(isinstance(x, fx.Node) and not seg.inside(x) for x in pre + post):
         return None
     ndim = len(shape(u))
-    return js.pop(), "stack" if u.target is torch.stack else "cat", dim % ndim, pre, post, rev
+    return js.pop(), "stack" if u.target is torch.stack else "cat", dim % ndim, pre, post, rev, drop_last
 
 
 # -- the scan higher-order op ------------------------------------------------------------------

@@ -92,7 +92,7 @@ class _Sink:
             sizes = {shape(r.source)[r.dim] - r.start for r in lp.reads if _ints(shape(r.source))}
             n = sizes.pop() if len(sizes) == 1 else None
         for i, (r, v) in enumerate(zip(self.lp.results, self.lp.result_values())):
-            if r.kind != "steps" or r.sink not in ("stack", "scan", "setitem") or r.prefix or r.suffix \
+            if r.kind != "steps" or r.sink not in ("stack", "scan", "setitem") or r.prefix or r.suffix or r.drop_last \
                     or r.reverse or i in self.lp.complex_results or not isinstance(v, fx.Node):
                 continue
             if r.sink == "setitem":    # a buffer the loop fills whole, read after its last write

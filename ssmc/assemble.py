@@ -529,7 +529,7 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
         before = _nodes_before(loop.anchor)
         for i, (r, how) in enumerate(zip(loop.results, results)):
             if how[0] == "out" and how[2] is None and r.kind == "steps" and r.sink in ("stack", "cat") \
-                    and len(r.replace) == 1 and not r.reverse and not (r.prefix or r.suffix):
+                    and len(r.replace) == 1 and not r.reverse and not (r.prefix or r.suffix or r.drop_last):
                 # (steps peeled off the loop, stacked around its result: the work after the
                 # stack covers them too, so it stays after the stack)
                 spec, chain = _pull_epilogue(bld, outputs[how[1]], r.replace[0], before)

@@ -35,6 +35,8 @@ class Result:
     prefix: list = dataclasses.field(default_factory=list)   # stack/cat: peeled values before
     suffix: list = dataclasses.field(default_factory=list)   # ... and after the loop's steps
     reverse: bool = False              # the sink holds the steps last first (a reverse-time loop)
+    drop_last: bool = False            # stack: the sink holds every step's value but the last's
+                                       # (`ys.append(h)` before the update, the final h returned)
 
 
 @dataclasses.dataclass

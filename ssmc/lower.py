@@ -244,6 +244,10 @@ class Lowering:
                 idx = (slice(None),) * r.dim + (slice(r.start, r.start + n),)
                 g.call_function(operator.setitem, (buf, idx, v))
             return
+        if r.drop_last:                # the sink holds every step's value but the last's
+            with g.inserting_before(r.replace[0]):
+                v = g.call_function(operator.getitem, (v, (slice(None),) * r.dim + (slice(None, -1),)))
+                v = g.call_method("contiguous", (v,))
         if r.prefix or r.suffix:       # peeled steps around the loop's
             with g.inserting_before(r.replace[0]):
                 if r.sink == "stack":
@@ -352,7 +356,8 @@ def lower_map(gm: fx.GraphModule, lp, keep=frozenset()) -> None:
     if lp.n_carry or lp.gathers or lp.complex_results or lp.anchor is None:
         raise ValueError("not a plain map over the steps")
     for r in lp.results:
-        if not (r.kind == "last" or r.sink in ("stack", "cat", "scan")) or r.prefix or r.suffix or len(r.replace) != 1:
+        if not (r.kind == "last" or r.sink in ("stack", "cat", "scan")) or r.prefix or r.suffix or r.drop_last \
+                or len(r.replace) != 1:
             raise ValueError(f"a result collected by {r.sink or r.kind}")
     low = Lowering.__new__(Lowering)
     low.gm, low.g, low.loop, low.plan, low.keep = gm, gm.graph, lp, _MapPlan(), keep

@@ -2395,3 +2395,22 @@ def test_rwkv7_with_a_three_operand_einsum():
     rep = check(fn, ins)
     assert rep.regions[0].strategy == "rank_one", str(rep)
     grads_match(fn, ins, tol=1e-4)
+
+
+@pytest.mark.parametrize("h0", [False, True])
+def test_state_collected_before_its_update_and_the_final_state_returned(h0):
+    """`ys.append(h)` above `h = ...` with the final h returned too: the last update is in the
+    graph, so the stack holds every step's new value but the last's, after the initial state
+    (it was not re-rolled: "stack uses h_1, a value of step 0, after the loop")."""
+    def fn(x, a, h):
+        ys = []
+        for t in range(x.shape[1]):
+            ys.append(h)
+            h = a[:, t] * h + x[:, t]
+        return torch.stack(ys, 1), h
+    g = torch.Generator().manual_seed(40)
+    x, a = torch.randn(2, 7, 3, generator=g), torch.rand(2, 7, 3, generator=g)
+    init = torch.randn(2, 3, generator=g) if h0 else torch.zeros(2, 3)
+    rep = check(fn, (x, a, init))
+    assert not rep.fallbacks, str(rep)
+    grads_match(fn, (x, a, init))
