@@ -1232,8 +1232,28 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
             inits.append(next(n for n, r in seg.reads.items() if pos[n] < s and (r[0], r[1], _freeze(r[2], str)) == b[1:]))
         else:
             inits.append(nodes[b[1]] if isinstance(b, tuple) and b and b[0] == "I" else b)
+    written = {mutated(nodes[p]) for p in range(seg.s, seg.e)} - {None}
+    for r in reads:                # a read of what the steps write reads the values they wrote
+        if r.source is not None and _aliases(r.source) & written:
+            raise _NotALoop(f"the steps read {r.source.name}, which they write (a buffer read back "
+                            "in a later step, not forwarded: its dtype or shape differ from the value written)")
     return Loop("", gm_body, L, inits, reads, invariants, results, erase, anchor=nodes[seg.s], made=made,
                 gathers=gathers)
+
+
+def _aliases(n: fx.Node) -> set:
+    """n, the tensors it views, and their views."""
+    root = n
+    while _maybe_view(root) and root.args and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    out, todo = set(), [root]
+    while todo:
+        x = todo.pop()
+        if x in out:
+            continue
+        out.add(x)
+        todo.extend(u for u in x.users if _maybe_view(u) and u.args and u.args[0] is x)
+    return out
 
 
 def gather_steps(gm, lp: Loop) -> bool:
@@ -1470,8 +1490,8 @@ def _pair_roles(sub: fx.GraphModule) -> int | None:
     """Which of the two scanned operands is the decay: 0 when the combine function is the
     linear-recurrence pair ((a1, b1), (a2, b2)) -> (a1 * a2, a2 * b1 + b2), 1 when it is that pair
     with the operands the other way round ((b, a)); None for any other function. Decided by
-    running the combine in float64 on random operands twice (two polynomials that agree on random
-    points are equal), so any spelling counts: `torch.addcmul`, `mul`/`add` methods, either order
+    running the combine in float64 on random operands of either sign and three magnitudes (two
+    polynomials that agree on random points are equal), so any spelling counts: `torch.addcmul`, `mul`/`add` methods, either order
     of the factors."""
     phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
     if len(phs) != 4:
@@ -1483,8 +1503,8 @@ def _pair_roles(sub: fx.GraphModule) -> int | None:
                       and all(isinstance(d, int) for d in v.shape) else (3,))
     g = torch.Generator().manual_seed(0)
     runs = []
-    for _ in range(2):
-        xs = [torch.rand(sh, generator=g, dtype=torch.float64) + 0.5 for sh in shapes]
+    for scale in (1.0, 1e3, 1e-3):        # both signs, large and small: `abs`, `relu`, a clamp differ
+        xs = [torch.randn(sh, generator=g, dtype=torch.float64) * scale for sh in shapes]
         try:
             out = sub(*xs)
         except Exception:             # noqa: BLE001 -- a combine that will not run on these is no pair

@@ -96,8 +96,9 @@ class _Sink:
                     or r.reverse or i in self.lp.complex_results or not isinstance(v, fx.Node):
                 continue
             if r.sink == "setitem":    # a buffer the loop fills whole, read after its last write
-                R = r.buffer
+                R = r.buffer           # (in the values' own dtype: a write that rounds is no move)
                 if n is not None and n >= 2 and _is_alloc(R) and r.start == 0 and _ints(shape(R)) \
+                        and value(R).dtype == value(v).dtype \
                         and r.dim < len(shape(R)) and shape(R)[r.dim] == n and all(self.pos[u] > self.pos[r.replace[-1]]
                                                                     for u in self.users(R)):
                     out[R] = (i, r.dim)

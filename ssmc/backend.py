@@ -123,12 +123,41 @@ def ssmc_backend(gm: fx.GraphModule, example_inputs, options=None, _report: Repo
     if mode_note:
         greport.log.append(mode_note if greport.rest == "inductor" else
                            f"mode={mode!r} is Inductor's, which does not run this graph (the rest runs with {greport.rest})")
+    written = gm.meta.get("ssmc_written_inputs", [])
+    slow = None
+    if written:                # the captured graph, for calls where an updated input shares memory
+        slow = fx.GraphModule(gm, captured).forward
     if greport.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return _alias_checked(compile_fx(gm, example_inputs, config_patches=patches), slow, written)
     if not n_regions and greport.nodes_in > 2000:
         log.info("ssmc: no region found; running the captured graph of %d nodes eagerly", greport.nodes_in)
-    return gm.forward
+    return _alias_checked(gm.forward, slow, written)
+
+
+def _alias_checked(fast, slow, written: list):
+    """`fast` where the inputs the graph updates in place (rewritten as new values, the last
+    copied back: `capture.functionalize_updates`) share memory with no other input; else the
+    captured graph (`h` passed with `h[0]`: the view must see every update)."""
+    if not written:
+        return fast
+
+    def shared(args) -> bool:
+        for i in written:
+            p = args[i].untyped_storage().data_ptr()
+            if any(j != i and isinstance(b, torch.Tensor) and b.untyped_storage().data_ptr() == p
+                   for j, b in enumerate(args)):
+                return True
+        return False
+    if getattr(fast, "_boxed_call", False):      # called with one list of inputs
+        def run_boxed(args):
+            return slow(*args) if shared(args) else fast(args)
+        run_boxed._boxed_call = True
+        return run_boxed
+
+    def run(*args):
+        return slow(*args) if shared(args) else fast(*args)
+    return run
 
 
 def _lowered_as_map(gm, c, live, greport: GraphReport) -> bool:

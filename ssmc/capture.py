@@ -905,10 +905,15 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
         elif n.target is operator.setitem and root.get(n) in ok:
             g.erase_node(n)
     out = next(n for n in g.nodes if n.op == "output")
+    phs = [n for n in g.nodes if n.op == "placeholder"]
     for r in ok:                   # an input updated in place: the caller's tensor gets the last value
         if r.op == "placeholder" and current[r] is not r:
             with g.inserting_before(out):
                 g.call_method("copy_", (r, current[r]))
+            last = current[r]       # returned, it is the caller's tensor itself, as in eager
+            out.args = fx.node.map_arg(out.args, lambda a: r if a is last else a)
+            # valid only while no other input shares its memory: the backend checks at each call
+            gm.meta.setdefault("ssmc_written_inputs", []).append(phs.index(r))
     gm.recompile()
     return count
 

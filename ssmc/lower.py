@@ -134,6 +134,9 @@ class Lowering:
                 if src[0] == "outer" and not isinstance(value(src[1]), torch.Tensor):   # a symbolic number
                     ins.append(g.call_function(torch.scalar_tensor, (src[1],), {
                         "dtype": ir.to_dtype(plan.region.inputs[i].dtype), "device": self._device()}))
+                elif src[0] == "outer" and i == plan.region.length[0] and i not in _loaded(plan.region):
+                    # read for its length alone (a state no per-step input drives): no gradient
+                    ins.append(g.call_method("detach", (self._narrow(src[1], src[2], src[3]),)))
                 elif src[0] == "outer":
                     ins.append(self._narrow(src[1], src[2], src[3]))
                 elif src[0] == "pre":
@@ -258,6 +261,12 @@ class Lowering:
                 v = g.call_function(torch.cat, (parts, r.dim))
         for n in r.replace:
             n.replace_all_uses_with(v)
+
+
+def _loaded(r) -> set:
+    """The inputs a region's expressions load."""
+    exprs = [r.decay, r.drive, *(o.expr for o in r.outputs), *([r.mix.expr] if r.mix is not None else [])]
+    return {ld.input for e in exprs for ld in ir.loads(e)}
 
 
 def finish_lowering(gm: fx.GraphModule, erase: list, keep=frozenset()) -> None:

@@ -30,7 +30,6 @@ _EW_FUNCS: dict[Any, str] = {
     operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
     operator.neg: "neg", operator.pow: "pow", operator.gt: "gt", operator.lt: "lt",
     operator.ge: "ge", operator.le: "le", operator.eq: "eq", operator.ne: "ne",
-    operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
     torch.add: "add", torch.sub: "sub", torch.subtract: "sub", torch.mul: "mul",
     torch.multiply: "mul", torch.div: "div", torch.true_divide: "div", torch.divide: "div",
     torch.pow: "pow", torch.maximum: "maximum", torch.minimum: "minimum", torch.where: "where",

@@ -2414,3 +2414,116 @@ def test_state_collected_before_its_update_and_the_final_state_returned(h0):
     rep = check(fn, (x, a, init))
     assert not rep.fallbacks, str(rep)
     grads_match(fn, (x, a, init))
+
+
+def _cache_promoted(x, a, h):
+    for t in range(x.shape[1]):
+        h *= a                      # h bf16, a fp32: each update rounds to bf16
+        h += x[:, t]
+    return h
+
+
+def _cache_zeroed_after(x, a, h):
+    for t in range(x.shape[1]):
+        h *= a
+        h += x[:, t]
+    y = h * 2
+    h.zero_()
+    return y
+
+
+def _cache_and_its_view(x, a, h, h0):
+    ys = []
+    for t in range(x.shape[1]):
+        h *= a
+        h += x[:, t]
+        ys.append(h0 * 1)           # h0 is h[0]: it sees every update
+    return torch.stack(ys, 0)
+
+
+def test_inputs_updated_in_place_in_other_ways():
+    """Updates of an input that are not rewritten as values (a promoting dtype, a write after the
+    loop) keep the loop as written (the region dropped the caller's update); an input passed
+    with a view of it runs the captured graph at that call (the view saw no update); a returned
+    updated input is the caller's tensor itself."""
+    g = torch.Generator().manual_seed(41)
+    x, a = torch.randn(2, 5, 3, generator=g), torch.rand(3, generator=g)
+    for fn, h0, dt in [(_cache_promoted, torch.randn(2, 3, generator=g), torch.bfloat16),
+                       (_cache_zeroed_after, torch.randn(2, 3, generator=g), torch.float32)]:
+        he, hc = h0.to(dt).clone(), h0.to(dt).clone()
+        want = fn(x, a, he)
+        got, _ = ssmc_run(fn, (x, a, hc))
+        assert rel_err(hc.double(), he.double()) < 1e-6 and rel_err(got.double(), want.double()) < 1e-6
+    h = torch.randn(2, 3, generator=g)
+    he, hc = h.clone(), h.clone()
+    want = _cache_and_its_view(x, a, he, he[0])
+    got, _ = ssmc_run(_cache_and_its_view, (x, a, hc, hc[0]))
+    assert rel_err(got, want) < 1e-6 and rel_err(hc, he) < 1e-6
+    hc = h.clone()
+    got, _ = ssmc_run(_cache_in_place, (x, a, hc))
+    assert got is hc
+
+
+def test_a_buffer_read_back_where_its_writes_are_not_forwarded():
+    """`out[:, t] = h` into a float32 buffer of a float64 state, read back a step later: the read
+    is no input of the loop (the region read the buffer as it was before the loop)."""
+    def fn(x, a):
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        h = torch.zeros(x.shape[0], x.shape[2], dtype=x.dtype)
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            out[:, t] = h
+            if t > 0:
+                h = h + 0.1 * out[:, t - 1]
+        return out
+    g = torch.Generator().manual_seed(42)
+    ins = (torch.randn(1, 7, 2, generator=g, dtype=torch.float64), torch.rand(1, 7, 2, generator=g, dtype=torch.float64))
+    out, _ = ssmc_run(fn, ins)
+    assert rel_err(out, fn(*ins)) < 1e-6
+
+
+def test_a_rounding_buffer_read_after_the_loop():
+    """A bf16 buffer of an fp32 state read after the loop (`out.float().sum(-1)`): the sum is of
+    the rounded values (the work moved into the step summed the unrounded state)."""
+    def fn(x, a):
+        out = torch.empty_like(x, dtype=torch.bfloat16)
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            out[:, t] = h
+        return out.float().sum(-1)
+    g = torch.Generator().manual_seed(43)
+    ins = (torch.randn(2, 6, 4, generator=g), torch.rand(2, 6, 4, generator=g))
+    out, _ = ssmc_run(fn, ins)
+    assert rel_err(out, fn(*ins)) < 1e-6
+
+
+@pytest.mark.parametrize("combine", [
+    lambda a1, b1, a2, b2: ((a1 * a2).abs(), a2.abs() * b1 + b2),
+    lambda a1, b1, a2, b2: (a1 * a2, torch.relu(a2) * b1 + b2),
+    lambda a1, b1, a2, b2: (a1 * a2, torch.clamp(a2 * b1 + b2, max=100.0)),
+], ids=["abs", "relu", "clamp"])
+def test_associative_scan_hop_combines_equal_to_the_pair_only_for_some_signs(combine):
+    """Combines that agree with the linear pair on positive operands are no pair: they are
+    checked on operands of either sign and three magnitudes (they were taken)."""
+    import ssmc
+    gm, (xa, xb) = _assoc_scan_graph(combine)
+    rep = ssmc.Report()
+    ssmc.ssmc_backend(gm, [xa, xb], _report=rep)
+    assert not rep.regions, str(rep)
+
+
+def test_a_state_no_input_drives_needs_no_gradient():
+    """A step counter's final value does not require grad because x, read for the length alone,
+    does."""
+    def fn(x):
+        s, n = torch.zeros_like(x[:, 0]), x.new_zeros(x.shape[0], 1)
+        for t in range(x.shape[1]):
+            s = s + x[:, t]
+            n = n + 1
+        return s / n, n
+    x = torch.randn(2, 6, 3, requires_grad=True)
+    (m, n), rep = ssmc_run(fn, (x,))
+    assert len(rep.regions) == 2, str(rep)
+    assert not n.requires_grad and m.requires_grad
+    assert torch.equal(n, torch.full((2, 1), 6.0))
