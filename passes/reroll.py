@@ -34,7 +34,7 @@ import torch.fx as fx
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, _maybe_view, _name, _scatter_of,
                           _unit_slice, copies_as_writes, decompose_composites, detach_no_grad_values, diagonal_products, erase_unused,
                           find_reads, forward_stored_values, functionalize_updates, stack_list_inputs, transformed,
-                          unstack)
+                          unstack, view_root, views_of)
 from ssmc.gauge import gauge_states
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
 from ssmc.parallel_form import find_forms, has_parallel_scan, loop_from_form
@@ -647,14 +647,7 @@ def _after_writes(src: fx.Node, anchor, order: dict) -> fx.Node:
     """Where a copy of src taken before a loop goes: after the last write into src (or a view of
     it) that comes before the loop (a buffer filled in place, `dq[:, i] = d`, then walked
     backwards), else right after src."""
-    from ssmc.ops import mutated
-    alias, todo = set(), [src]
-    while todo:
-        n = todo.pop()
-        if n in alias:
-            continue
-        alias.add(n)
-        todo.extend(u for u in n.users if _maybe_view(u) and u.args and u.args[0] is n)
+    alias = views_of(src)
     end = order.get(anchor, len(order)) if anchor is not None else len(order)
     writes = [u for a in alias for u in a.users if mutated(u) in alias and order.get(u, end) < end]
     return max(writes, key=order.__getitem__).next if writes else src.next
@@ -1234,26 +1227,11 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
             inits.append(nodes[b[1]] if isinstance(b, tuple) and b and b[0] == "I" else b)
     written = {mutated(nodes[p]) for p in range(seg.s, seg.e)} - {None}
     for r in reads:                # a read of what the steps write reads the values they wrote
-        if r.source is not None and _aliases(r.source) & written:
+        if r.source is not None and views_of(view_root(r.source)) & written:
             raise _NotALoop(f"the steps read {r.source.name}, which they write (a buffer read back "
                             "in a later step, not forwarded: its dtype or shape differ from the value written)")
     return Loop("", gm_body, L, inits, reads, invariants, results, erase, anchor=nodes[seg.s], made=made,
                 gathers=gathers)
-
-
-def _aliases(n: fx.Node) -> set:
-    """n, the tensors it views, and their views."""
-    root = n
-    while _maybe_view(root) and root.args and isinstance(root.args[0], fx.Node):
-        root = root.args[0]
-    out, todo = set(), [root]
-    while todo:
-        x = todo.pop()
-        if x in out:
-            continue
-        out.add(x)
-        todo.extend(u for u in x.users if _maybe_view(u) and u.args and u.args[0] is x)
-    return out
 
 
 def gather_steps(gm, lp: Loop) -> bool:

@@ -694,31 +694,35 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
     return count
 
 
+def views_of(n: fx.Node) -> set:
+    """n and every view taken of it, and of those."""
+    out, todo = set(), [n]
+    while todo:
+        x = todo.pop()
+        if x in out:
+            continue
+        out.add(x)
+        todo.extend(u for u in x.users if _maybe_view(u) and u.args and u.args[0] is x)
+    return out
+
+
+def view_root(n: fx.Node) -> fx.Node:
+    """The tensor n is a view of, through views of views (n where it is none)."""
+    while _maybe_view(n) and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
 def _written_through(v: fx.Node, mutated) -> bool:
     """Whether v, or a view taken of it, is changed in place (v's own base not counted)."""
-    alias, todo = set(), [v]
-    while todo:
-        n = todo.pop()
-        if n in alias:
-            continue
-        alias.add(n)
-        todo.extend(u for u in n.users if _maybe_view(u) and u.args and u.args[0] is n)
+    alias = views_of(v)
     return any(mutated(u) in alias for a in alias for u in a.users)
 
 
 def _changed_in_place(v: fx.Node, mutated) -> bool:
     """Whether any tensor sharing memory with v (v's view bases, and every view of those) is
     changed in place anywhere in the graph."""
-    root = v
-    while _maybe_view(root) and root.args and isinstance(root.args[0], fx.Node):
-        root = root.args[0]
-    alias, todo = set(), [root]
-    while todo:
-        n = todo.pop()
-        if n in alias:
-            continue
-        alias.add(n)
-        todo.extend(u for u in n.users if _maybe_view(u) and u.args and u.args[0] is n)
+    alias = views_of(view_root(v))
     return any(mutated(u) in alias or u.target is operator.setitem and u.args[0] in alias
                for a in alias for u in a.users)
 

@@ -27,6 +27,21 @@ def ssmc_run(fn, inputs, **options):
     return out, report
 
 
+def compile_per_call(fn, calls, **options):
+    """fn compiled once with ssmc (options as torch.compile's) and called with each argument
+    tuple in turn (Dynamo recompiles where a call needs it): the outputs and every graph's
+    report."""
+    reports = []
+
+    def backend(gm, ex):
+        rep = ssmc.Report()
+        reports.append(rep)
+        return ssmc.ssmc_backend(gm, ex, options=options, _report=rep)
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend=backend)
+    return [f(*args) for args in calls], reports
+
+
 def as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 

@@ -357,3 +357,13 @@ def covariance(k, a, q):
         h = a[:, t, None, None] * h + k[:, t, :, None] * k[:, t, None, :]
         ys.append((h * q[:, t, None, :]).sum(-1))
     return torch.stack(ys, 1), h
+
+
+def ema(x, decay):
+    """An exponential moving average with the decay a Python number (symbolic once it changes
+    between calls)."""
+    h, ys = torch.zeros_like(x[:, 0]), []
+    for t in range(x.shape[1]):
+        h = decay * h + (1 - decay) * x[:, t]
+        ys.append(h)
+    return torch.stack(ys, 1)

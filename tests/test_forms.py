@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import programs as P
 import ssmc
-from conftest import TOL, as_tuple, declined, grads_match, reference, rel_err, ssmc_run, writes_states
+from conftest import (TOL, as_tuple, compile_per_call, declined, grads_match, reference, rel_err, ssmc_run,
+                      writes_states)
 
 
 def check(fn, inputs, n_regions=1, tol=None, **options):
@@ -2351,24 +2352,10 @@ def test_a_symbolic_float_on_the_triton_interpreter(monkeypatch, tmp_path):
     from ssmc.runtime.op import lookup
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("SSMC_CACHE_DIR", str(tmp_path))
-    reports = []
-
-    def backend(gm, ex):
-        rep = ssmc.Report()
-        reports.append(rep)
-        return ssmc.ssmc_backend(gm, ex, options={"target": "triton"}, _report=rep)
-
-    def ema(x, decay):
-        h, ys = torch.zeros_like(x[:, 0]), []
-        for t in range(x.shape[1]):
-            h = decay * h + (1 - decay) * x[:, t]
-            ys.append(h)
-        return torch.stack(ys, 1)
-    torch._dynamo.reset()
-    f = torch.compile(ema, backend=backend)
     x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(38))
-    for d in (0.9, 0.5):
-        assert rel_err(f(x, d), ema(x.double(), d)) < 1e-5
+    outs, reports = compile_per_call(P.ema, [(x, 0.9), (x, 0.5)], target="triton")
+    for o, d in zip(outs, (0.9, 0.5)):
+        assert rel_err(o, P.ema(x.double(), d)) < 1e-5
     rep = reports[-1]
     assert [r.target for r in rep.regions] == ["triton"], str(rep)
     entry = lookup(rep.regions[0].key)

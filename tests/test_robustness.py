@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import programs as P
-from conftest import TOL, reference, rel_err, ssmc_run
+from conftest import TOL, compile_per_call, reference, rel_err, ssmc_run
 import ssmc  # noqa: F401  (registers the "ssmc" backend)
 
 
@@ -443,32 +443,10 @@ def test_the_loop_search_stops_at_its_time_budget(monkeypatch):
     assert torch.allclose(torch.compile(ema, backend="ssmc")(x), ema(x))
 
 
-def _recompiled_reports(fn, calls, **compile_kw):
-    """Each call of fn compiled once with ssmc (Dynamo recompiles where a call needs it): the
-    outputs and every graph's report."""
-    from ssmc.backend import ssmc_backend
-    reports = []
-
-    def backend(gm, ex):
-        rep = ssmc.Report()
-        reports.append(rep)
-        return ssmc_backend(gm, ex, _report=rep)
-    torch._dynamo.reset()
-    f = torch.compile(fn, backend=backend, **compile_kw)
-    return [f(*args) for args in calls], reports
-
-
 def test_a_float_hyperparameter_that_changes_between_calls():
     """`decay` passed as a Python float that changes: Dynamo recompiles with a symbolic float,
     which goes into the region as a 0-d tensor (an internal error made the loop run as written);
-    `1 / n` with a symbolic int the same; `t / L` with a symbolic length is a table of t."""
-    def ema(x, decay):
-        h, ys = torch.zeros_like(x[:, 0]), []
-        for t in range(x.shape[1]):
-            h = decay * h + (1 - decay) * x[:, t]
-            ys.append(h)
-        return torch.stack(ys, 1)
-
+    `t / L` with a symbolic length is a table of t."""
     def ramp(x):
         h, ys = torch.zeros_like(x[:, 0]), []
         for t in range(x.shape[1]):
@@ -477,12 +455,12 @@ def test_a_float_hyperparameter_that_changes_between_calls():
         return torch.stack(ys, 1)
     g = torch.Generator().manual_seed(42)
     x = torch.randn(2, 6, 4, generator=g)
-    outs, reps = _recompiled_reports(ema, [(x, 0.9), (x, 0.5), (x, 0.1)])
+    outs, reps = compile_per_call(P.ema, [(x, 0.9), (x, 0.5), (x, 0.1)])
     for o, d in zip(outs, (0.9, 0.5, 0.1)):
-        assert rel_err(o, ema(x.double(), d)) < 1e-6
+        assert rel_err(o, P.ema(x.double(), d)) < 1e-6
     assert all(len(r.regions) == 1 and not r.fallbacks for r in reps), [str(r) for r in reps]
     xs = [torch.randn(2, L, 3, generator=g) for L in (6, 8)]
-    outs, reps = _recompiled_reports(ramp, [(v,) for v in xs])
+    outs, reps = compile_per_call(ramp, [(v,) for v in xs])
     for o, v in zip(outs, xs):
         assert rel_err(o, ramp(v.double())) < 1e-6
     assert all(len(r.regions) == 1 and not r.fallbacks for r in reps), [str(r) for r in reps]
@@ -501,7 +479,7 @@ def test_coupled_states_under_a_symbolic_batch_are_declined_with_the_reason():
     g = torch.Generator().manual_seed(43)
     a1, a2 = 0.5 * torch.rand(3, generator=g), 0.3 * torch.rand(3, generator=g)
     calls = [(torch.randn(b, 6, 3, generator=g), a1, a2) for b in (2, 3)]
-    outs, reps = _recompiled_reports(fn, calls)
+    outs, reps = compile_per_call(fn, calls)
     for o, args in zip(outs, calls):
         assert rel_err(o, fn(*[v.double() for v in args])) < 1e-6
     assert len(reps[0].regions) == 1
