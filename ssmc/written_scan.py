@@ -501,6 +501,8 @@ class _Follow:
                 return self._new(n, _filled(tx.idx.shape, ONE if t is torch.ones_like else ZERO), tx.sdims)
         if t is torch.cat:
             return self._cat(n)
+        if t is torch.stack:
+            return self._stack(n)
         c = canonical(n)
         if c is None or c.kind != "ew" or c.op not in ("mul", "add") or c.params or len(c.args) != 2:
             return None
@@ -633,6 +635,21 @@ class _Follow:
             dims[ax] = sh[d]
             facts.append(_filled(tuple(dims), _const_fill(p)))
         return self._new(n, np.concatenate(facts, axis=ax), like.sdims)
+
+    def _stack(self, n) -> _T | None:
+        """A stack of tracked tensors alike: the new dim is a scan dim too (stacked next to the
+        scan dim and flattened into it, two tensors interleave: a JAX-style odd-even scan's
+        `_interleave`)."""
+        parts, k = n.args[0], _arg(n, 1, "dim", 0)
+        if not parts or not all(isinstance(p, fx.Node) and p in self.t for p in parts):
+            return None
+        ts = [self.t[p] for p in parts]
+        like = ts[0]
+        if any(t.sdims != like.sdims or t.shape != like.shape for t in ts) or list(like.sdims) != sorted(like.sdims):
+            return None
+        k %= len(like.shape) + 1
+        sdims = sorted([d + (d >= k) for d in like.sdims] + [k])
+        return self._new(n, np.stack([self.facts(t) for t in ts], axis=sdims.index(k)), tuple(sdims))
 
     def _roll(self, n, tx: _T) -> _T | None:
         """``torch.roll`` by a whole number of steps along one scan dim: the facts rolled."""

@@ -616,3 +616,60 @@ def test_closed_forms_keep_their_region_when_recompiled_for_other_sizes():
                 assert _err(p, q) < 1e-8
         assert len(rep.graphs) >= 2 and all(len(gr.regions) == 1 for gr in rep.graphs), \
             [(len(gr.regions), gr.fallbacks) for gr in rep.graphs]
+
+
+def odd_even_scan(a, x, dim):
+    """h_t = a_t h_(t-1) + x_t along `dim` by the recursive odd-even scheme of JAX's
+    `lax.associative_scan` as torch ports write it: combine neighbouring pairs, scan the pairs,
+    fix up the even positions from the odd ones, interleave the two by stack + flatten (any
+    length: the shorter half padded, the interleave cut back)."""
+    def at(start, stop=None, step=None):
+        return (slice(None),) * dim + (slice(start, stop, step),)
+
+    def combine(l, r):
+        return l[0] * r[0], r[0] * l[1] + r[1]
+
+    def interleave(u, v):
+        cut = u.shape[dim] == v.shape[dim] + 1
+        if cut:
+            pad = [0, 0] * v.dim()
+            pad[2 * (v.dim() - dim - 1) + 1] = 1
+            v = F.pad(v, pad)
+        w = torch.stack([u, v], dim + 1).flatten(dim, dim + 1)
+        return w[at(0, w.shape[dim] - 1)] if cut else w
+
+    def scan(pair):
+        n = pair[0].shape[dim]
+        if n < 2:
+            return pair
+        odd = scan(combine([e[at(0, -1, 2)] for e in pair], [e[at(1, None, 2)] for e in pair]))
+        first = [e[at(0, -1)] for e in odd] if n % 2 == 0 else odd
+        even = combine(first, [e[at(2, None, 2)] for e in pair])
+        even = [torch.cat([e[at(0, 1)], r], dim) for e, r in zip(pair, even)]
+        return [interleave(e, o) for e, o in zip(even, odd)]
+    return scan([a, x])[1]
+
+
+@pytest.mark.parametrize("L", [2, 5, 8, 11])
+def test_odd_even_scan_interleaved_by_stack(L):
+    """The recursive odd-even scan (S5 and GateLoop torch ports of JAX's associative_scan), its
+    halves interleaved by `torch.stack` then `flatten`: a stack of followed tensors is followed
+    too (it ran as written)."""
+    g = torch.Generator().manual_seed(L)
+    a, x = torch.rand(2, L, 3, generator=g), torch.randn(2, L, 3, generator=g)
+
+    def fn(a, x):
+        return odd_even_scan(a, x, 1) * 2
+    out, rep = ssmc_run(fn, (a, x))
+    assert len(rep.regions) == 1, str(rep)
+    h, ref = torch.zeros(2, 3, dtype=torch.float64), []
+    for t in range(L):
+        h = a[:, t].double() * h + x[:, t].double()
+        ref.append(2 * h)
+    assert torch.allclose(out.double(), torch.stack(ref, 1), atol=1e-5)
+    ag, xg = a.clone().requires_grad_(), x.clone().requires_grad_()
+    got = torch.autograd.grad(ssmc_run(fn, (ag, xg))[0].sum(), (ag, xg))
+    a64, x64 = a.double().requires_grad_(), x.double().requires_grad_()
+    want = torch.autograd.grad(fn(a64, x64).sum(), (a64, x64))
+    for u, w in zip(got, want):
+        assert torch.allclose(u.double(), w, atol=1e-4)
