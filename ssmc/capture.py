@@ -624,7 +624,8 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
     """A read of a slot the graph wrote earlier (``y[:, t] = a[:, t] * y[:, t - 1] + x[:, t]``: a
     recurrence kept in its output buffer) is the value written, so that the step-to-step data
     flow is in the graph and the buffer is only the loop's output; the writes stay. Only where
-    that cannot change a result: the buffer is a fresh allocation whose uses are writes and reads
+    that cannot change a result: the buffer is a fresh allocation (or an input, checked at each
+    call for memory shared with another input) whose uses are writes and reads
     at one int index along one dim (`one_dim_index`) and uses after its last write; the value
     written has the slot's shape and dtype; the read is used only by ops that neither view nor
     change it, all before the slot is written again. A slot read before any write, of a buffer
@@ -636,8 +637,10 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
     pos = {n: i for i, n in enumerate(nodes)}
     count = 0
     zeros: dict = {}
+    phs = [n for n in nodes if n.op == "placeholder"]
     for buf in nodes:
-        if not _fresh(buf) or not is_tensor(buf) or not any(u.target is operator.setitem for u in buf.users):
+        if not (_fresh(buf) or buf.op == "placeholder") or not is_tensor(buf) \
+                or not any(u.target is operator.setitem for u in buf.users):
             continue
         bv = value(buf)
         slots, writes, reads = {}, [], []
@@ -689,6 +692,10 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
             r.replace_all_uses_with(v)
             g.erase_node(r)
             count += 1
+            if buf.op == "placeholder":   # an input (a rollout buffer): valid while no other input
+                written = gm.meta.setdefault("ssmc_written_inputs", [])   # shares its memory,
+                if phs.index(buf) not in written:                         # checked at each call
+                    written.append(phs.index(buf))
     if count:
         gm.recompile()
     return count

@@ -2514,3 +2514,30 @@ def test_a_state_no_input_drives_needs_no_gradient():
     assert len(rep.regions) == 2, str(rep)
     assert not n.requires_grad and m.requires_grad
     assert torch.equal(n, torch.full((2, 1), 6.0))
+
+
+def _returns_into(returns, rewards, masks, next_value):
+    returns[-1] = next_value
+    for step in reversed(range(rewards.size(0))):
+        returns[step] = returns[step + 1] * 0.99 * masks[step + 1] + rewards[step]
+    return returns
+
+
+def test_a_recurrence_in_a_buffer_passed_in():
+    """An RL rollout buffer passed in holding the discounted returns (`returns[step] =
+    returns[step + 1] * gamma * mask + r`): a region (it ran as written, `explain` calling it a
+    map over the steps); the caller's buffer holds the returns, also at a call where another
+    input views the buffer (the captured graph runs then)."""
+    g = torch.Generator().manual_seed(44)
+    S, N = 8, 3
+    r, m, nv = torch.randn(S, N, generator=g), (torch.rand(S + 1, N, generator=g) > 0.2).float(), torch.randn(N, generator=g)
+    want = _returns_into(torch.zeros(S + 1, N, dtype=torch.float64), r.double(), m.double(), nv.double())
+    buf = torch.zeros(S + 1, N)
+    out, rep = ssmc_run(_returns_into, (buf, r, m, nv))
+    assert len(rep.regions) == 1, str(rep)
+    assert rel_err(out, want) < 1e-6 and rel_err(buf, want) < 1e-6
+    big = torch.zeros(S + 1, N)
+    out, _ = ssmc_run(_returns_into, (big, big[:S], m, nv))      # rewards alias the buffer
+    ref = torch.zeros(S + 1, N)
+    _returns_into(ref, ref[:S], m, nv)
+    assert rel_err(out, ref) < 1e-6
