@@ -1135,7 +1135,6 @@ def _build(gm, seg: _Segment, T: int, binding) -> Loop:
                 while len(vs) > len(slot) and vs[0] == 1:
                     vs.pop(0)
                 try:
-                    torch.broadcast_shapes(tuple(vs), slot)
                     ok = len(vs) <= len(slot) and tuple(torch.broadcast_shapes(tuple(vs), slot)) == slot
                 except RuntimeError:
                     ok = False
@@ -1469,8 +1468,8 @@ def _pair_roles(sub: fx.GraphModule) -> int | None:
     linear-recurrence pair ((a1, b1), (a2, b2)) -> (a1 * a2, a2 * b1 + b2), 1 when it is that pair
     with the operands the other way round ((b, a)); None for any other function. Decided by
     running the combine in float64 on random operands of either sign and three magnitudes (two
-    polynomials that agree on random points are equal), so any spelling counts: `torch.addcmul`, `mul`/`add` methods, either order
-    of the factors."""
+    polynomials that agree on random points are equal), so any spelling counts: `torch.addcmul`,
+    `mul`/`add` methods, either order of the factors."""
     phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
     if len(phs) != 4:
         return None
