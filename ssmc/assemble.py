@@ -548,13 +548,13 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     inputs, axis_size, length = [], [None] * len(axes), None
     init = None
     unit_dims = []          # (input, dim) of every size-1 input dim: where a size-1 axis reads its size
+    # a number given at run time (a symbolic float: a hyperparameter Dynamo did not specialise)
+    # goes in as a 0-d tensor of the state's dtype (float32 at least)
+    num = "float64" if dtype(rec.new) == torch.float64 else "float32"
     for src in bld.sources:
         node = _source_node(loop, src)
         extra = 1 if src[0] == "pre" and node in bld.time_dep else 0
         unit_dims += [(len(inputs), d + extra) for d, s in enumerate(shape(node)) if _is_one(s)]
-        # a number given at run time (a symbolic float: a hyperparameter Dynamo did not
-        # specialise) goes in as a 0-d tensor of the state's dtype (float32 at least)
-        num = "float64" if dtype(rec.new) == torch.float64 else "float32"
         inputs.append(InputSpec(_source_name(loop, src), len(shape(node)) + extra,
                                 ir.dtype_name(dtype(node)) if dtype(node) else num))
     exprs = [decay, drive] + [o.expr for o in outputs] + ([mix.expr] if mix else [])
@@ -571,8 +571,7 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
         inputs.append(InputSpec(loop.carry_init[0].name, len(state_shape), ir.dtype_name(dtype(loop.carry_init[0]))))
     elif loop.carry_init[0] not in (None, 0, 0.0):
         raise AssembleError(f"initial state {loop.carry_init[0]!r} is a non-zero constant")
-    all_exprs = [decay, drive] + [o.expr for o in outputs] + ([mix.expr] if mix else [])
-    for e in all_exprs:
+    for e in exprs:
         for ld in ir.loads(e):
             for d, ix in enumerate(ld.index):
                 if ix == "t" and length is None:

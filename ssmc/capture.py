@@ -692,13 +692,19 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
             r.replace_all_uses_with(v)
             g.erase_node(r)
             count += 1
-            if buf.op == "placeholder":   # an input (a rollout buffer): valid while no other input
-                written = gm.meta.setdefault("ssmc_written_inputs", [])   # shares its memory,
-                if phs.index(buf) not in written:                         # checked at each call
-                    written.append(phs.index(buf))
+            if buf.op == "placeholder":   # an input (a rollout buffer)
+                _note_written_input(gm, phs.index(buf))
     if count:
         gm.recompile()
     return count
+
+
+def _note_written_input(gm: fx.GraphModule, i: int) -> None:
+    """Input i is written by the graph as rewritten here, which holds only while no other input
+    shares its memory: the backend checks that at each call (`backend._alias_checked`)."""
+    written = gm.meta.setdefault("ssmc_written_inputs", [])
+    if i not in written:
+        written.append(i)
 
 
 def views_of(n: fx.Node) -> set:
@@ -923,8 +929,7 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
                 g.call_method("copy_", (r, current[r]))
             last = current[r]       # returned, it is the caller's tensor itself, as in eager
             out.args = fx.node.map_arg(out.args, lambda a: r if a is last else a)
-            # valid only while no other input shares its memory: the backend checks at each call
-            gm.meta.setdefault("ssmc_written_inputs", []).append(phs.index(r))
+            _note_written_input(gm, phs.index(r))
     gm.recompile()
     return count
 

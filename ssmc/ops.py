@@ -96,8 +96,7 @@ def mutated(n: fx.Node):
     """The tensor an in-place node writes (``out[idx] = y``, ``out.index_copy_(...)``), or None."""
     if n.op == "call_function" and n.target is operator.setitem:
         return n.args[0]
-    if n.op == "call_function" and n.target in _AUGMENTED and n.args and isinstance(n.args[0], fx.Node) \
-            and isinstance(n.args[0].meta.get("example_value"), torch.Tensor):
+    if n.op == "call_function" and n.target in _AUGMENTED and n.args and is_tensor(n.args[0]):
         return n.args[0]               # `h += x` on a tensor writes h
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
     if n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_") \
