@@ -82,12 +82,13 @@ def _check_inputs(entry: Compiled, inputs) -> None:
     if len(inputs) != len(r.inputs):
         raise ValueError(f"ssmc region {r.name}: expected {len(r.inputs)} inputs, got {len(inputs)}")
     dev = None
+    loaded = {ld.input for ld in _all_loads(r)}
     for i, (x, spec) in enumerate(zip(inputs, r.inputs)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ssmc region {r.name}: input {i} ({spec.name}) is {type(x).__name__}, not a tensor")
         if x.dim() != spec.ndim:
             raise ValueError(f"ssmc region {r.name}: input {i} ({spec.name}) has {x.dim()} dims, expected {spec.ndim}")
-        if x.is_complex() or not (x.is_floating_point() or x.dtype == torch.bool):
+        if x.is_complex() or not (x.is_floating_point() or x.dtype == torch.bool or i not in loaded):
             raise TypeError(f"ssmc region {r.name}: input {i} ({spec.name}) has unsupported dtype {x.dtype}")
         if dev is None:
             dev = x.device
@@ -243,12 +244,29 @@ def _region_bwd_fake(key, inputs, grads, needs, residual):
     return _grads_fake(inputs, needs)
 
 
+def output_sources(r: Region) -> list:
+    """Per output, the inputs its value depends on: those its expression loads and, where it
+    reads the state, every input of the decay, the drive, the transition and the initial state."""
+    from ssmc.ir import loads, uses_state
+    state = {ld.input for e in (r.decay, r.drive, r.mix.expr if r.mix is not None else None) if e is not None
+             for ld in loads(e)} | ({r.init} if r.init is not None else set())
+    return [frozenset({ld.input for ld in loads(o.expr)} | (state if uses_state(o.expr) else set())) for o in r.outputs]
+
+
 def _setup(ctx, inputs, output, residual=()):
     key, xs = inputs
     ctx.key = key
     ctx.needs = [bool(x.requires_grad) and x.is_floating_point() for x in xs]
     ctx.n_inputs = len(xs)
     ctx.save_for_backward(*xs, *residual)
+    # an output that depends on no input needing a gradient needs none itself, as in eager (a final
+    # state carried into the next segment while only the readout trains)
+    entry = _REGISTRY.get(key)
+    if entry is not None and any(ctx.needs):
+        outs = list(output)[:len(entry.region.outputs)]
+        dead = [o for o, deps in zip(outs, output_sources(entry.region)) if not any(ctx.needs[i] for i in deps)]
+        if dead:
+            ctx.mark_non_differentiable(*dead)
 
 
 def _setup_train(ctx, inputs, output):

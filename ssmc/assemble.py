@@ -550,13 +550,17 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     unit_dims = []          # (input, dim) of every size-1 input dim: where a size-1 axis reads its size
     # a number given at run time (a symbolic float: a hyperparameter Dynamo did not specialise)
     # goes in as a 0-d tensor of the state's dtype (float32 at least)
+    # An integer tensor the recurrence reads (a token id as the drive, an int h0) is promoted by
+    # eager's arithmetic with the float state; it goes in cast to that float dtype (lowering casts).
     num = "float64" if dtype(rec.new) == torch.float64 else "float32"
+
+    def read_as(t):
+        return num if t is None or not (t.is_floating_point or t.is_complex or t == torch.bool) else ir.dtype_name(t)
     for src in bld.sources:
         node = _source_node(loop, src)
         extra = 1 if src[0] == "pre" and node in bld.time_dep else 0
         unit_dims += [(len(inputs), d + extra) for d, s in enumerate(shape(node)) if _is_one(s)]
-        inputs.append(InputSpec(_source_name(loop, src), len(shape(node)) + extra,
-                                ir.dtype_name(dtype(node)) if dtype(node) else num))
+        inputs.append(InputSpec(_source_name(loop, src), len(shape(node)) + extra, read_as(dtype(node))))
     exprs = [decay, drive] + [o.expr for o in outputs] + ([mix.expr] if mix else [])
     if loop.reads and not any(ix == "t" for e in exprs for ld in ir.loads(e) for ix in ld.index):
         # no per-step input drives the state (a step counter, RetNet's normaliser): the loop's
@@ -568,7 +572,7 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
                                 ir.dtype_name(dtype(r.source)) if dtype(r.source) else "float32"))
     if isinstance(loop.carry_init[0], fx.Node):
         init = bld.source(("init",))
-        inputs.append(InputSpec(loop.carry_init[0].name, len(state_shape), ir.dtype_name(dtype(loop.carry_init[0]))))
+        inputs.append(InputSpec(loop.carry_init[0].name, len(state_shape), read_as(dtype(loop.carry_init[0]))))
     elif loop.carry_init[0] not in (None, 0, 0.0):
         raise AssembleError(f"initial state {loop.carry_init[0]!r} is a non-zero constant")
     for e in exprs:

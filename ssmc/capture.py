@@ -787,6 +787,54 @@ def _view_index(view: fx.Node):
     return tuple([slice(None)] * r.dim + [at])
 
 
+def _scalar_arith(n: fx.Node) -> bool:
+    """Arithmetic on Python numbers alone (symbolic ones included): an operator or math function,
+    or ``.item()`` of a 0-d input, whose value is no tensor."""
+    if is_tensor(value(n)) or n.kwargs:
+        return False
+    if n.op == "call_method":
+        return n.target == "item"
+    mod = getattr(n.target, "__module__", None)
+    return n.op == "call_function" and (mod in ("_operator", "math") or getattr(n.target, "__name__", "").startswith("sym_"))
+
+
+def hoist_scalar_arithmetic(gm: fx.GraphModule) -> int:
+    """Moves arithmetic on the graph's numbers (a float hyperparameter Dynamo made symbolic: its
+    ``.item()``, ``1 - beta``) right after its operands. Dynamo records such a value once, where
+    the first step of a loop computes it, and every later step reuses it; left there, the first
+    step has nodes the others lack and the steps do not line up. A node is moved only where no
+    other node does the same arithmetic on other numbers (``beta ** (t + 1)``: one a step, the
+    steps' own). Returns how many moved."""
+    moved, hoisted = 0, set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    scalars = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and _scalar_arith(n)]
+
+    def sig(n):
+        return n.op, n.target, tuple(a if isinstance(a, fx.Node) else type(a).__name__ for a in n.args)
+    count = {}
+    for n in scalars:
+        count[sig(n)] = count.get(sig(n), 0) + 1
+    for n in scalars:
+        # one of a family differing in its numbers alone (``beta ** (t + 1)`` a step) is the steps' own
+        if count[sig(n)] > 1:
+            continue
+        ins = n.all_input_nodes
+        if not all(a.op == "placeholder" or a in hoisted for a in ins):
+            continue
+        if n.op == "call_method" and not (ins and ins[0].op == "placeholder"):
+            continue
+        hoisted.add(n)
+        order = {m: i for i, m in enumerate(gm.graph.nodes)}
+        after = max(ins, key=order.__getitem__, default=placeholders[-1] if placeholders else None)
+        if after is None or after.next is n:
+            continue
+        after.append(n)
+        moved += 1
+    if moved:
+        gm.recompile()
+    return moved
+
+
 def detach_no_grad_values(gm: fx.GraphModule) -> int:
     """Values computed under ``torch.no_grad()`` (Dynamo brackets them with
     ``torch._C._set_grad_enabled(False)`` ... ``(True)``) are read through ``.detach()`` wherever

@@ -13,13 +13,13 @@ once:
 
     m_t = A_t + max(m_0, max_{s <= t} (beta_s - A_s)),   A_t = alpha_1 + ... + alpha_t
 
-(`cumsum` and `cummax`, in float64). `gauge_states` computes them before the loop and makes `m`
+(in float64, composed by doubling: see `max_plus_scan`). `gauge_states` computes them before the loop and makes `m`
 two per-step reads (its value before and after each step) instead of a carried value; what is
 left of the step (`num` above) is then linear and becomes a region. The values are the loop's own
 running maxima (not a rescaling), so results, the final `m` included, match the loop's.
 
 A running log-sum-exp `m = logaddexp(m + alpha_t, beta_t)` (a recurrence kept in log space) is
-the same in the (logaddexp, +) semiring: `logcumsumexp` takes the place of `cummax`.
+the same in the (logaddexp, +) semiring.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ _SUM_METHODS = {"maximum": "max", "max": "max", "logaddexp": "logaddexp"}
 
 def max_plus_scan(alpha, beta, m0, length: int, alpha_steps: bool, beta_steps: bool, dtype, kind: str = "max"):
     """(m_{t-1}, m_t) for t = 1..length, stacked along dim 0, of m_t = max(m_{t-1} + alpha_t,
-    beta_t) from m0 (kind "logaddexp": logaddexp instead of max, with logcumsumexp for cummax).
+    beta_t) from m0 (kind "logaddexp": logaddexp instead of max).
     `alpha`/`beta` have the steps along dim 0 where `*_steps` (else they are the same every
     step); either may be a Python number. Summed in float64, returned as `dtype`, each step of
     the shape m0, alpha_t and beta_t broadcast to (sizes are read here, not fixed in the graph:
@@ -54,11 +54,15 @@ def max_plus_scan(alpha, beta, m0, length: int, alpha_steps: bool, beta_steps: b
             return v.broadcast_to(shape).unsqueeze(0).expand(length, *shape)
         return v.reshape(length, *[1] * (len(shape) + 1 - v.dim()), *v.shape[1:]).broadcast_to((length, *shape))
     a, b = steps(a, alpha_steps), steps(b, beta_steps)
-    A = torch.cumsum(a, 0)
-    if kind == "max":
-        m = A + torch.maximum(torch.cummax(b - A, 0).values, m0.double())
-    else:
-        m = A + torch.logaddexp(torch.logcumsumexp(b - A, 0), m0.double())
+    plus = torch.maximum if kind == "max" else torch.logaddexp
+    # Step t is the map m -> plus(m + a_t, b_t); two such maps compose to (a1 + a2, plus(b1 + a2, b2)).
+    # Composed by doubling (log2(length) rounds), nothing is differenced: a decay of -inf (a reset)
+    # or of -1e20 leaves the other steps' sums exact, where A_t - A_s of the prefix sums would not.
+    d = 1
+    while d < length:
+        a, b = torch.cat([a[:d], a[:-d] + a[d:]]), torch.cat([b[:d], plus(b[:-d] + a[d:], b[d:])])
+        d *= 2
+    m = plus(m0.double() + a, b)
     m = m.to(dtype).contiguous()
     return torch.cat([m0.to(dtype).broadcast_to(shape).unsqueeze(0), m[:-1]], 0), m
 
@@ -89,9 +93,12 @@ def _split_sum(n: fx.Node):
 
 
 def _plus(n, m: fx.Node):
-    """alpha where n is m + alpha, alpha + m or m - c (alpha a node or a number), else None."""
+    """alpha where n is m + alpha, alpha + m or m - c (alpha a node or a number), 0 where n is m
+    itself (a running maximum that does not decay: online softmax's max(m, s_t)), else None."""
     if not isinstance(n, fx.Node):
         return None
+    if _same(n) is m:
+        return 0.0
     c = canonical(n)
     if c is None or c.kind != "ew" or len(c.args) != 2 or c.params.get("alpha", 1) != 1:
         return None

@@ -146,6 +146,13 @@ class Lowering:
                     for _ in range(len(plan.region.axes) - len(shape(init) or ())):
                         init = g.call_method("unsqueeze", (init, 0))   # (H,) broadcast to (b, H)
                     ins.append(init)
+            for i, (spec, src) in enumerate(zip(plan.region.inputs, plan.sources)):
+                # integer inputs are read as the state's float dtype (assemble's InputSpec)
+                v = value(lp.carry_init[0] if src[0] == "init" else src[1])
+                have = v.dtype if isinstance(v, torch.Tensor) else None
+                want = ir.to_dtype(spec.dtype)
+                if have is not None and have != want and not (have.is_floating_point or have == torch.bool):
+                    ins[i] = g.call_method("to", (ins[i], want))
             call = g.call_function(torch.ops.ssmc.region.default, (self.key, ins))
             outs = [g.call_function(operator.getitem, (call, i)) for i in range(len(plan.region.outputs))]
             vals = []

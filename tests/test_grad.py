@@ -99,3 +99,31 @@ def test_an_input_read_inside_and_outside_a_sum():
     g = torch.Generator().manual_seed(4)
     _one_region_values_and_grads(_input_inside_and_outside_the_readout,
                                  [torch.randn(2, 5, 1, generator=g) for _ in range(2)])
+
+
+def test_outputs_free_of_the_trained_inputs_need_no_gradient():
+    """Only the readout C trains: the final state depends on no input that needs a gradient, so
+    it comes back without one, as eager's; carried into the next segment without `.detach()`
+    (eager needs none), the next backward ran into the first segment's freed graph."""
+    def f(x, dt, A, B, C, h0):
+        h, ys = h0, []
+        for t in range(x.shape[1]):
+            h = torch.exp(dt[:, t, :, None] * A) * h + dt[:, t, :, None] * B[:, t, None] * x[:, t, :, None]
+            ys.append((h * C[:, t, None]).sum(-1))
+        return torch.stack(ys, 1), h
+    g = torch.Generator().manual_seed(0)
+    b, L, d, n = 2, 5, 3, 2
+    dt, A, B = torch.rand(b, L, d, generator=g), -torch.rand(d, n, generator=g) - 0.1, torch.randn(b, L, n, generator=g)
+    segs = [torch.randn(b, L, d, generator=g) for _ in range(3)]
+    grads = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        fn = torch.compile(f, backend="ssmc") if compiled else f
+        C = torch.randn(b, L, n, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        h = torch.zeros(b, d, n)
+        for x in segs:
+            y, h = fn(x, dt, A, B, C, h)
+            assert y.requires_grad and not h.requires_grad
+            y.pow(2).sum().backward()
+        grads.append(C.grad)
+    assert rel_err(grads[1], grads[0]) < 1e-5

@@ -466,6 +466,53 @@ def test_a_float_hyperparameter_that_changes_between_calls():
     assert all(len(r.regions) == 1 and not r.fallbacks for r in reps), [str(r) for r in reps]
 
 
+@pytest.mark.parametrize("dt", [torch.int64, torch.int32, torch.uint8])
+def test_integer_tensors_read_by_the_recurrence(dt):
+    """An integer tensor as the drive (a token id), the decay or the initial state: eager's
+    arithmetic promotes it to the float state's dtype; the region reads it cast to that dtype
+    (its input check raised on the integer tensor at the first call)."""
+    def drive(a, tok):
+        h, ys = torch.zeros(a.shape[0], a.shape[2], dtype=a.dtype), []
+        for t in range(a.shape[1]):
+            h = a[:, t] * h + tok[:, t, None]
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+    def decay(k, v, h0):
+        h, ys = h0, []
+        for t in range(v.shape[1]):
+            h = k[:, t] * h + v[:, t]
+            ys.append(h)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(4)
+    ints = lambda *s: torch.randint(0, 3, s, generator=g).to(dt)      # noqa: E731
+    for fn, args in ((drive, (torch.rand(2, 7, 3, generator=g), ints(2, 7))),
+                     (decay, (ints(2, 7, 3), torch.randn(2, 7, 3, generator=g), ints(2, 3)))):
+        out, rep = ssmc_run(fn, args)
+        assert len(rep.regions) == 1, str(rep)
+        want = fn(*args)
+        assert out.dtype == want.dtype and torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bias_correction_by_a_symbolic_float():
+    """An EMA with Adam's bias correction 1 - beta ** (t + 1), beta a float that changes between
+    calls: Dynamo records beta's `.item()` and `1 - beta` once, inside the first step, which left
+    the first step with two nodes more than the others (the loop ran as written). They are moved
+    before the loop; `beta ** (t + 1)`, one a step, stays the steps' own (a table)."""
+    def ema_bc(x, beta: float):
+        m, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            m = beta * m + (1 - beta) * x[:, t]
+            out.append(m / (1 - beta ** (t + 1)))
+        return torch.stack(out, 1)
+    x = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(3))
+    betas = (0.9, 0.5, 0.99)
+    outs, reps = compile_per_call(ema_bc, [(x, b) for b in betas])
+    for o, b in zip(outs, betas):
+        assert rel_err(o, ema_bc(x.double(), b)) < 1e-5           # 1 / (1 - 0.99): fp32 roundings x 100
+    assert all(len(r.regions) == 1 and not r.fallbacks for r in reps), [str(r) for r in reps]
+
+
 def test_coupled_states_under_a_symbolic_batch_are_declined_with_the_reason():
     """A second-order recurrence recompiled for another batch: stacking the states under a
     symbolic size is declined for that loop, with the reason (the generated graph named an

@@ -291,6 +291,55 @@ def test_max_plus_scan_against_its_loop():
     assert new.dtype == torch.float32 and torch.allclose(new.double(), torch.stack(want), atol=1e-6, rtol=0)
 
 
+def _online_softmax(s, v):
+    """Attention over the prefix by a running maximum that does not decay (Aaren's recurrence):
+    m = max(m, s_t), no "+ w"."""
+    m = torch.full_like(s[:, 0], -1e30)
+    u, w, outs = torch.zeros_like(v[:, 0]), torch.zeros_like(s[:, 0]), []
+    for t in range(s.shape[1]):
+        q = torch.maximum(m, s[:, t])
+        u = torch.exp(m - q)[:, None] * u + torch.exp(s[:, t] - q)[:, None] * v[:, t]
+        w = torch.exp(m - q) * w + torch.exp(s[:, t] - q)
+        m = q
+        outs.append(u / w[:, None])
+    return torch.stack(outs, 1)
+
+
+def test_a_running_maximum_without_decay():
+    g = torch.Generator().manual_seed(5)
+    ins = (3 * torch.randn(2, 8, generator=g), torch.randn(2, 8, 3, generator=g))
+    _check(_online_softmax, ins)
+    grads_match(_online_softmax, ins)
+
+
+@pytest.mark.parametrize("kind", ["max", "logaddexp"])
+def test_max_plus_scan_keeps_resets(kind):
+    """A step with alpha = -inf (a gate rounded to 0: log(0)) or -1e20: prefix sums A_t and
+    differences b_s - A_s gave NaN after it (and lost every digit at -1e20); the composed maps
+    keep each m_t the loop's."""
+    g = torch.Generator().manual_seed(9)
+    plus = torch.maximum if kind == "max" else torch.logaddexp
+    for spike in (float("-inf"), -1e20):
+        alpha = -torch.rand(11, 3, generator=g, dtype=torch.float64)
+        alpha[2, 0], alpha[7] = spike, spike
+        beta = torch.randn(11, 3, generator=g, dtype=torch.float64)
+        m0 = torch.randn(3, generator=g, dtype=torch.float64)
+        m, want = m0, []
+        for t in range(11):
+            m = plus(m + alpha[t], beta[t])
+            want.append(m)
+        new = max_plus_scan(alpha, beta, m0, 11, True, True, torch.float64, kind)[1]
+        assert torch.allclose(new, torch.stack(want), atol=1e-12, rtol=0), (spike, new)
+
+
+def test_log_space_loop_with_a_zero_gate():
+    """End to end: the log-space loop with log_a = -inf at one step (eager stays finite)."""
+    g = torch.Generator().manual_seed(12)
+    ins = (3 * torch.randn(2, 9, 3, generator=g), -torch.rand(2, 9, 3, generator=g), torch.randn(2, 9, 3, generator=g))
+    ins[1][:, 4] = float("-inf")
+    _check(_log_space, ins)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["wkv", "mlstm"])
 def test_running_maxima_on_the_gpu(which):

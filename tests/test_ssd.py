@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import ssmc
-from conftest import TOL, as_tuple, reference, rel_err, ssmc_run
+from conftest import TOL, as_tuple, grads_match, reference, rel_err, ssmc_run
 from ssmc import ir
 from ssmc.ir import Load, Op
 from ssmc.runtime.op import lookup
@@ -144,7 +144,8 @@ def test_ssd_plan_of_mamba2():
     assert not isinstance(plan, str), plan
     assert (plan.p, plan.n, plan.programs) == ("i2", "i3", ("i0", "i1"))      # rows p, columns n
     dt, A = Load(0, ("i0", "t", "i1")), Load(1, ("i1",))
-    assert plan.log_decay == Op("mul", (dt, A))                                 # exp(dt * A) -> dt * A
+    floor = ir.Const(S.LOG_DECAY_FLOOR)                                         # exp(dt * A) -> dt * A, at least -64
+    assert plan.log_decay == Op("maximum", (Op("mul", (dt, A)), floor))
     assert plan.w == dt                                                         # the per-step scale
     assert ir.axes_of(plan.x, r.axes) == {"i0", "i1", "i2", "t"}                # x(t, p)
     assert ir.axes_of(plan.g, r.axes) == {"i0", "i3", "t"}                      # B(t, n)
@@ -344,6 +345,43 @@ def test_ssd_sigmoid_decay(interp):
     got = kern.forward(zeros_region_inputs(report.regions[0].ir, gla, args))
     assert kern.last_launch["segments"] == 3
     assert rel_err(got[0], reference(gla, args)[0]) <= TOL[torch.float32]
+
+
+def _exp_decay(x, u, k, q):
+    """A Mamba-2 style head written with its log decay u: h = exp(u_t) h + x_t k_t^T."""
+    h = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], k.shape[-1])
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.exp(u[:, t])[:, :, None, None] * h + x[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, q[:, t]))
+    return torch.stack(ys, 1), h
+
+
+def _reset_inputs(reset: float, L: int = 21):
+    gen = torch.Generator().manual_seed(31)
+    r = lambda *s: torch.randn(*s, generator=gen)        # noqa: E731
+    u = -torch.rand(2, L, 2, generator=gen)
+    u[:, 6], u[1, 13] = -reset, -reset                   # hard resets inside the first and a later chunk
+    return r(2, L, 2, 8), u, r(2, L, 2, 8), r(2, L, 2, 8)
+
+
+@pytest.mark.parametrize("reset", [float("inf"), 1e8, 1e4], ids=["inf", "1e8", "1e4"])
+def test_ssd_forms_keep_hard_resets(reset):
+    """A step whose decay is exp(-inf) or exp(-1e8) (a reset): the SSD's matmul form (the torch
+    target) differences prefix sums of the log decay inside a chunk, which gave NaN (-inf - -inf)
+    or lost digits at -1e8 (the sums' magnitude); each step's log decay is taken as at least
+    -64 instead. Values and gradients against float64 eager."""
+    args = _reset_inputs(reset)
+    out, report = ssmc_run(_exp_decay, args, target="torch", chunk=8)
+    assert [i.strategy for i in report.regions] == ["chunked_ssd"], str(report)
+    for o, w in zip(as_tuple(out), reference(_exp_decay, args)):
+        assert rel_err(o, w) <= TOL[torch.float32]
+    grads_match(_exp_decay, args, tol=1e-5, target="torch", chunk=8)
+
+
+def test_ssd_kernel_keeps_hard_resets(interp):
+    """The same resets through the Triton SSD kernel (chunk 8: resets inside chunks)."""
+    check_run(_exp_decay, _reset_inputs(float("inf")), "chunked_ssd", S.SSDKernel)
 
 
 # -- backward: the chunked SSD's matmul form under autograd --------------------------------------------

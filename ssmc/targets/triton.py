@@ -624,9 +624,15 @@ _LOCK = threading.Lock()
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+@functools.lru_cache(maxsize=None)
+def _temp_dir() -> Path:
+    """One directory a process for the modules of an unwritable cache."""
+    return Path(tempfile.mkdtemp(prefix="ssmc_triton_"))
 
 
 def import_source(source: str, key: str, cache) -> tuple[object, Path]:
@@ -641,11 +647,11 @@ def import_source(source: str, key: str, cache) -> tuple[object, Path]:
             return hit, Path(hit.__file__)
         path = Path(cache.root) / "triton" / f"{key}.py"
         try:
-            if not path.is_file() or path.read_text() != source:
-                _write_atomic(path, source)
+            if not path.is_file() or path.read_bytes() != source.encode():    # bytes: a corrupt file is
+                _write_atomic(path, source)                                  # rewritten, not decoded
         except OSError:
-            path = Path(tempfile.mkdtemp(prefix="ssmc_triton_")) / f"{key}.py"
-            path.write_text(source)
+            path = _temp_dir() / f"{key}.py"
+            path.write_text(source, encoding="utf-8")
         name = f"ssmc_triton_{key[:24]}_{'interp' if interp else 'jit'}"
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)

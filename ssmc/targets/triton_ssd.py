@@ -61,6 +61,9 @@ SSD_CONFIGS = "triton/ssd_fwd.configs.json"
 STEP_TEMPLATE = "triton/step_fwd.py.j2"
 STEP_CONFIGS = "triton/step_fwd.configs.json"
 MAX_BLOCK_N = 256            # the (p, n) state tile and the (chunk, n) tiles live in registers
+LOG_DECAY_FLOOR = -64.0      # a step's log decay, at least (exp(-64) ~ 1.6e-28: a reset stays a reset); the
+                             # chunk forms difference prefix sums of it, which a -inf or -1e8 (a hard reset
+                             # written as exp(-inf)) would turn into NaN or into lost digits
 
 _DOT_DTYPES = {torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
 
@@ -143,7 +146,7 @@ class SSDPlan:
 
     def describe(self) -> str:
         return (f"rows {self.p}, columns {self.n} (summed by the readout), one program per index "
-                f"of {list(self.programs)}; log decay {self.log_decay}; "
+                f"of {list(self.programs)}; log decay {self.log_decay.args[0]} (at least {LOG_DECAY_FLOOR:g}); "
                 f"drive ({self.w}) * ({self.x}) * ({self.g})"
                 + (f"; readout sum_{self.n} h * ({self.c})" if self.readout is not None else ""))
 
@@ -183,6 +186,7 @@ def make_ssd_plan(r: Region, float64: bool = False, decay_along_n: bool = False)
     u = log_decay(r.decay)
     if isinstance(u, str):
         return u
+    u = Op("maximum", (u, Const(LOG_DECAY_FLOOR)))
     ws, xs, gs = [], [], []
     for f in factors(r.drive):
         ax = ir.axes_of(f, r.axes)
