@@ -1,6 +1,6 @@
 """The pass contract and the context passes share.
 
-A pass is a class with a `name`, the pass it runs `after` (None: first), whether other passes
+A pass is a class with a `name`, the pass it runs `after` (None: after the built-in pipeline), whether other passes
 need it (`required`: it cannot be disabled), a docstring saying what it expects and what it
 leaves, and `run(ctx) -> bool` (changed or not). Passes keep no state between runs; everything
 they produce lives on the `PassContext` and its `Candidate`s.

@@ -57,6 +57,10 @@ class PassRecord:
         return f"PassRecord({self.name!r}, {self.ms:.2f} ms, changed={self.changed}{', ' + self.skipped if self.skipped else ''})"
 
 
+class PassFailed(RuntimeError):
+    """A pass raised: its name and package, the error after them."""
+
+
 def run_pipeline(ctx, dump=None) -> list[PassRecord]:
     loaded = load_plugins()
     passes = loaded.loaded("ssmc.passes")
@@ -74,7 +78,10 @@ def run_pipeline(ctx, dump=None) -> list[PassRecord]:
         if name in disabled:
             ctx.note(f"pass {name} is required by later passes and cannot be disabled")
         t0 = time.perf_counter()
-        changed = bool(cls().run(ctx))
+        try:
+            changed = bool(cls().run(ctx))
+        except Exception as e:      # the graph then runs as captured; the reason names the pass
+            raise PassFailed(f"pass {name} (from {origin.get(name, '?')}) raised {type(e).__name__}: {e}") from e
         ms = (time.perf_counter() - t0) * 1e3
         records.append(PassRecord(name, ms, changed, "", origin.get(name, "")))
         log.debug("ssmc: pass %s: %.1f ms, changed=%s", name, ms, changed)

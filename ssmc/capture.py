@@ -973,6 +973,12 @@ def functionalize_updates(gm: fx.GraphModule) -> int:
     phs = [n for n in g.nodes if n.op == "placeholder"]
     for r in ok:                   # an input updated in place: the caller's tensor gets the last value
         if r.op == "placeholder" and current[r] is not r:
+            # what reads its value before the updates reads a copy: a region saves its inputs for
+            # the backward, and the copy-back below would change the one it saved
+            with g.inserting_after(phs[-1]):
+                first = g.call_method("clone", (r,))
+            first.meta = dict(r.meta)
+            r.replace_all_uses_with(first, delete_user_cb=lambda u: u is not first)
             with g.inserting_before(out):
                 g.call_method("copy_", (r, current[r]))
             last = current[r]       # returned, it is the caller's tensor itself, as in eager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -173,11 +174,26 @@ class Dumper:
     def __init__(self, root: str):
         Dumper._count += 1
         self.dir = Path(root) / f"graph_{os.getpid()}_{Dumper._count:03d}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._give_up(e)
 
-    def write(self, name: str, text: str) -> Path:
+    def _give_up(self, e: OSError) -> None:
+        """An unusable directory costs the dump, never the model's compile."""
+        warnings.warn(f"ssmc: debug_dir {str(self.dir.parent)!r} cannot be written ({type(e).__name__}: {e}); "
+                      "nothing is dumped for this graph", stacklevel=3)
+        self.dir = None
+
+    def write(self, name: str, text: str) -> Path | None:
+        if self.dir is None:
+            return None
         p = self.dir / name
-        p.write_text(text)
+        try:
+            p.write_text(text)
+        except OSError as e:
+            self._give_up(e)
+            return None
         return p
 
     def after_pass(self, i: int, name: str, ctx):

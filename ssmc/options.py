@@ -51,8 +51,8 @@ def default_cache_dir() -> str:
 
 def make_options(options: Mapping[str, Any] | Options | None = None, **kw) -> Options:
     """Options from the environment, overridden by a mapping (torch.compile's ``options=``)."""
-    if isinstance(options, Options):
-        return options.with_(**kw) if kw else options
+    if isinstance(options, Options):        # checked as a mapping would be (a hand-made Options too)
+        options = {f.name: getattr(options, f.name) for f in dataclasses.fields(Options)}
     merged = dict(options or {})
     merged.update(kw)
     fields = {f.name for f in dataclasses.fields(Options)}
@@ -69,6 +69,10 @@ def make_options(options: Mapping[str, Any] | Options | None = None, **kw) -> Op
     merged.setdefault("target", os.environ.get("SSMC_TARGET") or "auto")
     merged.setdefault("debug_dir", os.environ.get("SSMC_DEBUG_DIR") or None)
     merged.setdefault("cache_dir", default_cache_dir())
+    if merged["cache_dir"] is None or merged["cache_dir"] == "":     # None or "": the default, not the cwd
+        merged["cache_dir"] = default_cache_dir()
+    if merged["debug_dir"] == "":
+        merged["debug_dir"] = None
     merged.setdefault("autotune", os.environ.get("SSMC_AUTOTUNE") or "prune")
     if merged["autotune"] not in _AUTOTUNES:
         raise ValueError(f"ssmc: option autotune={merged['autotune']!r} must be one of {_AUTOTUNES}")

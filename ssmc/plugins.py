@@ -100,18 +100,30 @@ def load(refresh: bool = False) -> Plugins:
         return _CACHE
     out = Plugins()
     for group in GROUPS:
-        seen = set()
-        for ep in entry_points(group=group):
-            if ep.name in seen:
-                continue
-            seen.add(ep.name)
+        seen = {}
+
+        def package(ep):
             dist = getattr(ep, "dist", None)
-            out.append(_load_one(group, ep.name, ep.value, dist.name if dist else "?",
-                                 dist.version if dist else "?"))
-        for name, value in _BUILTIN[group].items():
-            if name not in seen:   # ssmc not installed: its own plugins from the source tree
-                from ssmc import __version__
+            return (dist.name, dist.version) if dist else ("?", "?")
+        # ssmc's own first: another package registering one of its names cannot replace it
+        eps = sorted(entry_points(group=group), key=lambda ep: package(ep)[0] != "ssmc")
+        if not any(package(ep)[0] == "ssmc" for ep in eps):    # ssmc not installed: from the source tree
+            from ssmc import __version__
+            for name, value in _BUILTIN[group].items():
+                seen[name] = "ssmc (source tree)"
                 out.append(_load_one(group, name, value, "ssmc (source tree)", __version__))
+        for ep in eps:
+            pkg, version = package(ep)
+            if seen.get(ep.name) == pkg:
+                continue            # the same package's entry twice (two copies of its metadata)
+            if ep.name in seen:
+                p = Plugin(group, ep.name, ep.value, pkg, version)
+                p.error = f"the name {ep.name!r} is taken by the plugin from {seen[ep.name]}"
+                warnings.warn(f"ssmc: plugin {ep.name!r} ({group}, from {pkg}) skipped: {p.error}", stacklevel=2)
+                out.append(p)
+                continue
+            seen[ep.name] = pkg
+            out.append(_load_one(group, ep.name, ep.value, pkg, version))
     _CACHE = out
     return out
 

@@ -2134,6 +2134,34 @@ def test_an_input_updated_in_place_gets_its_last_value(fn):
         assert rel_err(got, want) < 1e-6
 
 
+def test_an_input_updated_in_place_under_autograd():
+    """The same cache while x and a need gradients: the region saved the cache for its backward
+    and the copy-back of the last value changed it ("modified by an inplace operation"); the
+    region now reads a copy taken before the updates."""
+    def fn(x, a, h):
+        ys = []
+        for t in range(x.shape[1]):
+            h *= a[:, t]
+            h += x[:, t]
+            ys.append(h * 2)
+        return torch.stack(ys, 1)
+    g = torch.Generator().manual_seed(32)
+    x, a, h0 = torch.randn(2, 5, 3, generator=g), torch.rand(2, 5, 3, generator=g), torch.randn(2, 3, generator=g)
+    grads, caches = [], []
+    for compiled in (False, True):
+        xs, as_, h = x.clone().requires_grad_(), a.clone().requires_grad_(), h0.clone()
+        if compiled:
+            y, rep = ssmc_run(fn, (xs, as_, h))
+            assert len(rep.regions) == 1, str(rep)
+        else:
+            y = fn(xs, as_, h)
+        grads.append(torch.autograd.grad(y.sum(), (xs, as_)))
+        caches.append(h)
+    assert rel_err(caches[1], caches[0]) < 1e-6
+    for got, want in zip(grads[1], grads[0]):
+        assert rel_err(got, want) < 1e-5
+
+
 @pytest.mark.parametrize("buf_dtype, state_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)])
 def test_a_buffer_keeps_its_dtype(buf_dtype, state_dtype):
     """`out[:, t] = h` into a buffer of a narrower dtype than the state: each write rounds, and

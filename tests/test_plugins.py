@@ -20,6 +20,9 @@ CHECK = textwrap.dedent("""
     assert ok[("ssmc.passes", "count_loops")].package == "ssmc-demo-plugin"
     assert ok[("ssmc.targets", "lti_only")].version == "0.0.1"
     assert "ModuleNotFoundError" in ok[("ssmc.passes", "broken_pass")].error      # reported, skipped
+    torch_targets = [p for p in pl if (p.group, p.name) == ("ssmc.targets", "torch")]
+    assert [p.package for p in torch_targets if p.error is None] == ["ssmc"]      # ssmc's own stays
+    assert any("taken by the plugin from ssmc" in (p.error or "") for p in torch_targets)
 
     # the pass runs in its declared place
     _, rep = ssmc_run(P.s4d(), P.s4d_inputs())
