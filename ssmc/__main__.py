@@ -28,15 +28,22 @@ def _load_factory(spec: str):
 
 
 def _parse_opt(s: str):
+    """key=value, the value read as the option's type (Options' default says which): a list of
+    names, True/False, an int, else the string as given (a directory named 2024 stays a path)."""
+    import dataclasses
+    from ssmc.options import Options
     k, _, v = s.partition("=")
+    default = {f.name: f.default for f in dataclasses.fields(Options)}.get(k)
     if k == "disable_passes":
         return k, [x for x in v.split(",") if x]
-    if v.lower() in ("true", "false"):
+    if isinstance(default, bool) and v.lower() in ("true", "false"):
         return k, v.lower() == "true"
-    try:
-        return k, int(v)
-    except ValueError:
-        return k, v
+    if isinstance(default, int) and not isinstance(default, bool):
+        try:
+            return k, int(v)
+        except ValueError:
+            return k, v
+    return k, v
 
 
 def main(argv=None):
@@ -53,6 +60,10 @@ def main(argv=None):
         return 0
     fn, inputs = _load_factory(args.factory)()
     opts = dict(_parse_opt(s) for s in args.option)
+    try:
+        ssmc.make_options(opts)            # a bad option: its message, not a traceback
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     print(ssmc.explain(fn, *inputs, **opts))
     return 0
 

@@ -116,6 +116,34 @@ def test_report_shows_groups_padding_and_waste():
     assert all("grouped into moe0" in " ".join(r.notes) for r in report.regions)
 
 
+def test_report_state_sizes_with_projections_inside_the_step():
+    """C_t = x_t @ WC inside each expert's step: the region holds a sum over channels besides the
+    readout's sum over the state; the report's state sizes are the experts' (2, 4, 8), not the
+    channel count, and nothing is padded."""
+    def ssm(x, dt, A, WB, WC):
+        h, ys = x.new_zeros(x.shape[0], x.shape[2], A.shape[1]), []
+        for t in range(x.shape[1]):
+            Bt, Ct = x[:, t] @ WB, x[:, t] @ WC
+            h = torch.exp(dt[:, t, :, None] * A) * h + dt[:, t, :, None] * Bt[:, None] * x[:, t, :, None]
+            ys.append((h * Ct[:, None]).sum(-1))
+        return torch.stack(ys, 1)
+
+    def fn(x, dt, idxs, ps):
+        out = torch.zeros_like(x)
+        for idx, (A, WB, WC) in zip(idxs, ps):
+            out[idx] = ssm(x[idx], dt[idx], A, WB, WC)
+        return out
+    g = torch.Generator().manual_seed(0)
+    x, dt = torch.randn(6, 5, 3, generator=g), torch.rand(6, 5, 3, generator=g) * 0.3
+    ps = [(-torch.rand(3, n, generator=g), torch.randn(3, n, generator=g), torch.randn(3, n, generator=g))
+          for n in (2, 4, 8)]
+    report = ssmc.explain(fn, x, dt, split([0, 1, 2, 0, 1, 0], 3), ps)
+    (grp,) = report.groups
+    pad = grp.padding()
+    assert [(n, t) for _, n, t, _ in pad["groups"]] == [(2, 2), (4, 4), (8, 8)], str(report)
+    assert pad["wasted_fraction"] == 0
+
+
 def test_gradients_match_float64_autograd():
     fn = moe()
     x, dt, params = inputs(seed=3)

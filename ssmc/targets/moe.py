@@ -49,10 +49,12 @@ def group_sizes(r: Region, inputs) -> tuple[dict, int]:
 
 
 def reg_axis(r: Region) -> str | None:
-    """The state axis the readout sums over (held whole per program, padded to a tile)."""
+    """The state axis the readout sums over (held whole per program, padded to a tile): a sum
+    over one state axis of something that reads the state (not a sum over channels inside an
+    input's projection, ``x_t @ WC``, which reads no state)."""
     for o in r.outputs:
         for x in ir.walk(o.expr):
-            if isinstance(x, ir.Reduce) and len(x.axes) == 1:
+            if isinstance(x, ir.Reduce) and len(x.axes) == 1 and x.axes[0] in r.axes and ir.uses_state(x.arg):
                 return x.axes[0]
     return r.axes[-1] if r.axes else None
 
