@@ -488,6 +488,11 @@ def _compile_region(cand, ctx, opts):
     region = cand.plan.region
     strategy = cand.strategy or "chunked_scan"
     target = cand.target or "torch"
+    if cand.strategy is None and cand.target is None:
+        asked = f"; target={opts.target!r} is applied by select_strategy, so it was not" \
+            if opts.target not in ("auto", "torch") else ""
+        cand.notes.append(f"no strategy chosen (select_strategy did not run): the torch target runs the "
+                          f"region{asked}")
     chain = [target] + [t for t in ("triton", "torch") if t != target and (t == "torch" or target == "cuda")]
     kernel = None
     for i, name in enumerate(chain):
