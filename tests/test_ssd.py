@@ -384,6 +384,44 @@ def test_ssd_kernel_keeps_hard_resets(interp):
     check_run(_exp_decay, _reset_inputs(float("inf")), "chunked_ssd", S.SSDKernel)
 
 
+def _strong_decay_grad_of_A(target):
+    """d/dA of a Mamba-2 head whose decay per step is ~exp(-20): float64 eager against ssmc fp32."""
+    def m2(x, dt, A, B, C):
+        h, ys = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1]), []
+        for t in range(x.shape[1]):
+            dtt = F.softplus(dt[:, t])
+            h = torch.exp(dtt * A)[:, :, None, None] * h + (dtt[:, :, None] * x[:, t])[..., None] * B[:, t, None, None, :]
+            ys.append(torch.einsum("bhpn,bn->bhp", h, C[:, t]))
+        return torch.stack(ys, 1), h
+    g = torch.Generator().manual_seed(0)
+    x, dt = torch.randn(2, 17, 2, 8, generator=g), torch.randn(2, 17, 2, generator=g) * 0.1 + 0.5
+    A, B, C = -20 * (1 + 0.05 * torch.rand(2, generator=g)), torch.randn(2, 17, 8, generator=g), torch.randn(2, 17, 8, generator=g)
+    w1, w2 = torch.randn(2, 17, 2, 8, generator=g, dtype=torch.float64), torch.randn(2, 2, 8, 8, generator=g, dtype=torch.float64)
+
+    def grad_A(fn, dtype):
+        ins = [v.to(dtype).requires_grad_() for v in (x, dt, A, B, C)]
+        y, h = fn(*ins)
+        ((y.double() * w1).sum() + (h.double() * w2).sum()).backward()
+        return ins[2].grad.double()
+    want = grad_A(m2, torch.float64)
+    torch._dynamo.reset()
+    got = grad_A(torch.compile(m2, backend="ssmc", options={"target": target}), torch.float32)
+    return got, want
+
+
+def test_ssd_backward_keeps_small_decay_gradients():
+    """With strong decays dA is ~1e-7; the matmul form took the decays as differences of prefix
+    sums, and their gradient as large terms that cancel: dA came out ~1e-6 off (sign flipped)."""
+    got, want = _strong_decay_grad_of_A("torch")
+    assert rel_err(got, want) < 1e-4, (got, want)
+
+
+def test_ssd_core_kernels_keep_small_decay_gradients(interp):
+    """The same through the SSD core's Triton backward (du as masked sums, no differences)."""
+    got, want = _strong_decay_grad_of_A("triton")
+    assert rel_err(got, want) < 1e-4, (got, want)
+
+
 # -- backward: the chunked SSD's matmul form under autograd --------------------------------------------
 
 def _f64(args):

@@ -87,8 +87,13 @@ def _torch_core(u, w, x, g, c, h0, Q: int, mm):
             v = torch.cat([v, v.new_zeros(v.shape[0], pad, v.shape[2])], 1)
         return v.reshape(P, nc, Q, v.shape[-1])
     u, w, x, g = chunks(u), chunks(w)[..., 0], chunks(x), chunks(g)
-    a = u.cumsum(-2)                                                  # (P, nc, Q, 1 or n)
-    to_end = torch.exp(a[..., -1:, :] - a) * w[..., None]
+    # Sums of u over ranges of steps are summed, never taken as differences of prefix sums: with
+    # strong decays a difference of two large prefix sums loses the small one's digits, and its
+    # gradient is two large terms that cancel (the gradient of A came out ~1e-6 off whatever its size).
+    a = u.cumsum(-2)                                                  # (P, nc, Q, 1 or n): steps <= t
+    after = u.flip(-2).cumsum(-2).flip(-2)                            # steps >= s ...
+    after = torch.cat([after[..., 1:, :], torch.zeros_like(after[..., :1, :])], -2)   # ... > s, to the chunk's end
+    to_end = torch.exp(after) * w[..., None]
     S = mm(x.transpose(-1, -2), g * to_end)                           # (P, nc, p, n)
     total = torch.exp(a[..., -1, :])                                  # (P, nc, 1 or n)
     starts, h = [], h0
@@ -101,11 +106,14 @@ def _torch_core(u, w, x, g, c, h0, Q: int, mm):
         return None, h
     c = chunks(c)
     causal = torch.ones(Q, Q, dtype=torch.bool, device=u.device).tril()
+    strict = causal.tril(-1)
     if u.shape[-1] == 1:
-        seg = a[..., 0, None] - a[..., None, :, 0]                     # (P, nc, Q, Q): a_t - a_s
+        # seg[t, s] = u_(s+1) + ... + u_t: u_t placed at (t, s) for s < t, summed down the rows
+        seg = torch.where(strict, u.expand(*u.shape[:-1], Q), 0.0).cumsum(-2)      # (P, nc, Q, Q)
         scores = mm(c, g.transpose(-1, -2)) * torch.exp(seg.masked_fill(~causal, float("-inf")))
     else:
-        seg = a[..., :, None, :] - a[..., None, :, :]                  # (P, nc, Q, Q, n)
+        seg = torch.where(strict[..., None], u[..., :, None, :].expand(*u.shape[:-1], Q, u.shape[-1]), 0.0)
+        seg = seg.cumsum(-3)                                                        # (P, nc, Q, Q, n)
         decay = torch.exp(seg.masked_fill(~causal[..., None], float("-inf")))
         scores = torch.einsum("pctn,pcsn,pctsn->pcts", c, g, decay)
     y = mm(scores * w[..., None, :], x)                                          # intra-chunk
