@@ -246,7 +246,10 @@ class Lowering:
             later = [u for u in buf.users if u not in writes]
             n = self.loop.length
             whole = r.start == 0 and shape(buf)[r.dim] == n
-            if whole and _is_alloc(buf) and all(_after(u, r.replace[-1]) for u in later):
+            laid = getattr(value(buf), "is_contiguous", lambda: False)()
+            # (a buffer laid out otherwise, `zeros_like` of a transposed tensor, is written into, so
+            # that what reads it sees eager's strides: a later `.view` of it works as in eager)
+            if whole and laid and _is_alloc(buf) and all(_after(u, r.replace[-1]) for u in later):
                 for u in later:
                     u.replace_input_with(buf, v)
                 return

@@ -2162,6 +2162,28 @@ def test_an_input_updated_in_place_under_autograd():
         assert rel_err(got, want) < 1e-5
 
 
+def test_a_buffer_keeps_its_layout():
+    """fla's naive GLA: inputs transposed to (B, H, T, K), `o = zeros_like(v)` (which keeps v's
+    transposed layout), `o[:, :, t] = ...`, `o.transpose(1, 2)` returned: eager's result is
+    contiguous, and a caller's `.view` of it works; ssmc's was the transpose of a contiguous
+    buffer, and the `.view` raised."""
+    def fn(v, a):
+        v = v.transpose(1, 2)                     # (B, T, H, K) -> (B, H, T, K)
+        a = a.transpose(1, 2)
+        o, h = torch.zeros_like(v), torch.zeros_like(v[:, :, 0])
+        for t in range(v.shape[2]):
+            h = a[:, :, t] * h + v[:, :, t]
+            o[:, :, t] = h
+        return o.transpose(1, 2)
+    g = torch.Generator().manual_seed(33)
+    v, a = torch.randn(2, 5, 3, 4, generator=g), torch.rand(2, 5, 3, 4, generator=g)
+    want = fn(v, a)
+    got, rep = ssmc_run(fn, (v, a))
+    assert len(rep.regions) == 1, str(rep)
+    assert got.stride() == want.stride() and rel_err(got, want) < 1e-6
+    assert got.view(2, 5, -1).shape == (2, 5, 12)
+
+
 @pytest.mark.parametrize("buf_dtype, state_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)])
 def test_a_buffer_keeps_its_dtype(buf_dtype, state_dtype):
     """`out[:, t] = h` into a buffer of a narrower dtype than the state: each write rounds, and
