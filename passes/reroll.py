@@ -33,7 +33,8 @@ import torch.fx as fx
 
 from ssmc.capture import (_Builder, _expand_index, _fake_mode, _fresh, _is_int, _maybe_view, _name, _scatter_of,
                           _unit_slice, copies_as_writes, decompose_composites, detach_no_grad_values, diagonal_products, erase_unused,
-                          find_reads, forward_stored_values, functionalize_updates, hoist_scalar_arithmetic, stack_list_inputs, transformed,
+                          find_reads, forward_stored_values, functionalize_updates, hoist_scalar_arithmetic, metadata_updates_as_values,
+                          stack_list_inputs, transformed,
                           unstack, view_root, views_of)
 from ssmc.gauge import gauge_states
 from ssmc.inlined_scan import find_inlined_scans, symbolic_trees
@@ -55,6 +56,9 @@ class Reroll(Pass):
 
     def run(self, ctx) -> bool:
         hoist_scalar_arithmetic(ctx.gm)
+        n = metadata_updates_as_values(ctx.gm)
+        if n:
+            ctx.note(f"reroll: {n} in-place shape change(s) (squeeze_, ...) of tensors the graph made taken as values")
         n = detach_no_grad_values(ctx.gm)
         if n:
             ctx.note(f"reroll: {n} value(s) computed under no_grad read through .detach() after it")

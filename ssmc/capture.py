@@ -835,6 +835,48 @@ def hoist_scalar_arithmetic(gm: fx.GraphModule) -> int:
     return moved
 
 
+_METADATA_INPLACE = {"squeeze_": "squeeze", "unsqueeze_": "unsqueeze", "transpose_": "transpose", "t_": "t",
+                     "swapdims_": "swapdims", "swapaxes_": "swapaxes"}
+
+
+def metadata_updates_as_values(gm: fx.GraphModule) -> int:
+    """``q_t.squeeze_(2)`` on a tensor the graph made (a step's view ``q[:, :, t:t + 1]``, xLSTM's
+    step): it changes that tensor's shape, not any values, so it is its out-of-place form, and
+    what reads the tensor afterwards reads the result. (Not on an input: the caller would see its
+    tensor's new shape.) Returns how many were rewritten."""
+    count = 0
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
+        if n.op != "call_method" or n.target not in _METADATA_INPLACE or not n.args:
+            continue
+        v = n.args[0]
+        if not isinstance(v, fx.Node) or v.op == "placeholder" or not is_tensor(value(v)):
+            continue
+        # v's example value is the tensor object Dynamo traced, which the method reshaped: v's own
+        # value (before it) is made again from v's operands
+        mode = _fake_mode(gm.graph)
+        if mode is None or v.op not in ("call_function", "call_method"):
+            continue
+        try:
+            with mode:
+                a, kw = fx.node.map_arg((v.args, v.kwargs), value)
+                before = getattr(a[0], v.target)(*a[1:], **kw) if v.op == "call_method" else v.target(*a, **kw)
+        except Exception:
+            continue
+        if not is_tensor(before):
+            continue
+        n.meta = {**n.meta, "example_value": value(v)}
+        v.meta = {**v.meta, "example_value": before}
+        n.target = _METADATA_INPLACE[n.target]
+        for u in list(v.users):
+            if u is not n and order.get(u, -1) > order[n]:
+                u.replace_input_with(v, n)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def detach_no_grad_values(gm: fx.GraphModule) -> int:
     """Values computed under ``torch.no_grad()`` (Dynamo brackets them with
     ``torch._C._set_grad_enabled(False)`` ... ``(True)``) are read through ``.detach()`` wherever

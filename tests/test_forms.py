@@ -2162,6 +2162,25 @@ def test_an_input_updated_in_place_under_autograd():
         assert rel_err(got, want) < 1e-5
 
 
+def test_squeeze_in_place_of_a_step_slice():
+    """xLSTM's step takes `q[:, :, t:t + 1]` and calls `.squeeze_(2)` on it: a new shape for that
+    view, no values written; it was taken as a write into q (the loop ran as written)."""
+    def fn(q, a):
+        h, ys = torch.zeros_like(q[:, :, 0]), []
+        for t in range(q.shape[2]):
+            qt = q[:, :, t:t + 1]
+            qt.squeeze_(2)
+            h = a[:, :, t] * h + qt
+            ys.append(h)
+        return torch.stack(ys, 2)
+    g = torch.Generator().manual_seed(34)
+    q, a = torch.randn(2, 3, 6, 4, generator=g), torch.rand(2, 3, 6, 4, generator=g)
+    want = fn(q, a)
+    got, rep = ssmc_run(fn, (q, a))
+    assert len(rep.regions) == 1, str(rep)
+    assert got.shape == want.shape and rel_err(got, want) < 1e-6 and q.shape == (2, 3, 6, 4)
+
+
 def test_a_buffer_keeps_its_layout():
     """fla's naive GLA: inputs transposed to (B, H, T, K), `o = zeros_like(v)` (which keeps v's
     transposed layout), `o[:, :, t] = ...`, `o.transpose(1, 2)` returned: eager's result is
