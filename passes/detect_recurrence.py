@@ -85,6 +85,27 @@ def _describe(n: fx.Node) -> str:
     return f"`{t}` (node {n.name})"
 
 
+def _carried_value(loop):
+    """The new state, looked through identities of the same shape and dtype (minGRU's
+    ``h = out[:, -1:]`` of a size-1 dim, a ``.contiguous()``): the value they pass on is carried
+    instead, so that what reads it (the readout of ``out``) reads the new state."""
+    body = loop.body.graph
+    out = next(n for n in body.nodes if n.op == "output")
+    new, changed = loop.carry_outputs()[0], False
+    while isinstance(new, fx.Node):
+        c = canonical(new)
+        src = c.args[0] if c is not None and c.kind == "identity" and c.args else None
+        if not isinstance(src, fx.Node) or shape(src) != shape(new) or dtype(src) != dtype(new):
+            break
+        new, changed = src, True
+    if changed:
+        vals = list(out.args[0])
+        vals[0] = new
+        out.args = (tuple(vals),)
+        loop.body.recompile()
+    return new
+
+
 def detect(loop, apart: bool = False) -> Recurrence:
     """The recurrence h = a*h + b (+ M h) of a loop's step, or Decline. `apart`: the drive's matrix
     products are `apply_matrix` nodes (computed before the region), not contractions the
@@ -96,7 +117,7 @@ def detect(loop, apart: bool = False) -> Recurrence:
         raise Decline(f"the loop carries {loop.n_carry} values ({names}); ssmc handles one state")
     body = loop.body.graph
     prev = loop.carry_nodes()[0]
-    new = loop.carry_outputs()[0]
+    new = _carried_value(loop)
     if not isinstance(new, fx.Node):
         raise Decline("the new state is not a tensor computed in the step")
     sshape = shape(prev)

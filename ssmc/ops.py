@@ -347,8 +347,16 @@ def _view(node: fx.Node) -> Canon | None:
     if info is None:
         return None
     src, consts = info
+    ins, outs = shape(node.args[0]), shape(node)
+    if not consts and ins == outs and len(src) == len(ins) and \
+            all(s == d or (s is None and _is_one_size(ins[d])) for d, s in enumerate(src)):
+        return Canon("identity", "identity", (node.args[0],))      # out[:, -1:] of a size-1 dim: the same values
     return Canon("view", str(node.target if node.op == "call_method" else _VIEW_FUNCS[node.target]),
                  (node.args[0],), {"src": src, "consts": consts})
+
+
+def _is_one_size(s) -> bool:
+    return isinstance(s, int) and s == 1         # (Dynamo specialises sizes 0 and 1: never symbolic)
 
 
 def view_map(node: fx.Node) -> tuple[tuple, dict] | None:

@@ -2610,3 +2610,20 @@ def test_a_recurrence_in_a_buffer_passed_in():
     ref = torch.zeros(S + 1, N)
     _returns_into(ref, ref[:S], m, nv)
     assert rel_err(out, ref) < 1e-6
+
+
+def test_the_state_passed_on_through_a_size_one_slice():
+    """lucidrains' minGRU sequential step: `out = lerp(h, x_t, gate)`, `h = out[:, -1:]` (a slice of
+    the size-1 time dim: the same values), `to_out(out)` read out. The readout read `out`, not the
+    carried slice, and was taken as a read of the previous state (the loop ran as written)."""
+    def fn(x, h, W):
+        outs = []
+        for t in range(x.shape[1]):
+            out = torch.lerp(h, x[:, t:t + 1], x[:, t:t + 1].sigmoid())
+            h = out[:, -1:]
+            outs.append(torch.nn.functional.linear(out, W))
+        return torch.cat(outs, 1), h
+    g = torch.Generator().manual_seed(35)
+    args = (torch.randn(2, 7, 5, generator=g), torch.rand(2, 1, 5, generator=g), torch.randn(4, 5, generator=g))
+    rep = check(fn, args)
+    assert len(rep.regions) == 1 and not rep.fallbacks, str(rep)
