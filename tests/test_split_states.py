@@ -334,7 +334,7 @@ def _old_in_another_shape(x, a):
     """A (b, d, n) state reading a (b, d) one from before that one's update (no stacking: the
     shapes differ)."""
     h1 = torch.zeros_like(x[:, 0])
-    h2 = torch.zeros(*x[:, 0].shape, 4)
+    h2 = x.new_zeros(*x[:, 0].shape, 4)
     ys = []
     for t in range(x.shape[1]):
         h2 = 0.5 * h2 + h1[..., None]
