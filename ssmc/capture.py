@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .ops import is_tensor, shape, value
+from .ops import is_tensor, mutated, shape, value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -631,7 +631,6 @@ def forward_stored_values(gm: fx.GraphModule) -> int:
     change it, all before the slot is written again. A slot read before any write, of a buffer
     made by ``zeros``, is ``new_zeros`` of the slot's shape, made with the buffer. Returns the
     reads forwarded."""
-    from .ops import mutated
     g = gm.graph
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -798,6 +797,12 @@ def _scalar_arith(n: fx.Node) -> bool:
     return n.op == "call_function" and (mod in ("_operator", "math") or getattr(n.target, "__name__", "").startswith("sym_"))
 
 
+def _written_augmented(n: fx.Node) -> bool:
+    """``x += 1`` of a tensor, as Dynamo records it (operator.iadd and kin)."""
+    return n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator" \
+        and n.target.__name__.startswith("i") and n.target.__name__ not in ("is_", "is_not", "index", "inv", "invert")
+
+
 def hoist_scalar_arithmetic(gm: fx.GraphModule) -> int:
     """Moves arithmetic on the graph's numbers (a float hyperparameter Dynamo made symbolic: its
     ``.item()``, ``1 - beta``) right after its operands. Dynamo records such a value once, where
@@ -823,6 +828,9 @@ def hoist_scalar_arithmetic(gm: fx.GraphModule) -> int:
             continue
         if n.op == "call_method" and not (ins and ins[0].op == "placeholder"):
             continue
+        if n.op == "call_method" and any(mutated(u) is not None or _written_augmented(u)
+                                         for v in views_of(ins[0]) for u in v.users):
+            continue               # `.item()` of an input the graph writes: its value depends on where
         hoisted.add(n)
         order = {m: i for i, m in enumerate(gm.graph.nodes)}
         after = max(ins, key=order.__getitem__, default=placeholders[-1] if placeholders else None)

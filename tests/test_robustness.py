@@ -513,6 +513,25 @@ def test_bias_correction_by_a_symbolic_float():
     assert all(len(r.regions) == 1 and not r.fallbacks for r in reps), [str(r) for r in reps]
 
 
+def test_a_number_read_from_an_input_written_before_it():
+    """`.item()` of an input the graph writes first (a step counter bumped in place) is not moved
+    before the write when scalar arithmetic is moved ahead of the loop."""
+    def fn(x, step):
+        step += 1
+        beta = step.item() * 0.1
+        m, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            m = beta * m + x[:, t]
+            out.append(m)
+        return torch.stack(out, 1)
+    x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(5))
+    s_eager, s_ssmc = torch.tensor(2.0), torch.tensor(2.0)
+    want = fn(x, s_eager)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got, rep = ssmc_run(fn, (x, s_ssmc))
+    assert rel_err(got, want) < 1e-6 and s_ssmc.item() == s_eager.item() == 3.0, str(rep)
+
+
 def test_coupled_states_under_a_symbolic_batch_are_declined_with_the_reason():
     """A second-order recurrence recompiled for another batch: stacking the states under a
     symbolic size is declined for that loop, with the reason (the generated graph named an
