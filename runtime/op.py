@@ -263,8 +263,10 @@ def _setup(ctx, inputs, output, residual=()):
     # state carried into the next segment while only the readout trains)
     entry = _REGISTRY.get(key)
     if entry is not None and any(ctx.needs):
-        outs = list(output)[:len(entry.region.outputs)]
-        dead = [o for o, deps in zip(outs, output_sources(entry.region)) if not any(ctx.needs[i] for i in deps)]
+        r, outs = entry.region, list(output)
+        n_in, n_out = len(r.inputs), len(r.outputs)
+        dead = [outs[g * n_out + k] for g in range(getattr(entry, "n_groups", 1))     # grouped: per group
+                for k, deps in enumerate(output_sources(r)) if not any(ctx.needs[g * n_in + i] for i in deps)]
         if dead:
             ctx.mark_non_differentiable(*dead)
 
