@@ -1313,12 +1313,13 @@ def _tables(seg: _Segment, T: int) -> dict:
 def _table_type(n: fx.Node, vals, device) -> dict:
     """dtype and device of a table standing for the numbers `vals` in `n`'s arithmetic: that of
     its tensor operand (floating at least float32), so that the result's type is the same; where
-    the arithmetic is on numbers alone (``t / L`` with a symbolic L), int64 for ints, else the
-    default float dtype, on the loop's device."""
+    the arithmetic is on numbers alone (``t / L`` with a symbolic L), int64 for ints, else float64
+    (as Python's), on the loop's device."""
     ts = [value_of(a) for a in n.args if isinstance(a, fx.Node) and is_tensor(value_of(a))]
     t = ts[0] if ts else value_of(n)
-    if not is_tensor(t):
-        return {"dtype": torch.int64 if all(isinstance(v, int) for v in vals) else torch.get_default_dtype(),
+    if not is_tensor(t):        # Python computes these in double: float64 (the region casts to its own type)
+        floats = isinstance(value_of(n), (float, torch.SymFloat))       # beta ** (t + 1): ints in, a float out
+        return {"dtype": torch.int64 if all(isinstance(v, int) for v in vals) and not floats else torch.float64,
                 "device": device}
     dt = t.dtype
     if not (dt.is_floating_point or dt.is_complex):

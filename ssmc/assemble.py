@@ -562,6 +562,13 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
         unit_dims += [(len(inputs), d + extra) for d, s in enumerate(shape(node)) if _is_one(s)]
         inputs.append(InputSpec(_source_name(loop, src), len(shape(node)) + extra, read_as(dtype(node))))
     exprs = [decay, drive] + [o.expr for o in outputs] + ([mix.expr] if mix else [])
+    ints = {k for k, src in enumerate(bld.sources) if _is_int_dtype(dtype(_source_node(loop, src)))}
+    bad = _integer_arithmetic(exprs, ints) or next(
+        (f"`{n.name}`, a step value computed before the region," for k, src in enumerate(bld.sources)
+         if k in ints and src[0] == "pre" for n in [_int_arithmetic_before(src[1])] if n is not None), None)
+    if bad is not None:
+        raise AssembleError(f"{bad} computes on integer input(s) in their own type (eager wraps around "
+                            "or truncates there; the region would compute in floating point)")
     if loop.reads and not any(ix == "t" for e in exprs for ld in ir.loads(e) for ix in ld.index):
         # no per-step input drives the state (a step counter, RetNet's normaliser): the loop's
         # first read, never loaded, carries the region's length
@@ -716,6 +723,64 @@ def _source_node(loop, src):
     if src[0] in ("outer", "pre"):
         return src[1]
     return loop.carry_init[0]
+
+
+def _is_int_dtype(t) -> bool:
+    return t is not None and not (t.is_floating_point or t.is_complex or t == torch.bool)
+
+
+_INT_KEEPING = {"add", "sub", "mul", "neg", "abs", "pow", "maximum", "minimum"}
+
+
+def _int_arithmetic_before(node):
+    """The first node computing `node` (a step value made before the region) by arithmetic in an
+    integer type (``(-v) + v`` of uint8: the region's drive, regrouped, would not wrap as eager's
+    ``a * h + (-v) + v`` does), or None where it is reads and views of integer inputs alone."""
+    from .ops import canonical
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen or n.op == "placeholder":
+            continue
+        seen.add(n)
+        c = canonical(n)
+        if c is not None and c.kind == "ew" and c.op != "cast" and _is_int_dtype(dtype(n)):
+            return n
+        todo.extend(n.all_input_nodes)
+    return None
+
+
+def _integer_arithmetic(exprs, ints: set):
+    """An op of the region that eager computes in an integer type (every operand an integer input
+    or an integer constant: ``-v``, ``v + v`` of uint8 wrap around there), or None. Integer inputs
+    are read cast to the state's float type, which is exact where eager promotes them first."""
+    if not ints:
+        return None
+    memo = {}
+
+    def is_int(e):
+        if e in memo:
+            return memo[e]
+        if isinstance(e, ir.Load):
+            r = e.input in ints
+        elif isinstance(e, ir.Const):
+            r = isinstance(e.value, int) and not isinstance(e.value, bool)
+        elif isinstance(e, ir.Op) and e.name == "cast":
+            r = _is_int_dtype(ir.to_dtype(e.attr("dtype"))) if e.attr("dtype") else False
+        elif isinstance(e, ir.Op) and e.name in _INT_KEEPING:
+            r = all(is_int(a) for a in e.args)
+        elif isinstance(e, ir.Op) and e.name == "where":
+            r = is_int(e.args[1]) and is_int(e.args[2])
+        else:
+            r = False
+        memo[e] = r
+        return r
+    for e in exprs:
+        for x in ir.walk(e):
+            if isinstance(x, ir.Op) and x.name in _INT_KEEPING | {"where"} and is_int(x) \
+                    and any(isinstance(l, ir.Load) and l.input in ints for l in ir.walk(x)):
+                return f"`{x.name}` ({x})"
+    return None
 
 
 def _source_name(loop, src) -> str:

@@ -99,6 +99,8 @@ def mutated(n: fx.Node):
     if n.op == "call_function" and n.target in _AUGMENTED and n.args and is_tensor(n.args[0]):
         return n.args[0]               # `h += x` on a tensor writes h
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator":
+        return None                    # `operator.and_`, `or_`: `a & b`, no write (`&=` is `iand`)
     if n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_") \
             and n.args and isinstance(n.args[0], fx.Node):
         return n.args[0]

@@ -494,6 +494,60 @@ def test_integer_tensors_read_by_the_recurrence(dt):
         assert out.dtype == want.dtype and torch.allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_integer_arithmetic_stays_in_its_type():
+    """`a * h + (-v) + v` with v uint8: eager negates in uint8 (wraps: -1 is 255) before adding to
+    the float; the drive regrouped as one step value `(-v) + v` would wrap to 0, and the region
+    would compute in float. Such loops run as written, with the reason."""
+    def fn(a, v):
+        h, out = torch.zeros(a.shape[0], a.shape[2]), []
+        for t in range(a.shape[1]):
+            h = a[:, t] * h + (-v[:, t]) + v[:, t]
+            out.append(h)
+        return torch.stack(out, 1)
+    a = torch.full((1, 4, 3), 0.5)
+    for v in (torch.tensor([1, 2, 200], dtype=torch.uint8).repeat(1, 4, 1),
+              torch.tensor([-128, 127, 100], dtype=torch.int8).repeat(1, 4, 1)):
+        got, rep = ssmc_run(fn, (a, v))
+        assert torch.equal(got, fn(a, v)), str(rep)
+        assert any("integer" in why for _, why in rep.fallbacks) or any(
+            "integer" in " ".join(r.notes) for r in rep.regions), str(rep)
+
+
+def test_bitwise_and_of_masks_is_no_write():
+    """`done[:, t] & valid[:, t]` (operator.and_): a name ending in `_` was taken for an in-place
+    write of `done` (the loop ran as written)."""
+    def fn(x, a, done, valid):
+        h, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            keep = ~(done[:, t] & valid[:, t])
+            h = torch.where(keep[:, None], a[:, t] * h, torch.zeros_like(h)) + x[:, t]
+            out.append(h)
+        return torch.stack(out, 1)
+    g = torch.Generator().manual_seed(6)
+    x, a = torch.randn(2, 7, 3, generator=g), torch.rand(2, 7, 3, generator=g)
+    done, valid = torch.rand(2, 7, generator=g) > 0.7, torch.rand(2, 7, generator=g) > 0.3
+    got, rep = ssmc_run(fn, (x, a, done, valid))
+    assert len(rep.regions) == 1, str(rep)
+    assert rel_err(got, fn(x.double(), a.double(), done, valid)) < 1e-6
+
+
+def test_tables_of_symbolic_numbers_in_float64():
+    """`1 - beta ** (t + 1)` with a symbolic beta in a float64 model: the table of the steps'
+    numbers was float32 (1e-7 off); Python computes them in double."""
+    def fn(x, beta: float):
+        m, out = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            m = beta * m + (1 - beta) * x[:, t]
+            out.append(m / (1 - beta ** (t + 1)))
+        return torch.stack(out, 1)
+    x = torch.randn(2, 6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    betas = (0.9, 0.8123456789, 0.7123456789)
+    outs, reps = compile_per_call(fn, [(x, b) for b in betas])
+    for o, b in zip(outs, betas):
+        assert rel_err(o, fn(x, b)) < 1e-12
+    assert all(len(r.regions) == 1 for r in reps), [str(r) for r in reps]
+
+
 def test_bias_correction_by_a_symbolic_float():
     """An EMA with Adam's bias correction 1 - beta ** (t + 1), beta a float that changes between
     calls: Dynamo records beta's `.item()` and `1 - beta` once, inside the first step, which left
