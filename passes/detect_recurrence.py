@@ -31,7 +31,7 @@ import torch.fx as fx
 from ssmc.assemble import AssembleError, Recurrence, assemble
 from ssmc.capture import _Builder, _fake_mode, one_dim_index
 from ssmc.complex_state import ComplexError, is_complex_loop, split_complex
-from ssmc.ops import canonical, dtype, shape
+from ssmc.ops import canonical, dtype, same_shape, shape
 
 from .base import Decline, Pass
 
@@ -95,7 +95,7 @@ def _carried_value(loop):
     while isinstance(new, fx.Node):
         c = canonical(new)
         src = c.args[0] if c is not None and c.kind == "identity" and c.args else None
-        if not isinstance(src, fx.Node) or shape(src) != shape(new) or dtype(src) != dtype(new):
+        if not isinstance(src, fx.Node) or not same_shape(shape(src), shape(new)) or dtype(src) != dtype(new):
             break
         new, changed = src, True
     if changed:

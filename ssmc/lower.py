@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from . import ir
-from .ops import dtype, impure, mutated, shape, value
+from .ops import dtype, impure, mutated, same_shape, shape, value
 
 _ALLOC = {torch.empty, torch.zeros, torch.empty_like, torch.zeros_like, torch.ones, torch.full,
           "new_empty", "new_zeros", "new_full", "new_ones"}
@@ -246,7 +246,7 @@ class Lowering:
             later = [u for u in buf.users if u not in writes]
             n = self.loop.length
             whole = r.start == 0 and shape(buf)[r.dim] == n
-            laid = getattr(value(buf), "is_contiguous", lambda: False)()
+            laid = _contiguous(value(buf))
             # (a buffer laid out otherwise, `zeros_like` of a transposed tensor, is written into, so
             # that what reads it sees eager's strides: a later `.view` of it works as in eager)
             if whole and laid and _is_alloc(buf) and all(_after(u, r.replace[-1]) for u in later):
@@ -271,6 +271,21 @@ class Lowering:
                 v = g.call_function(torch.cat, (parts, r.dim))
         for n in r.replace:
             n.replace_all_uses_with(v)
+
+
+def _contiguous(v) -> bool:
+    """Whether a (fake) tensor is laid out contiguously, read off its strides with no guard on
+    symbolic sizes (`is_contiguous()` would make Dynamo specialise them)."""
+    if not isinstance(v, torch.Tensor):
+        return False
+    want = 1
+    for size, stride in reversed(list(zip(v.shape, v.stride()))):
+        if isinstance(size, int) and size == 1:
+            continue
+        if not same_shape((stride,), (want,)):
+            return False
+        want = want * size
+    return True
 
 
 def _loaded(r) -> set:

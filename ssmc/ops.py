@@ -350,11 +350,29 @@ def _view(node: fx.Node) -> Canon | None:
         return None
     src, consts = info
     ins, outs = shape(node.args[0]), shape(node)
-    if not consts and ins == outs and len(src) == len(ins) and \
+    if not consts and same_shape(ins, outs) and len(src) == len(ins) and \
             all(s == d or (s is None and _is_one_size(ins[d])) for d, s in enumerate(src)):
         return Canon("identity", "identity", (node.args[0],))      # out[:, -1:] of a size-1 dim: the same values
     return Canon("view", str(node.target if node.op == "call_method" else _VIEW_FUNCS[node.target]),
                  (node.args[0],), {"src": src, "consts": consts})
+
+
+def same_shape(a, b) -> bool:
+    """Whether two shapes are the same, without a guard on symbolic sizes (``==`` of two SymInts
+    makes Dynamo specialise, so a later length recompiles): sizes compared as ints or as the
+    same symbolic expression."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, int) and isinstance(y, int):
+            if x != y:
+                return False
+        elif isinstance(x, torch.SymInt) and isinstance(y, torch.SymInt):
+            if x.node.expr != y.node.expr:
+                return False
+        else:
+            return False
+    return True
 
 
 def _is_one_size(s) -> bool:
