@@ -555,7 +555,7 @@ def assemble(loop, rec: Recurrence, fuse_prologue: bool, fuse_epilogue: bool) ->
     num = "float64" if dtype(rec.new) == torch.float64 else "float32"
 
     def read_as(t):
-        return num if t is None or not (t.is_floating_point or t.is_complex or t == torch.bool) else ir.dtype_name(t)
+        return num if t is None or _is_int_dtype(t) else ir.dtype_name(t)
     for src in bld.sources:
         node = _source_node(loop, src)
         extra = 1 if src[0] == "pre" and node in bld.time_dep else 0
