@@ -736,7 +736,6 @@ def _int_arithmetic_before(node):
     """The first node computing `node` (a step value made before the region) by arithmetic in an
     integer type (``(-v) + v`` of uint8: the region's drive, regrouped, would not wrap as eager's
     ``a * h + (-v) + v`` does), or None where it is reads and views of integer inputs alone."""
-    from .ops import canonical
     todo, seen = [node], set()
     while todo:
         n = todo.pop()
@@ -778,7 +777,7 @@ def _integer_arithmetic(exprs, ints: set):
     for e in exprs:
         for x in ir.walk(e):
             if isinstance(x, ir.Op) and x.name in _INT_KEEPING | {"where"} and is_int(x) \
-                    and any(isinstance(l, ir.Load) and l.input in ints for l in ir.walk(x)):
+                    and any(ld.input in ints for ld in ir.loads(x)):
                 return f"`{x.name}` ({x})"
     return None
 

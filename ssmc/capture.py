@@ -797,12 +797,6 @@ def _scalar_arith(n: fx.Node) -> bool:
     return n.op == "call_function" and (mod in ("_operator", "math") or getattr(n.target, "__name__", "").startswith("sym_"))
 
 
-def _written_augmented(n: fx.Node) -> bool:
-    """``x += 1`` of a tensor, as Dynamo records it (operator.iadd and kin)."""
-    return n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator" \
-        and n.target.__name__.startswith("i") and n.target.__name__ not in ("is_", "is_not", "index", "inv", "invert")
-
-
 def hoist_scalar_arithmetic(gm: fx.GraphModule) -> int:
     """Moves arithmetic on the graph's numbers (a float hyperparameter Dynamo made symbolic: its
     ``.item()``, ``1 - beta``) right after its operands. Dynamo records such a value once, where
@@ -819,6 +813,7 @@ def hoist_scalar_arithmetic(gm: fx.GraphModule) -> int:
     count = {}
     for n in scalars:
         count[sig(n)] = count.get(sig(n), 0) + 1
+    order = {m: i for i, m in enumerate(gm.graph.nodes)}
     for n in scalars:
         # one of a family differing in its numbers alone (``beta ** (t + 1)`` a step) is the steps' own
         if count[sig(n)] > 1:
@@ -828,15 +823,14 @@ def hoist_scalar_arithmetic(gm: fx.GraphModule) -> int:
             continue
         if n.op == "call_method" and not (ins and ins[0].op == "placeholder"):
             continue
-        if n.op == "call_method" and any(mutated(u) is not None or _written_augmented(u)
-                                         for v in views_of(ins[0]) for u in v.users):
+        if n.op == "call_method" and any(mutated(u) is not None for v in views_of(ins[0]) for u in v.users):
             continue               # `.item()` of an input the graph writes: its value depends on where
         hoisted.add(n)
-        order = {m: i for i, m in enumerate(gm.graph.nodes)}
         after = max(ins, key=order.__getitem__, default=placeholders[-1] if placeholders else None)
         if after is None or after.next is n:
             continue
         after.append(n)
+        order = {m: i for i, m in enumerate(gm.graph.nodes)}      # places again, after a move only
         moved += 1
     if moved:
         gm.recompile()
